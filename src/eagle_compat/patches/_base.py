@@ -1,0 +1,108 @@
+"""The contract every patch unit follows, and the recorder that makes install() reversible.
+
+A unit says what broke (one sentence), which vLLM releases are affected (a PEP 440 specifier, documentation
+only), how the need is detected (feature detection, `needed()`), where it applies (the speculators module whose
+names it rewraps, or None for process-level state), how it applies (through a `Patcher`, which records every
+change), and when it can be deleted. Reverting is generic: the Patcher restores what it recorded.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+import wrapt
+
+GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
+WORKER_MODULE = "speculators.data_generation.custom_worker"
+
+
+@dataclass
+class Change:
+    owner: Any
+    attribute: str
+    original: Any
+    replacement: Any
+    existed: bool
+
+
+class Patcher:
+    """Records (owner, attribute, original, replacement) for every change so it can be undone exactly."""
+
+    def __init__(self, unit_name: str):
+        self.unit_name = unit_name
+        self.changes: list[Change] = []
+
+    def set(self, owner: Any, attribute: str, replacement: Any) -> None:
+        if isinstance(owner, (type, ModuleType)):  # look in the namespace itself, not through inheritance
+            existed, original = attribute in vars(owner), vars(owner).get(attribute)
+        else:
+            existed, original = hasattr(owner, attribute), getattr(owner, attribute, None)
+        setattr(owner, attribute, replacement)
+        self.changes.append(Change(owner, attribute, original, replacement, existed))
+
+    def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
+        """wrapt-style wrapper `(wrapped, instance, args, kwargs)` around `owner.attribute` (looked up where the
+        caller looks it up: the speculators module namespace)."""
+        current = vars(owner)[attribute] if isinstance(owner, (type, ModuleType)) else getattr(owner, attribute)
+        replacement = wrapt.FunctionWrapper(current, wrapper)
+        replacement._eagle_compat_unit = self.unit_name  # type: ignore[attr-defined]
+        self.set(owner, attribute, replacement)
+
+    def wrap_instances(self, owner: Any, factory: str, method: str,
+                       method_wrapper: Callable[[Any, Callable, tuple, dict], Any]) -> None:
+        """Wrap `method` on each instance built through `owner.factory` (e.g. the MultiprocExecutor name in
+        speculators' module): vLLM's class itself is untouched, so vLLM's own engine is unaffected."""
+        from .. import engine
+
+        def factory_wrapper(wrapped, instance, args, kwargs):
+            obj = wrapped(*args, **kwargs)
+            engine.remember_executor(obj)
+            bound = getattr(obj, method)
+
+            def instance_method(*a, **kw):
+                return method_wrapper(obj, bound, a, kw)
+            instance_method.__wrapped__ = bound  # type: ignore[attr-defined]
+            setattr(obj, method, instance_method)
+            return obj
+        self.wrap(owner, factory, factory_wrapper)
+
+    def revert(self) -> list[str]:
+        problems = []
+        for change in reversed(self.changes):
+            namespace = isinstance(change.owner, (type, ModuleType))
+            current = vars(change.owner).get(change.attribute) if namespace else getattr(
+                change.owner, change.attribute, None)
+            if current is not change.replacement and (namespace or current != change.replacement):
+                problems.append(f"{self.unit_name}: {_name(change.owner)}.{change.attribute} was replaced by "
+                                "someone else after install(); restoring the original anyway")
+            if change.existed:
+                setattr(change.owner, change.attribute, change.original)
+            else:
+                try:
+                    delattr(change.owner, change.attribute)
+                except AttributeError:
+                    pass
+        self.changes.clear()
+        return problems
+
+
+def _name(owner: Any) -> str:
+    return getattr(owner, "__name__", type(owner).__name__)
+
+
+@dataclass
+class PatchUnit:
+    name: str
+    broke: str
+    affects: str  # PEP 440 specifier over vLLM releases; documentation, never a dispatch key
+    delete_when: str
+    target: str | None  # module whose namespace is patched (applied when it is imported), or None
+    sides: tuple[str, ...] = ("driver", "worker")
+    silent: bool = False  # True where the break gives wrong results with no error
+    needed: Callable[[], bool] = field(default=lambda: True)
+    apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
+
+    def module(self) -> ModuleType | None:
+        return sys.modules.get(self.target) if self.target else None

@@ -1,0 +1,34 @@
+"""Chunked prefill on by default (vLLM 0.11.1+) silently truncates captured states.
+
+speculators aborts every scheduled request after one step. With chunked prefill a batch larger than one step's
+token budget is split: the chunked request is aborted after its first chunk, and its states come out short and
+every later offset misaligned, with no error. 0.11.0 had it off; we pass `enable_chunked_prefill=False`.
+"""
+from __future__ import annotations
+
+from ._base import GENERATOR_MODULE, PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    return detect.feature("chunked_prefill_on_by_default")
+
+
+def _apply(patcher, module) -> None:
+    from .. import engine
+
+    patcher.wrap(module, "SchedulerConfig",
+                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.without_chunked_prefill(kwargs)))
+
+
+UNIT = PatchUnit(
+    name="chunked_prefill_off",
+    broke="chunked prefill is on by default: oversize batches give truncated, misaligned states with no error",
+    affects=">=0.11.1",
+    delete_when="speculators' call site passes enable_chunked_prefill=False (speculators >= 0.4)",
+    target=GENERATOR_MODULE,
+    sides=("driver",),
+    silent=True,
+    needed=_needed,
+    apply=_apply,
+)

@@ -1,0 +1,53 @@
+"""CPU vLLM has no MLA attention backend before 0.28: DeepSeek-V2/V3, Kimi-K2 and Kimi-K2.5 refuse to start
+("MLA is not supported on CPU").
+
+Decision: on a CPU-only machine whose vLLM has no CPU MLA backend, install() sets `VLLM_MLA_DISABLE=1` (unless
+the user set it), which the spawned workers inherit. vLLM then runs MLA models with plain attention over the
+expanded keys and values: the same function, checked against HF by the parity tests. Models without MLA are
+unaffected. uninstall() restores the environment.
+"""
+from __future__ import annotations
+
+import os
+
+from ._base import PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    return not detect.feature("cuda_available") and not detect.feature("cpu_mla_backend")
+
+
+class _Environ:
+    """os.environ as a patch owner, so the Patcher records and restores the variable like any attribute."""
+
+    def __getattr__(self, name):
+        try:
+            return os.environ[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        os.environ[name] = value
+
+    def __delattr__(self, name):
+        os.environ.pop(name, None)
+
+
+ENVIRON = _Environ()
+
+
+def _apply(patcher, module) -> None:
+    if "VLLM_MLA_DISABLE" not in os.environ:
+        patcher.set(ENVIRON, "VLLM_MLA_DISABLE", "1")
+
+
+UNIT = PatchUnit(
+    name="cpu_mla_disable",
+    broke="CPU vLLM has no MLA backend: DeepSeek/Kimi models refuse to start on CPU",
+    affects="<0.28 on CPU",
+    delete_when="the vLLM floor is 0.28 (CPU MLA backend)",
+    target=None,
+    needed=_needed,
+    apply=_apply,
+)

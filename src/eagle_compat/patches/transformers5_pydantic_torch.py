@@ -1,0 +1,33 @@
+"""speculators 0.3.0 cannot be imported with transformers 5.
+
+Its pydantic models evaluate `PreTrainedConfig`'s annotation `dtype: str | torch.dtype | None`, whose `torch` is
+imported in `transformers.configuration_utils` only under TYPE_CHECKING → `PydanticUndefinedAnnotation: name
+'torch' is not defined`. Making `torch` resolvable in that module's namespace fixes the import. Applied when
+transformers.configuration_utils is imported, i.e. before speculators finishes importing it.
+"""
+from __future__ import annotations
+
+from ._base import PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    v = detect.installed_versions()
+    return v.transformers is not None and v.transformers.major >= 5 and v.speculators is not None
+
+
+def _apply(patcher, module) -> None:
+    if "torch" not in vars(module):
+        import torch
+        patcher.set(module, "torch", torch)
+
+
+UNIT = PatchUnit(
+    name="transformers5_pydantic_torch",
+    broke="speculators 0.3.0 fails at import under transformers 5 (pydantic cannot resolve `torch`)",
+    affects="transformers>=5 (vLLM>=0.24 requires it)",
+    delete_when="the speculators floor supports transformers 5",
+    target="transformers.configuration_utils",
+    needed=_needed,
+    apply=_apply,
+)

@@ -1,0 +1,38 @@
+"""A step is `execute_model()` then `sample_tokens()` from vLLM 0.11.1.
+
+speculators calls only execute_model. The first step works; the next one fails in the worker with "State error:
+sample_tokens() must be called after execute_model() returns None" (the 2nd step, or the 2nd generate()). On the
+executor built at speculators' call site, execute_model is followed by sample_tokens(None) when it returns None,
+exactly as EngineCore does.
+"""
+from __future__ import annotations
+
+from ._base import GENERATOR_MODULE, PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    return detect.feature("two_phase_step")
+
+
+def _apply(patcher, module) -> None:
+    def execute_model(executor, call, args, kwargs):
+        out = call(*args, **kwargs)
+        if out is None:
+            out = executor.sample_tokens(None)
+        return out
+
+    patcher.wrap_instances(module, "MultiprocExecutor", "execute_model", execute_model)
+
+
+UNIT = PatchUnit(
+    name="two_phase_step",
+    broke="execute_model without sample_tokens fails on the next step ('State error: sample_tokens() must be "
+          "called after execute_model() returns None')",
+    affects=">=0.11.1",
+    delete_when="speculators calls sample_tokens (speculators >= 0.4)",
+    target=GENERATOR_MODULE,
+    sides=("driver",),
+    needed=_needed,
+    apply=_apply,
+)

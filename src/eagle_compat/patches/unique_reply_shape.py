@@ -1,0 +1,37 @@
+"""`collective_rpc(..., unique_reply_rank=0)` returns the reply itself from vLLM 0.11.1, not `[reply]`.
+
+speculators indexes the result with `[0]`: it then takes layer 0's tensor for the list of layers, and slices
+rows of the wrong object. Silent. At speculators' call site the single reply is put back in a one-element list.
+"""
+from __future__ import annotations
+
+from ._base import GENERATOR_MODULE, PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    return detect.feature("unique_reply_returns_single")
+
+
+def _apply(patcher, module) -> None:
+    def collective_rpc(executor, call, args, kwargs):
+        out = call(*args, **kwargs)
+        if kwargs.get("unique_reply_rank") is not None and not kwargs.get("non_block"):
+            return [out]
+        return out
+
+    patcher.wrap_instances(module, "MultiprocExecutor", "collective_rpc", collective_rpc)
+
+
+UNIT = PatchUnit(
+    name="unique_reply_shape",
+    broke="collective_rpc(unique_reply_rank=) returns one reply instead of a list: speculators' [0] takes the "
+          "wrong object",
+    affects=">=0.11.1",
+    delete_when="speculators stops indexing the unique reply (speculators >= 0.4)",
+    target=GENERATOR_MODULE,
+    sides=("driver",),
+    silent=True,
+    needed=_needed,
+    apply=_apply,
+)

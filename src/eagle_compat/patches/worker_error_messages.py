@@ -1,0 +1,44 @@
+"""A worker exception reaches speculators' caller as `RuntimeError("Worker failed with error ''")` when its str is
+empty (a bare assert, many KeyErrors), with the real traceback only in the worker's log.
+
+Worker side: speculators' extension methods raise a failure that carries type, message and traceback. Driver side:
+the executor built at speculators' call site turns it back into `eagle_compat.WorkerError`.
+"""
+from __future__ import annotations
+
+import sys
+
+from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
+
+_RPC_METHODS = ("collective_rpc", "execute_model", "sample_tokens", "initialize_from_config")
+
+
+def _apply(patcher, module) -> None:
+    from ..capture import remote_errors
+
+    if module.__name__ == WORKER_MODULE:
+        ext = module.HiddenStatesWorkerExtension
+        for name in ("_reset_capture", "_get_captured_states"):
+            patcher.set(ext, name, remote_errors.reported(name)(vars(ext)[name]))
+        return
+
+    def translated(executor, call, args, kwargs):
+        return remote_errors.translate(call, getattr(call, "__name__", ""))(*args, **kwargs)
+
+    for method in _RPC_METHODS:
+        patcher.wrap_instances(module, "MultiprocExecutor", method, translated)
+
+
+def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:
+    return PatchUnit(
+        name=f"worker_error_messages[{'generator' if target == GENERATOR_MODULE else 'worker'}]",
+        broke="worker failures reach the caller as an empty message",
+        affects="all",
+        delete_when="vLLM forwards worker exception types and tracebacks",
+        target=target,
+        sides=sides,
+        apply=_apply,
+    )
+
+
+UNITS = (_make(WORKER_MODULE, ("driver", "worker")), _make(GENERATOR_MODULE, ("driver",)))

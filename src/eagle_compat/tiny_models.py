@@ -1,0 +1,145 @@
+"""Tiny random-weight models, built locally from transformers config classes (no hub downloads), and the
+independent reference: HF transformers `output_hidden_states` on the same weights.
+
+Used by the tests, the demo and the compatibility matrix. Each family's tiny config is data (`TINY_CONFIGS`).
+Sizes respect CPU vLLM's limits (head_dim 64; CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable
+
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0)
+
+# YaRN with factor 1.0 is mathematically plain RoPE; it keeps CPU vLLM off a C++ rotary path that mishandles
+# DeepSeek attention's strided q/k views (cpu-vllm-setup.md). Real DeepSeek-V3 / Kimi-K2 configs use YaRN too.
+_YARN_1 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 1024,
+           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+_DEEPSEEK_V3 = dict(
+    _COMMON, num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=96,
+    qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    moe_intermediate_size=128, first_k_dense_replace=1, topk_method="noaux_tc", n_group=1, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+    rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
+
+# family -> (transformers config class, HF architecture, config kwargs)
+TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_hidden_layers=6)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+}
+
+
+def _config(family: str):
+    import transformers
+
+    cls_name, arch, kwargs = TINY_CONFIGS[family]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def _fix_deepseek_checkpoint(model_dir: str, config: Any) -> None:
+    """vLLM's noaux_tc router loads `e_score_correction_bias`, which transformers does not save: add zeros
+    (what the HF model holds)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    for i in range(config.first_k_dense_replace, config.num_hidden_layers):
+        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        tensors.setdefault(key, torch.zeros(config.n_routed_experts, dtype=torch.float32))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+_POST_SAVE: dict[str, Callable[[str, Any], None]] = {"deepseek_v3": _fix_deepseek_checkpoint}
+
+
+def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for i in range(vocab_size - len(specials)):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(model_dir)
+    cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4 cannot load "TokenizersBackend"
+    cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def cache_dir() -> str:
+    return os.environ.get("EAGLE_COMPAT_TINY_MODELS", os.path.expanduser("~/.cache/eagle-compat/tiny-models"))
+
+
+def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> str:
+    """Build (once) a tiny random-weight float32 checkpoint of `family` with a local tokenizer; return its path."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny family {family!r}; known: {sorted(TINY_CONFIGS)}")
+    key = hashlib.sha256(json.dumps([TINY_CONFIGS[family], seed, transformers.__version__],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out_dir = out_dir or os.path.join(cache_dir(), f"{family}-{key}")
+    if os.path.exists(os.path.join(out_dir, ".complete")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    config = _config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if family in _POST_SAVE:
+        _POST_SAVE[family](out_dir, config)
+    save_tokenizer(out_dir, config.vocab_size)
+    open(os.path.join(out_dir, ".complete"), "w").close()
+    return out_dir
+
+
+def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int]) -> list[list[Any]]:
+    """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in float32.
+
+    Layer i <= N-2 is `output_hidden_states[i+1]`; the last layer N-1 is the input of the final norm (HF's
+    `hidden_states[N]` is after the norm), taken with a forward pre-hook on the norm.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    base = getattr(model, "model", model)
+    n = model.config.get_text_config().num_hidden_layers
+    norm_input: list[torch.Tensor] = []
+    handle = base.norm.register_forward_pre_hook(lambda mod, args: norm_input.append(args[0].detach().clone()))
+    out = []
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                norm_input.clear()
+                res = model(torch.tensor([ids]), output_hidden_states=True)
+                hs = res.hidden_states
+                out.append([(norm_input[-1][0] if i == n - 1 else hs[i + 1][0]).float() for i in layer_ids])
+    finally:
+        handle.remove()
+    return out

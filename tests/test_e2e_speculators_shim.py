@@ -1,0 +1,65 @@
+"""Unmodified speculators 0.3.0 under eagle_compat.install(), on real CPU vLLM, against HF transformers.
+
+speculators passes dtype="auto", which runs our float32 checkpoints in bf16 on CPU: judged at bf16 tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eagle_compat
+from eagle_compat import tiny_models
+
+from helpers import assert_close_to_reference, prompts
+
+pytestmark = pytest.mark.engine
+
+
+def _generator_class():
+    eagle_compat.install()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    return VllmHiddenStatesGenerator
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def shim(request):
+    path = tiny_models.build_tiny_model(request.param)
+    num_layers = 6 if request.param == "llama" else 4
+    layer_ids = [0, num_layers // 2, num_layers - 2, num_layers - 1]
+    gen = _generator_class()(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3)
+    yield request.param, path, layer_ids, gen
+    gen.executor.shutdown()
+    eagle_compat.uninstall()
+
+
+def test_parity_layers_first_middle_penultimate_last(shim):
+    family, path, layer_ids, gen = shim
+    batch = prompts(3, 20, 60, seed=1)
+    results = gen.generate(batch)
+    ref = tiny_models.hf_reference(path, batch, layer_ids)
+    worst = assert_close_to_reference(results, ref, precision="bf16", layer_ids=layer_ids)
+    print(f"\n{family} speculators-shim bf16 worst relative error per layer: {worst}")
+    for res, ids in zip(results, batch):
+        assert res["input_ids"].tolist() == ids
+        assert len(res["hidden_states"]) == len(layer_ids)
+
+
+def test_big_mixed_batch_two_calls_and_alone(shim):
+    """> max_num_seqs (32) sequences, > one step's tokens (8192), shared 16+ token prefix, called twice; each
+    sequence equals its result when generated alone."""
+    family, path, layer_ids, gen = shim
+    shared = prompts(1, 24, 24, seed=7)[0]
+    batch = prompts(30, 150, 330, seed=2) + prompts(10, 40, 120, seed=3, prefix=shared)
+    assert len(batch) > 32 and sum(map(len, batch)) > 8192
+    first = gen.generate(batch)
+    second = gen.generate(batch)
+    ref = tiny_models.hf_reference(path, batch, layer_ids)
+    assert_close_to_reference(first, ref, precision="bf16", layer_ids=layer_ids)
+    for a, b in zip(first, second):
+        for x, y in zip(a["hidden_states"], b["hidden_states"]):
+            assert torch.equal(x, y)
+    for i in (0, 17, 31, 35, 39):
+        alone = gen.generate([batch[i]])[0]
+        for x, y in zip(alone["hidden_states"], first[i]["hidden_states"]):
+            # batched and single runs may round differently in bf16; misassigned rows would differ entirely
+            assert (x.float() - y.float()).abs().max() <= 2e-2 * y.float().abs().max()
