@@ -69,6 +69,25 @@ def without_prefix_caching(kw: dict[str, Any]) -> dict[str, Any]:
         CacheConfig, "enable_prefix_caching") else kw
 
 
+def platform_block_size(kw: dict[str, Any]) -> dict[str, Any]:
+    """From 0.18 an explicit `block_size` counts as user-specified and the platform no longer adjusts it; CPU
+    attention then rejects speculators' 16 ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])", seen on
+    0.32). The block size does not change the states, so let the platform pick it."""
+    if _has_field(_cache_config(), "user_specified_block_size"):
+        kw = {k: v for k, v in kw.items() if k != "block_size"}
+    return kw
+
+
+def _cache_config():
+    from vllm.config import CacheConfig
+    return CacheConfig
+
+
+def _has_field(cls: Any, name: str) -> bool:
+    fields = getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__pydantic_fields__", None) or {}
+    return name in fields
+
+
 def known_kwargs(cls: Any, kw: dict[str, Any]) -> dict[str, Any]:
     """Config classes reject unknown kwargs from 0.16 (silently dropped before)."""
     return {k: v for k, v in kw.items() if detect.has_parameter(cls, k)}
@@ -84,7 +103,7 @@ def scheduler_config_kwargs(kwargs: dict[str, Any], *, is_encoder_decoder: bool 
 def cache_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import CacheConfig
 
-    return known_kwargs(CacheConfig, without_prefix_caching(kwargs))
+    return known_kwargs(CacheConfig, platform_block_size(without_prefix_caching(kwargs)))
 
 
 def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_len: int,

@@ -92,6 +92,11 @@ def cache_dir() -> str:
     return os.environ.get("EAGLE_COMPAT_TINY_MODELS", os.path.expanduser("~/.cache/eagle-compat/tiny-models"))
 
 
+def _dtype_kwarg(dtype) -> dict:
+    import transformers
+    return {"dtype": dtype} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dtype}
+
+
 def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> str:
     """Build (once) a tiny random-weight float32 checkpoint of `family` with a local tokenizer; return its path."""
     import torch
@@ -108,7 +113,7 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
     os.makedirs(out_dir, exist_ok=True)
     config = _config(family)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
     model.save_pretrained(out_dir, safe_serialization=True)
     if family in _POST_SAVE:
         _POST_SAVE[family](out_dir, config)
@@ -126,7 +131,7 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(torch.float32))
     model.eval()
     base = getattr(model, "model", model)
     n = model.config.get_text_config().num_hidden_layers

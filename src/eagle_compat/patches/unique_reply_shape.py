@@ -5,7 +5,7 @@ rows of the wrong object. Silent. At speculators' call site the single reply is 
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
 
 
 def _needed() -> bool:
@@ -13,10 +13,22 @@ def _needed() -> bool:
     return detect.feature("unique_reply_returns_single")
 
 
+def _speculators_rpc_names() -> frozenset[str]:
+    import importlib
+
+    ext = importlib.import_module(WORKER_MODULE).HiddenStatesWorkerExtension
+    return frozenset(n for n in vars(ext) if not n.startswith("__"))
+
+
 def _apply(patcher, module) -> None:
+    speculators_rpcs = _speculators_rpc_names()
+
     def collective_rpc(executor, call, args, kwargs):
         out = call(*args, **kwargs)
-        if kwargs.get("unique_reply_rank") is not None and not kwargs.get("non_block"):
+        method = args[0] if args else kwargs.get("method")
+        # only speculators' own RPCs: the executor's internal calls (execute_model …) expect the new shape
+        if (method in speculators_rpcs and kwargs.get("unique_reply_rank") is not None
+                and not kwargs.get("non_block")):
             return [out]
         return out
 

@@ -1,0 +1,32 @@
+"""speculators passes `CacheConfig(block_size=16)`. From vLLM 0.18 an explicit block size counts as
+user-specified and the platform no longer adjusts it: CPU attention (0.32) rejects it with "No common block
+size for 16 (CPU_ATTN: [MultipleOf(32)])" while CPU MLA needs exactly 16. The block size does not change the
+hidden states, so at speculators' call site we let the platform choose it.
+"""
+from __future__ import annotations
+
+from ._base import GENERATOR_MODULE, PatchUnit
+
+
+def _needed() -> bool:
+    from .. import engine
+    return engine._has_field(engine._cache_config(), "user_specified_block_size")
+
+
+def _apply(patcher, module) -> None:
+    from .. import engine
+
+    patcher.wrap(module, "CacheConfig",
+                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.platform_block_size(kwargs)))
+
+
+UNIT = PatchUnit(
+    name="platform_block_size",
+    broke="an explicit block_size=16 is no longer adjusted by the platform; CPU attention rejects it",
+    affects=">=0.18",
+    delete_when="speculators stops passing block_size",
+    target=GENERATOR_MODULE,
+    sides=("driver",),
+    needed=_needed,
+    apply=_apply,
+)

@@ -1,0 +1,129 @@
+"""Capture machinery on toy modules (no engine): the hook's out-of-place sum survives in-place fused add-norm,
+the resolver refuses what it cannot capture, worker errors keep type/message/traceback, batch reordering."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from eagle_compat.capture import remote_errors, resolver
+from eagle_compat.capture.worker import _reorder
+from eagle_compat.errors import UnsupportedModel, WorkerError
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Mimics vLLM's layers: fused add-norm that overwrites hidden/residual IN PLACE (as on GPU)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states.clone()
+        else:
+            residual.add_(hidden_states)        # in place, like fused_add_rms_norm on CUDA
+            hidden_states.copy_(residual * 0.5)  # overwrite the incoming tensor in place
+        return hidden_states * self.scale, residual
+
+
+class Base(nn.Module):
+    def __init__(self, n=3, layer_cls=LlamaDecoderLayer):
+        super().__init__()
+        self.layers = nn.ModuleList([layer_cls(1.0 + i) for i in range(n)])
+        self.start_layer, self.end_layer = 0, n
+
+    def forward(self, x):
+        h, r = x, None
+        for layer in self.layers:
+            h, r = layer(None, h, r)
+        return h, r
+
+
+class Top(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.model = base
+
+
+def _reference_stream(base, x):
+    """Run without hooks, recording h+r after each layer *before* anything mutates it."""
+    out, h, r = [], x.clone(), None
+    for layer in base.layers:
+        h, r = layer(None, h, r)
+        out.append((h + r).clone())
+    return out
+
+
+def test_hook_sum_survives_next_layers_in_place_norm():
+    base = Base()
+    x = torch.randn(5, 8)
+    want = _reference_stream(base, x)
+    got, kept = {}, {}
+
+    def make(i):
+        def hook(mod, args, output):
+            got[i] = resolver.stream_value(output, "pair", f"layer{i}")
+            kept[i] = output  # the naive way: keep references, add later
+        return hook
+    for i, layer in enumerate(base.layers):
+        layer.register_forward_hook(make(i))
+    base(x.clone())
+    for i in range(len(base.layers)):
+        torch.testing.assert_close(got[i], want[i])
+    # keeping references instead is silently wrong: the next layer overwrote them
+    naive = kept[0][0] + kept[0][1]
+    assert not torch.allclose(naive, want[0])
+
+
+def test_resolver_finds_wrapped_language_model_and_refuses_unknown_layers():
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.language_model = Top(Base())
+    path, base = resolver.find_base_model(Wrapper())
+    assert path == "language_model.model" and isinstance(base, Base)
+
+    class MysteryLayer(LlamaDecoderLayer):
+        pass
+    with pytest.raises(UnsupportedModel, match="MysteryLayer.*not in eagle_compat's family table"):
+        resolver.resolve(Top(Base(layer_cls=MysteryLayer)), platform="cpu")
+
+
+def test_stream_value_refuses_three_tensor_outputs():
+    t = torch.ones(2, 2)
+    with pytest.raises(UnsupportedModel, match="tuple of 3"):
+        resolver.stream_value((t, t, t), "pair", "X[0]")
+    assert torch.equal(resolver.stream_value((t, None), "pair", "X[0]"), t)
+    assert torch.equal(resolver.stream_value(t, "tensor", "X[0]"), t)
+
+
+def test_reorder_rows_to_scheduled_order():
+    counts = {"a": 2, "b": 3, "c": 1}
+    runner = ["c", "a", "b"]  # e.g. the V2 runner sorts by length
+    h = torch.tensor([[30.], [10.], [11.], [20.], [21.], [22.]])
+    out = _reorder(h, runner, ["a", "b", "c"], counts)
+    assert out[:, 0].tolist() == [10., 11., 20., 21., 22., 30.]
+
+
+@pytest.mark.parametrize("exc", [AssertionError(), KeyError("k"), ValueError("bad value 7")])
+def test_worker_errors_keep_type_message_and_traceback(exc):
+    @remote_errors.reported("some_rpc")
+    def fails():
+        raise exc
+    with pytest.raises(remote_errors.RemoteFailure) as info:
+        fails()
+    # what vLLM's executor makes of it in the driver
+    driver_side = RuntimeError(f"Worker failed with error '{info.value}', please check the stack trace above")
+    err = remote_errors.decode(driver_side)
+    assert isinstance(err, WorkerError)
+    assert err.exc_type == type(exc).__name__
+    assert "Traceback" in err.remote_traceback and "fails" in err.remote_traceback
+    assert type(exc).__name__ in str(err) and str(err).strip()
+
+
+def test_empty_vllm_worker_error_is_never_empty():
+    def rpc():
+        raise RuntimeError("Worker failed with error '', please check the stack trace above for the root cause")
+    with pytest.raises(WorkerError, match="RuntimeError in a vLLM worker"):
+        remote_errors.translate(rpc, "execute_model")()

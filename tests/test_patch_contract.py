@@ -1,0 +1,187 @@
+"""One contract, run for every patch unit and for install()/uninstall() as a whole (no engine started).
+
+Import orderings, double install, no double wrapping, uninstall restores identity, scoped to speculators' call
+sites (vLLM's own classes untouched).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+import eagle_compat
+from eagle_compat import detect, installer
+from eagle_compat.patches import GENERATOR_MODULE, REGISTRY, WORKER_MODULE, Patcher
+
+UNIT_IDS = [u.name for u in REGISTRY]
+
+
+@pytest.fixture(autouse=True)
+def clean_install_state():
+    eagle_compat.uninstall()
+    yield
+    eagle_compat.uninstall()
+
+
+def _import_speculators():
+    gen = importlib.import_module(GENERATOR_MODULE)
+    worker = importlib.import_module(WORKER_MODULE)
+    return gen, worker
+
+
+def _snapshot():
+    import transformers.configuration_utils as cu
+    gen, worker = _import_speculators()
+    return {
+        "gen": dict(vars(gen)),
+        "ext": dict(vars(worker.HiddenStatesWorkerExtension)),
+        "cu": dict(vars(cu)),
+        "env": {k: os.environ.get(k) for k in ("VLLM_MLA_DISABLE", installer.INSTALLED_ENV)},
+    }
+
+
+def _vllm_owners():
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.request import Request
+    return {"SchedulerConfig": SchedulerConfig, "CacheConfig": CacheConfig, "VllmConfig": VllmConfig,
+            "Scheduler": Scheduler, "Request": Request, "MultiprocExecutor": MultiprocExecutor,
+            "MultiprocExecutor.execute_model": MultiprocExecutor.execute_model,
+            "MultiprocExecutor.collective_rpc": MultiprocExecutor.collective_rpc,
+            "get_kv_cache_config_from_groups": kv_cache_utils.get_kv_cache_config_from_groups}
+
+
+def test_install_before_importing_speculators_then_uninstall_restores_identity():
+    # install() first, speculators imported afterwards (needed on transformers 5, where speculators cannot be
+    # imported at all without the transformers5_pydantic_torch unit)
+    report = eagle_compat.install()
+    _import_speculators()
+    assert eagle_compat.is_installed()
+    applied = [s.name for s in eagle_compat.status() if s.state == "applied"]
+    assert "worker_capture" in applied
+    eagle_compat.uninstall()
+    before = _snapshot()  # speculators imported, nothing patched
+    eagle_compat.install()  # install after import: applied at once through the post-import hooks
+    after_install = _snapshot()
+    changed = {k for k in before["gen"] if before["gen"][k] is not after_install["gen"].get(k)}
+    assert changed, "install() changed nothing in speculators' generator module"
+    eagle_compat.uninstall()
+    restored = _snapshot()
+    for part in ("gen", "ext", "cu"):
+        assert restored[part].keys() == before[part].keys(), part
+        for key, value in before[part].items():
+            assert restored[part][key] is value, f"{part}.{key} not restored"
+    assert restored["env"] == before["env"]
+    assert str(report)
+
+
+def test_second_install_is_a_noop_and_nothing_is_wrapped_twice():
+    eagle_compat.install()
+    gen, worker = _import_speculators()
+    first = dict(vars(gen))
+    report = eagle_compat.install()
+    assert report.already_installed
+    assert all(vars(gen)[k] is v for k, v in first.items())
+    # each unit wraps a name at most once
+    for name in ("SchedulerConfig", "CacheConfig", "MultiprocExecutor", "Scheduler", "Request"):
+        units, obj = [], vars(gen)[name]
+        while hasattr(obj, "__wrapped__"):
+            units.append(getattr(obj, "_eagle_compat_unit", None))
+            obj = obj.__wrapped__
+        assert len(units) == len(set(units)), f"{name} wrapped twice by {units}"
+
+
+def test_vllm_classes_are_never_patched_globally():
+    before = _vllm_owners()
+    eagle_compat.install()
+    _import_speculators()
+    after = _vllm_owners()
+    assert all(after[k] is before[k] for k in before), "install() changed vLLM's own classes"
+
+
+def test_worker_side_plugin_applies_only_when_install_ran_in_the_parent(monkeypatch):
+    from eagle_compat import plugin
+
+    monkeypatch.delenv(installer.INSTALLED_ENV, raising=False)
+    plugin.register()
+    assert not eagle_compat.is_installed()
+    monkeypatch.setenv(installer.INSTALLED_ENV, "1")
+    plugin.register()
+    assert eagle_compat.is_installed()
+    _, worker = _import_speculators()
+    assert any(s.name == "worker_capture" and s.state == "applied" for s in eagle_compat.status())
+
+
+def test_plugin_entry_point_is_registered_for_vllm():
+    import importlib.metadata as md
+
+    eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "eagle_compat"]
+    assert eps and eps[0].value == "eagle_compat.plugin:register"
+
+
+@pytest.mark.parametrize("unit", REGISTRY, ids=UNIT_IDS)
+def test_unit_contract(unit):
+    """Every unit: states its contract, decides its need by feature detection, applies and reverts exactly."""
+    assert unit.broke and unit.affects and unit.delete_when
+    needed = unit.needed()  # must decide on this installation, not raise
+    assert isinstance(needed, bool)
+    if unit.target is None:
+        module = None
+    else:
+        if unit.target == GENERATOR_MODULE or unit.target == WORKER_MODULE:
+            eagle_compat.install()  # speculators may need the transformers unit to import at all
+            _import_speculators()
+            eagle_compat.uninstall()
+        module = importlib.import_module(unit.target)
+    if not needed:
+        pytest.skip(f"{unit.name} is not needed on {detect.installed_versions().describe()}")
+    before = dict(vars(module)) if module is not None else dict(os.environ)
+    patcher = Patcher(unit.name)
+    unit.apply(patcher, module)
+    assert patcher.changes or unit.name == "cpu_mla_disable", f"{unit.name} applied nothing although needed"
+    for change in patcher.changes:
+        assert getattr(change.owner, change.attribute) is change.replacement or \
+            getattr(change.owner, change.attribute) == change.replacement
+    assert patcher.revert() == []
+    after = dict(vars(module)) if module is not None else dict(os.environ)
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] or after[k] == before[k] for k in before)
+    if module is not None and unit.target == WORKER_MODULE:
+        ext = module.HiddenStatesWorkerExtension
+        assert "_eagle_compat_session" not in vars(ext)
+
+
+def test_install_refuses_an_unsupported_speculators(monkeypatch):
+    from packaging.version import Version
+
+    real = detect.installed_versions()
+    fake = detect.Versions(real.vllm, real.vllm_distribution, real.torch, real.transformers, Version("0.5.0"),
+                           real.python)
+    monkeypatch.setattr(installer.detect, "installed_versions", lambda: fake)
+    with pytest.raises(eagle_compat.IncompatibleEnvironment, match=r"speculators 0\.5\.0.*vLLM"):
+        eagle_compat.install()
+    assert not eagle_compat.is_installed()
+
+
+def test_every_feature_probe_decides():
+    feats = detect.features()
+    undecided = {k: v for k, v in feats.items() if not isinstance(v, bool)}
+    assert not undecided, undecided
+
+
+def test_versions_parse_local_and_dev_builds():
+    assert str(detect.base_version(detect.parse_version("0.32.0+cpu"))) == "0.32.0"
+    assert str(detect.base_version(detect.parse_version("0.33.0rc1.dev5+gabcdef"))) == "0.33.0"
+    assert detect.parse_version("not a version") is None
+
+
+def test_speculators_module_is_importable_after_install():
+    eagle_compat.install()
+    for name in [m for m in sys.modules if m.startswith("speculators")]:
+        assert sys.modules[name] is not None
+    gen, _ = _import_speculators()
+    assert hasattr(gen, "VllmHiddenStatesGenerator")
