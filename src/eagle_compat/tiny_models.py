@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable
 
 VOCAB_SIZE = 512
+BUILD_REVISION = 2  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -28,7 +29,8 @@ _YARN_1 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_
 _DEEPSEEK_V3 = dict(
     _COMMON, num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=96,
     qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-    moe_intermediate_size=128, first_k_dense_replace=1, topk_method="noaux_tc", n_group=1, topk_group=1,
+    moe_intermediate_size=128, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
+    n_group=1, topk_group=1,
     norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
     rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
 
@@ -48,17 +50,25 @@ def _config(family: str):
     return cfg
 
 
+# The bias a noaux_tc router adds to the scores when it *selects* experts (the weights still come from the scores).
+# A decisive bias makes every token pick the same top-k experts, so bf16 rounding cannot flip a near-tie choice:
+# with a random router about one token in a hundred changes experts between a bf16 engine and the fp32 reference,
+# a property of bf16, not of capture. The expert mixing itself is still exercised (weights vary per token).
+ROUTER_SELECTION_BIAS = 4.0
+
+
 def _fix_deepseek_checkpoint(model_dir: str, config: Any) -> None:
-    """vLLM's noaux_tc router loads `e_score_correction_bias`, which transformers does not save: add zeros
-    (what the HF model holds)."""
+    """vLLM's noaux_tc router loads `e_score_correction_bias`, which transformers does not save: write it (and
+    the HF model reads it back from the same file)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(model_dir, "model.safetensors")
     tensors = load_file(path)
     for i in range(config.first_k_dense_replace, config.num_hidden_layers):
-        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-        tensors.setdefault(key, torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        bias = torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        bias[i % config.n_routed_experts] = bias[(i + 3) % config.n_routed_experts] = ROUTER_SELECTION_BIAS
+        tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = bias
     save_file(tensors, path, metadata={"format": "pt"})
 
 
@@ -105,7 +115,7 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
 
     if family not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(TINY_CONFIGS)}")
-    key = hashlib.sha256(json.dumps([TINY_CONFIGS[family], seed, transformers.__version__],
+    key = hashlib.sha256(json.dumps([TINY_CONFIGS[family], seed, transformers.__version__, BUILD_REVISION],
                                     sort_keys=True, default=str).encode()).hexdigest()[:12]
     out_dir = out_dir or os.path.join(cache_dir(), f"{family}-{key}")
     if os.path.exists(os.path.join(out_dir, ".complete")):

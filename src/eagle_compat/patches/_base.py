@@ -47,24 +47,22 @@ class Patcher:
         caller looks it up: the speculators module namespace)."""
         current = vars(owner)[attribute] if isinstance(owner, (type, ModuleType)) else getattr(owner, attribute)
         replacement = wrapt.FunctionWrapper(current, wrapper)
-        replacement._eagle_compat_unit = self.unit_name  # type: ignore[attr-defined]
+        # `_self_` attributes stay on the wrapt wrapper (others would be set on the wrapped vLLM object)
+        replacement._self_eagle_compat_unit = self.unit_name  # type: ignore[attr-defined]
         self.set(owner, attribute, replacement)
 
-    def wrap_instances(self, owner: Any, factory: str, method: str,
-                       method_wrapper: Callable[[Any, Callable, tuple, dict], Any]) -> None:
-        """Wrap `method` on each instance built through `owner.factory` (e.g. the MultiprocExecutor name in
-        speculators' module): vLLM's class itself is untouched, so vLLM's own engine is unaffected."""
+    def wrap_instances(self, owner: Any, factory: str,
+                       method_wrappers: dict[str, Callable[[Any, Callable, tuple, dict], Any]]) -> None:
+        """Wrap methods on each instance built through `owner.factory` (e.g. the MultiprocExecutor name in
+        speculators' module): vLLM's class itself is untouched, so vLLM's own engine is unaffected.
+        A wrapper gets (instance, the method as it was, args, kwargs)."""
         from .. import engine
 
         def factory_wrapper(wrapped, instance, args, kwargs):
             obj = wrapped(*args, **kwargs)
             engine.remember_executor(obj)
-            bound = getattr(obj, method)
-
-            def instance_method(*a, **kw):
-                return method_wrapper(obj, bound, a, kw)
-            instance_method.__wrapped__ = bound  # type: ignore[attr-defined]
-            setattr(obj, method, instance_method)
+            for method, method_wrapper in method_wrappers.items():
+                setattr(obj, method, _instance_method(obj, getattr(obj, method), method_wrapper))
             return obj
         self.wrap(owner, factory, factory_wrapper)
 
@@ -86,6 +84,13 @@ class Patcher:
                     pass
         self.changes.clear()
         return problems
+
+
+def _instance_method(obj: Any, current: Callable, method_wrapper: Callable) -> Callable:
+    def instance_method(*args, **kwargs):
+        return method_wrapper(obj, current, args, kwargs)
+    instance_method.__wrapped__ = current  # type: ignore[attr-defined]
+    return instance_method
 
 
 def _name(owner: Any) -> str:

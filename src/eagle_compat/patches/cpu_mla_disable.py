@@ -14,8 +14,8 @@ from ._base import PatchUnit
 
 
 def _needed() -> bool:
-    from .. import detect
-    return not detect.feature("cuda_available") and not detect.feature("cpu_mla_backend")
+    from .. import engine
+    return "VLLM_MLA_DISABLE" in engine.default_env_for_cpu()  # speculators always runs dtype="auto"
 
 
 class _Environ:

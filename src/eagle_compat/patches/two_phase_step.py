@@ -22,7 +22,7 @@ def _apply(patcher, module) -> None:
             out = executor.sample_tokens(None)
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", "execute_model", execute_model)
+    patcher.wrap_instances(module, "MultiprocExecutor", {"execute_model": execute_model})
 
 
 UNIT = PatchUnit(

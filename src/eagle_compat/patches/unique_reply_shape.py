@@ -32,7 +32,7 @@ def _apply(patcher, module) -> None:
             return [out]
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", "collective_rpc", collective_rpc)
+    patcher.wrap_instances(module, "MultiprocExecutor", {"collective_rpc": collective_rpc})
 
 
 UNIT = PatchUnit(

@@ -20,7 +20,7 @@ def _apply(patcher, module) -> None:
         engine.warm_up_if_separate(executor)
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", "initialize_from_config", initialize_from_config)
+    patcher.wrap_instances(module, "MultiprocExecutor", {"initialize_from_config": initialize_from_config})
 
 
 UNIT = PatchUnit(

@@ -25,8 +25,7 @@ def _apply(patcher, module) -> None:
     def translated(executor, call, args, kwargs):
         return remote_errors.translate(call, getattr(call, "__name__", ""))(*args, **kwargs)
 
-    for method in _RPC_METHODS:
-        patcher.wrap_instances(module, "MultiprocExecutor", method, translated)
+    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS})
 
 
 def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:

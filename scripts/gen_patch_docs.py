@@ -1,0 +1,29 @@
+"""Writes docs/patches.md from the patch registry (never edit that page by hand)."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from eagle_compat.patches import REGISTRY  # noqa: E402
+
+
+def render() -> str:
+    lines = ["# Patch units", "",
+             "Generated from `src/eagle_compat/patches/` by `scripts/gen_patch_docs.py`; do not edit by hand.",
+             "`install()` applies a unit only where its feature probe says the installed vLLM needs it",
+             "(`eagle-compat doctor` shows which). *Silent* units fix breaks that give wrong hidden states with no error.",
+             "", "| unit | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
+    for u in REGISTRY:
+        where = f"`{u.target}`" if u.target else "process environment"
+        lines.append(f"| `{u.name}` | {u.broke} | `{u.affects}` | {where} ({', '.join(u.sides)}) | "
+                     f"{'yes' if u.silent else ''} | {u.delete_when} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "patches.md")
+    with open(path, "w") as f:
+        f.write(render())
+    print(f"wrote {os.path.normpath(path)}")

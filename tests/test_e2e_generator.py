@@ -1,0 +1,96 @@
+"""eagle_compat.VllmHiddenStatesGenerator on real CPU vLLM: fp32 parity with HF (<= 1e-4), bf16 by default,
+clear errors for bad input with the engine still usable afterwards, worker errors with their traceback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models
+
+from helpers import assert_close_to_reference, prompts
+
+pytestmark = pytest.mark.engine
+
+FAMILIES = {"llama": 6, "deepseek_v3": 4}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def fp32_generator(request):
+    n = FAMILIES[request.param]
+    path = tiny_models.build_tiny_model(request.param)
+    layer_ids = [n - 1, 0, (n - 1) // 2, n - 2]  # deliberately unsorted: results follow this order
+    gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3,
+                                    dtype="float32")
+    yield request.param, path, layer_ids, gen
+    gen.close()
+
+
+def test_fp32_parity_with_hf(fp32_generator):
+    family, path, layer_ids, gen = fp32_generator
+    shared = prompts(1, 20, 20, seed=9)[0]
+    batch = prompts(6, 5, 200, seed=4) + prompts(3, 10, 40, seed=5, prefix=shared)
+    results = gen.generate(batch)
+    worst = assert_close_to_reference(results, tiny_models.hf_reference(path, batch, layer_ids),
+                                      precision="fp32", layer_ids=layer_ids)
+    print(f"\n{family} eagle_compat generator fp32 worst abs error per layer: {worst}")
+    contract = gen.describe()
+    assert contract["output_kind"] == "pair" and contract["num_layers"] == FAMILIES[family]
+
+
+def test_big_batch_equals_alone_fp32(fp32_generator):
+    family, path, layer_ids, gen = fp32_generator
+    batch = prompts(36, 200, 300, seed=6)
+    assert len(batch) > 32 and sum(map(len, batch)) > 8192
+    together = gen.generate(batch)
+    again = gen.generate(batch)
+    for i in (0, 33, 35):
+        alone = gen.generate([batch[i]])[0]
+        for x, y, z in zip(alone["hidden_states"], together[i]["hidden_states"], again[i]["hidden_states"]):
+            assert (x - y).abs().max() <= 1e-4 and (y - z).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "empty batch"),
+    ([[]], "sequence 0 is empty"),
+    ([[1, 2, -3]], r"token id -3 outside the vocabulary \[0, 511\]"),
+    ([[1, 512]], r"token id 512 outside the vocabulary"),
+    ([[1, 2.5]], "token id 2.5 is not an int"),
+    ([[1, True]], "token id True is not an int"),
+    ("hello", "must be a list of token-id lists"),
+    ([[5] * 600], r"600 tokens; at most max_model_len - 1 = 511"),
+])
+def test_bad_input_is_refused_before_the_engine_and_engine_stays_usable(fp32_generator, bad, message):
+    family, path, layer_ids, gen = fp32_generator
+    with pytest.raises(InvalidInput, match=message):
+        gen.generate(bad)
+    ok = gen.generate([[7, 8, 9]])
+    assert ok[0]["hidden_states"][0].shape == (3, 256)
+
+
+def test_truncate_only_when_asked(fp32_generator):
+    _, _, _, gen = fp32_generator
+    out = gen.generate([[5] * 600], truncate=True)
+    assert out[0]["input_ids"].shape[0] == 511
+
+
+def test_layer_id_errors():
+    path = tiny_models.build_tiny_model("llama")
+    for layer_ids, message in (([6], r"layer id 6 out of range; this model has layers 0..5"),
+                               ([1, 1], r"layer ids \[1\] repeated"), ([-1], "out of range"),
+                               (["2"], "is not an int")):
+        with pytest.raises(InvalidInput, match=message):
+            VllmHiddenStatesGenerator(path, layer_ids=layer_ids)
+
+
+def test_worker_exception_reaches_the_caller_with_type_and_traceback(fp32_generator):
+    from eagle_compat import WorkerError
+
+    _, _, _, gen = fp32_generator
+    with pytest.raises(WorkerError) as info:
+        gen._rpc0("eagle_compat_setup", [99])
+    err = info.value
+    assert err.exc_type == "UnsupportedModel" and "out of range" in str(err)
+    assert "Traceback" in err.remote_traceback
+    # the previous capture setup is gone with the failed call: set it up again and use the engine
+    gen._rpc0("eagle_compat_setup", gen.layer_ids)
+    assert gen.generate([[7, 8]])[0]["hidden_states"][0].shape[0] == 2
