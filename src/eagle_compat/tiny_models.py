@@ -34,10 +34,38 @@ _DEEPSEEK_V3 = dict(
     norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
     rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
 
+_MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+
 # family -> (transformers config class, HF architecture, config kwargs)
 TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_hidden_layers=6)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_hidden_layers=4, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_hidden_layers=4, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
+                                                      use_sliding_window=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
+                                                   sliding_window=None, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
+                                                         sliding_window=512, query_pre_attn_scalar=64)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
+                                                             sliding_window=512, query_pre_attn_scalar=64)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(_COMMON, num_hidden_layers=4, embedding_multiplier=4.0, residual_multiplier=0.5,
+                     attention_multiplier=0.125, logits_scaling=2.0)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(_COMMON, num_hidden_layers=4, head_dim=64, n_routed_experts=8, n_shared_experts=1,
+                      num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1, n_group=1,
+                      topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=False)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_COMMON, num_hidden_layers=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                     intermediate_size=256, sliding_window=128, layer_types=["sliding_attention",
+                                                                             "full_attention"] * 2)),
 }
 
 
