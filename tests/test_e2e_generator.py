@@ -94,3 +94,22 @@ def test_worker_exception_reaches_the_caller_with_type_and_traceback(fp32_genera
     # the previous capture setup is gone with the failed call: set it up again and use the engine
     gen._rpc0("eagle_compat_setup", gen.layer_ids)
     assert gen.generate([[7, 8]])[0]["hidden_states"][0].shape[0] == 2
+
+
+def test_worker_start_up_failure_names_the_real_cause(tmp_path):
+    """vLLM itself only says 'WorkerProc initialization failed … See stack trace for root cause'."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle_compat import WorkerError
+
+    src = tiny_models.build_tiny_model("llama")
+    bad = tmp_path / "bad-llama"
+    shutil.copytree(src, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.bogus_module.weight"] = torch.zeros(3)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WorkerError, match="bogus_module") as info:
+        VllmHiddenStatesGenerator(str(bad), max_model_len=256, gpu_memory_utilization=0.3)
+    assert info.value.exc_type == "ValueError" and "Traceback" in info.value.remote_traceback

@@ -114,9 +114,12 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
+    # Extraction feeds token ids only: a multimodal wrapper (Kimi-K2.5 …) runs its language model alone, without
+    # building vision towers or their processors (`language_model_only`, where this release has it).
     model_config = build(ModelConfig, model=model_path, tokenizer=tokenizer or model_path,
                          trust_remote_code=trust_remote_code, dtype=dtype, max_model_len=max_model_len,
-                         enforce_eager=True, **({"seed": seed} if seed is not None else {}))
+                         enforce_eager=True, language_model_only=True,
+                         **({"seed": seed} if seed is not None else {}))
     cache_kw = dict(block_size=VLLM_BLOCK_SIZE, gpu_memory_utilization=gpu_memory_utilization)
     if kv_cache_memory_bytes is not None:
         cache_kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes

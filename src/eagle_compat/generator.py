@@ -8,7 +8,7 @@ import os
 from typing import Any, Sequence
 
 from . import detect, engine
-from .capture.remote_errors import translate
+from .capture.remote_errors import translate, worker_start_errors
 from .errors import IncompatibleEnvironment, InvalidInput
 
 log = logging.getLogger("eagle_compat.generator")
@@ -134,7 +134,8 @@ class VllmHiddenStatesGenerator:
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes)
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-        self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
+        with worker_start_errors():
+            self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
         engine.remember_executor(self.executor)
         try:
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)

@@ -51,10 +51,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
                                                    sliding_window=None, pad_token_id=0)),
+    # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
-                                                         sliding_window=512, query_pre_attn_scalar=64)),
+                                                         sliding_window=512, query_pre_attn_scalar=64,
+                                                         tie_word_embeddings=True)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
-                                                             sliding_window=512, query_pre_attn_scalar=64)),
+                                                             sliding_window=512, query_pre_attn_scalar=64,
+                                                             tie_word_embeddings=True)),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(_COMMON, num_hidden_layers=4, embedding_multiplier=4.0, residual_multiplier=0.5,
                      attention_multiplier=0.125, logits_scaling=2.0)),
@@ -156,6 +159,69 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
     if family in _POST_SAVE:
         _POST_SAVE[family](out_dir, config)
     save_tokenizer(out_dir, config.vocab_size)
+    open(os.path.join(out_dir, ".complete"), "w").close()
+    return out_dir
+
+
+# Kimi-K2.5: the language model is the tiny DeepSeek-V3 (Kimi-K2 architecture) with the same weights, inside
+# `KimiK25ForConditionalGeneration` (a MoonViT vision tower and a projector, here tiny and random). The HF reference
+# is the DeepSeek-V3 checkpoint itself: the wrapper must not change the language model's states.
+_KIMI_VISION = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=128,
+                    intermediate_size=256, pos_emb_height=8, pos_emb_width=8)
+_KIMI_MEDIA_PROC = {"in_patch_limit": 256, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
+                    "patch_limit_on_one_side": 16, "in_patch_limit_each_frame": 64, "in_patch_limit_video": 256,
+                    "temporal_merge_kernel_size": 4, "sample_fps": 2.0, "timestamp_mode": "hh:mm:ss.fff",
+                    "config_type": "media_proc_cfg"}
+# HF port names -> the original checkpoint names vLLM's KimiK25ForConditionalGeneration loads
+_KIMI_RENAMES = (("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+                 ("model.mm_projector.", "mm_projector."))
+
+
+def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Kimi_K25Config
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    text_dir = build_tiny_model("deepseek_v3", seed=seed)
+    out_dir = out_dir or text_dir + "-kimi_k25"
+    if os.path.exists(os.path.join(out_dir, ".complete")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(text_dir, "config.json")) as f:
+        text_config = json.load(f)
+    cfg = Kimi_K25Config(text_config=text_config, vision_config=_KIMI_VISION, projection_hidden_size=128,
+                         image_token_id=VOCAB_SIZE - 4, video_token_id=VOCAB_SIZE - 3,
+                         vision_start_token_id=VOCAB_SIZE - 2, vision_end_token_id=VOCAB_SIZE - 1,
+                         tie_word_embeddings=False)
+    cfg.architectures = ["KimiK25ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    Kimi_K25ForConditionalGeneration(cfg).save_pretrained(out_dir)
+    tensors = {}
+    for key, value in load_file(os.path.join(out_dir, "model.safetensors")).items():
+        if key.startswith("language_model"):
+            continue  # replaced by the DeepSeek-V3 weights below
+        for old, new in _KIMI_RENAMES:
+            key = key.replace(old, new)
+        tensors[key] = value
+    for key, value in load_file(os.path.join(text_dir, "model.safetensors")).items():
+        tensors["language_model." + key] = value
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    # vLLM's own Kimi-K2.5 vision preprocessor reads this (HF's needs torchvision, which breaks next to +cpu torch)
+    with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+        json.dump({"media_proc_cfg": _KIMI_MEDIA_PROC}, f, indent=1)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]  # vLLM's native class (HF names its port
+    with open(config_path, "w") as f:                              # Kimi_K25…, which vLLM would run through
+        json.dump(config, f, indent=1)                             # its generic Transformers backend)
+    for name in os.listdir(text_dir):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(text_dir, name), out_dir)
     open(os.path.join(out_dir, ".complete"), "w").close()
     return out_dir
 

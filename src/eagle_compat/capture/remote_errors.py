@@ -7,11 +7,17 @@ of eagle_compat raises `RemoteFailure`, whose str is a tagged JSON payload; the 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import json
+import logging
+import os
 import re
+import shutil
+import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import WorkerError
 
@@ -78,3 +84,63 @@ def translate(fn: Callable, method: str = "") -> Callable:
                                   "", method or getattr(fn, "__name__", "")) from exc
             raise
     return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker start-up failures: vLLM only says "WorkerProc initialization failed due to an exception in a background
+# process. See stack trace for root cause." The worker logs the exception; while the driver builds an executor we
+# ask workers (through the plugin, which vLLM loads before the model) to also write it to a file the driver reads.
+
+START_ERRORS_ENV = "EAGLE_COMPAT_WORKER_ERRORS_DIR"
+
+
+class _FileHandler(logging.Handler):
+    def __init__(self, directory: str):
+        super().__init__(level=logging.ERROR)
+        self.path = os.path.join(directory, f"worker-{os.getpid()}.jsonl")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.exc_info or record.exc_info[1] is None:
+            return
+        exc = record.exc_info[1]
+        payload = {"type": type(exc).__name__, "message": str(exc), "method": "worker start-up",
+                   "traceback": "".join(traceback.format_exception(*record.exc_info))}
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(payload) + "\n")
+        except OSError:
+            pass
+
+
+def record_worker_start_errors() -> None:
+    """Worker side (plugin): if the driver asked for it, copy logged exceptions to its directory."""
+    directory = os.environ.get(START_ERRORS_ENV)
+    if directory and os.path.isdir(directory):
+        logger = logging.getLogger("vllm")
+        if not any(isinstance(h, _FileHandler) for h in logger.handlers):
+            logger.addHandler(_FileHandler(directory))
+
+
+@contextlib.contextmanager
+def worker_start_errors() -> Iterator[None]:
+    """Driver side: around building an executor, turn an opaque start-up failure into a WorkerError."""
+    directory = tempfile.mkdtemp(prefix="eagle-compat-workers-")
+    previous = os.environ.get(START_ERRORS_ENV)
+    os.environ[START_ERRORS_ENV] = directory
+    try:
+        yield
+    except Exception as exc:
+        records = []
+        for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
+            with open(path) as f:
+                records += [json.loads(line) for line in f if line.strip()]
+        if records:
+            first = records[0]
+            raise WorkerError(first["type"], first["message"], first["traceback"], first["method"]) from exc
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop(START_ERRORS_ENV, None)
+        else:
+            os.environ[START_ERRORS_ENV] = previous
+        shutil.rmtree(directory, ignore_errors=True)

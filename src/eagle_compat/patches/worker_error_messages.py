@@ -27,6 +27,12 @@ def _apply(patcher, module) -> None:
 
     patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS})
 
+    def start_errors(wrapped, instance, args, kwargs):
+        with remote_errors.worker_start_errors():
+            return wrapped(*args, **kwargs)
+
+    patcher.wrap(module, "MultiprocExecutor", start_errors)
+
 
 def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:
     return PatchUnit(

@@ -1,0 +1,79 @@
+"""Run one matrix cell inside a release's environment and print one JSON line. Used by run.py.
+
+usage: python cell.py CHECK FAMILY
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
+# engine errors that mean "this release cannot run this model on CPU at all" (not a capture failure)
+UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "is not in eagle_compat's family",
+                       "has no attribute", "are not supported for now", "does not support")
+
+
+def _prompts():
+    import random
+    rng = random.Random(11)
+    return [[rng.randrange(7, 512) for _ in range(rng.randint(10, 120))] for _ in range(4)]
+
+
+def run(check: str, family: str) -> dict:
+    from eagle_compat import detect, tiny_models
+
+    out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict()}
+    t0 = time.time()
+    try:
+        if family == "kimi_k25":
+            path, ref_path, n = tiny_models.build_tiny_kimi_k25(), tiny_models.build_tiny_model("deepseek_v3"), 4
+        else:
+            path = ref_path = tiny_models.build_tiny_model(family)
+            n = tiny_models.TINY_CONFIGS[family][2]["num_hidden_layers"]
+        layer_ids = list(range(n))
+        batch = _prompts()
+        if check == "shim":
+            import eagle_compat
+            eagle_compat.install()
+            from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+            gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3)
+            try:
+                results = gen.generate(batch)
+            finally:
+                gen.executor.shutdown()
+            precision = "bf16"
+        else:
+            from eagle_compat import VllmHiddenStatesGenerator
+            with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512,
+                                           gpu_memory_utilization=0.3, dtype="float32") as gen:
+                results = gen.generate(batch)
+                out["contract"] = gen.describe()
+            precision = "fp32"
+        out["engine_seconds"] = round(time.time() - t0, 1)
+        ref = tiny_models.hf_reference(ref_path, batch, layer_ids)
+        errors = {}
+        ok = True
+        for j, lid in enumerate(layer_ids):
+            err = max((r["hidden_states"][j].float() - rf[j]).abs().max().item() for r, rf in zip(results, ref))
+            scale = max(rf[j].abs().max().item() for rf in ref)
+            rel = err / scale
+            errors[str(lid)] = {"max_abs": err, "max_rel_to_layer_max": rel}
+            ok &= (err <= FP32_ABS_TOL) if precision == "fp32" else (rel <= BF16_REL_TOL)
+        out.update(status="pass" if ok else "fail", precision=precision, errors=errors,
+                   error=None if ok else "hidden states differ from HF beyond tolerance")
+    except Exception as exc:  # noqa: BLE001 - every failure is a result
+        text = f"{type(exc).__name__}: {exc}"
+        out.update(status="unsupported" if any(m in text for m in UNSUPPORTED_MARKERS) else "fail",
+                   error=text[:2000], traceback=traceback.format_exc()[-4000:])
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+if __name__ == "__main__":
+    result = run(sys.argv[1], sys.argv[2])
+    print("EAGLE_COMPAT_CELL " + json.dumps(result, default=str), flush=True)
