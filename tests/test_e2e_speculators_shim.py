@@ -21,13 +21,12 @@ def _generator_class():
     return VllmHiddenStatesGenerator
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3", "kimi_k25"])
 def shim(request):
-    path = tiny_models.build_tiny_model(request.param)
-    num_layers = 6 if request.param == "llama" else 4
+    path, reference_path, num_layers = tiny_models.build_family(request.param)
     layer_ids = [0, (num_layers - 1) // 2, num_layers - 2, num_layers - 1]  # first, middle, N-2, N-1
     gen = _generator_class()(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3)
-    yield request.param, path, layer_ids, gen
+    yield request.param, reference_path, layer_ids, gen
     gen.executor.shutdown()
     eagle_compat.uninstall()
 

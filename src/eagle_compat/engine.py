@@ -88,6 +88,19 @@ def _has_field(cls: Any, name: str) -> bool:
     return name in fields
 
 
+def text_only(kw: dict[str, Any]) -> dict[str, Any]:
+    """Extraction feeds token ids only: a multimodal wrapper (Kimi-K2.5 …) runs its language model alone, without
+    building and profiling vision towers (memory, start-up time; profiling also needs the image processor).
+    `language_model_only` where the release has it, else zero media items per prompt."""
+    from vllm.config import ModelConfig
+
+    if detect.has_parameter(ModelConfig, "language_model_only"):
+        return {"language_model_only": True, **kw}
+    if detect.has_parameter(ModelConfig, "limit_mm_per_prompt"):
+        return {"limit_mm_per_prompt": {m: 0 for m in ("image", "video", "audio", "vision_chunk")}, **kw}
+    return kw
+
+
 def known_kwargs(cls: Any, kw: dict[str, Any]) -> dict[str, Any]:
     """Config classes reject unknown kwargs from 0.16 (silently dropped before)."""
     return {k: v for k, v in kw.items() if detect.has_parameter(cls, k)}
@@ -114,12 +127,9 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
-    # Extraction feeds token ids only: a multimodal wrapper (Kimi-K2.5 …) runs its language model alone, without
-    # building vision towers or their processors (`language_model_only`, where this release has it).
-    model_config = build(ModelConfig, model=model_path, tokenizer=tokenizer or model_path,
-                         trust_remote_code=trust_remote_code, dtype=dtype, max_model_len=max_model_len,
-                         enforce_eager=True, language_model_only=True,
-                         **({"seed": seed} if seed is not None else {}))
+    model_config = build(ModelConfig, **text_only(dict(
+        model=model_path, tokenizer=tokenizer or model_path, trust_remote_code=trust_remote_code, dtype=dtype,
+        max_model_len=max_model_len, enforce_eager=True, **({"seed": seed} if seed is not None else {}))))
     cache_kw = dict(block_size=VLLM_BLOCK_SIZE, gpu_memory_utilization=gpu_memory_utilization)
     if kv_cache_memory_bytes is not None:
         cache_kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes

@@ -17,12 +17,24 @@ WORKER_EXTENSION = "eagle_compat.capture.worker.CaptureWorkerExtension"
 
 
 def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
+    """The language model's config: `num_hidden_layers`, `vocab_size`.
+
+    Read from config.json where possible: multimodal wrappers such as Kimi-K2.5 have model types that older
+    transformers do not know (vLLM registers its own config class for them)."""
+    import json
+    from types import SimpleNamespace
+
+    path = os.path.join(model_path, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
+        for candidate in (raw.get("text_config"), raw.get("language_config"), raw):
+            if isinstance(candidate, dict) and "num_hidden_layers" in candidate:
+                return SimpleNamespace(**candidate)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not hasattr(text, "num_hidden_layers"):
-        text = getattr(config, "text_config", config)
     if not hasattr(text, "num_hidden_layers"):
         raise InvalidInput(f"{model_path}: cannot find num_hidden_layers in its config")
     return text

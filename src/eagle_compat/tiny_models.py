@@ -12,7 +12,7 @@ import os
 from typing import Any, Callable
 
 VOCAB_SIZE = 512
-BUILD_REVISION = 2  # bump when the way checkpoints are written changes (part of the cache key)
+BUILD_REVISION = 3  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -165,17 +165,74 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
 
 # Kimi-K2.5: the language model is the tiny DeepSeek-V3 (Kimi-K2 architecture) with the same weights, inside
 # `KimiK25ForConditionalGeneration` (a MoonViT vision tower and a projector, here tiny and random). The HF reference
-# is the DeepSeek-V3 checkpoint itself: the wrapper must not change the language model's states.
-_KIMI_VISION = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=128,
-                    intermediate_size=256, pos_emb_height=8, pos_emb_width=8)
+# is the DeepSeek-V3 checkpoint itself: the wrapper must not change the language model's states. Written by hand,
+# in the original checkpoint's names, so that it needs no transformers Kimi classes (transformers 4 has none).
+_KIMI_VISION = dict(
+    patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+    merge_kernel_size=[2, 2],
+    pos_emb_height=8, pos_emb_width=8, pos_emb_time=4,            # transformers' Kimi_K25VisionConfig
+    init_pos_emb_height=8, init_pos_emb_width=8, init_pos_emb_time=4,  # vLLM's own KimiK25VisionConfig (<= 0.2x)
+    mm_hidden_size=128, text_hidden_size=256)
 _KIMI_MEDIA_PROC = {"in_patch_limit": 256, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
                     "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
                     "patch_limit_on_one_side": 16, "in_patch_limit_each_frame": 64, "in_patch_limit_video": 256,
                     "temporal_merge_kernel_size": 4, "sample_fps": 2.0, "timestamp_mode": "hh:mm:ss.fff",
                     "config_type": "media_proc_cfg"}
-# HF port names -> the original checkpoint names vLLM's KimiK25ForConditionalGeneration loads
-_KIMI_RENAMES = (("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
-                 ("model.mm_projector.", "mm_projector."))
+
+
+_KIMI_REMOTE_CONFIG = '''"""Tiny stand-in for Kimi-K2.5's remote-code configuration."""
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class TinyKimiK25Config(PretrainedConfig):
+    model_type = "kimi_k25"
+
+    def __init__(self, text_config=None, vision_config=None, **kwargs):
+        if isinstance(text_config, dict):
+            text_config = DeepseekV3Config(**text_config)
+        self.text_config = text_config or DeepseekV3Config()
+        self.vision_config = vision_config or {}
+        super().__init__(**kwargs)
+'''
+_KIMI_REMOTE_PROCESSOR = '''"""Tiny stand-in for Kimi-K2.5's remote-code image processor (text-only extraction tests)."""
+from transformers.image_processing_utils import BaseImageProcessor
+
+
+class TinyKimiK25ImageProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, media_proc_cfg=None, **kwargs):
+        super().__init__(**kwargs)
+        self.media_proc_cfg = dict(media_proc_cfg or {})
+        self.num_frames_per_chunk = self.media_proc_cfg.get("temporal_merge_kernel_size", 4)
+
+    def media_tokens_calculator(self, media):
+        patch = self.media_proc_cfg.get("patch_size", 14) * self.media_proc_cfg.get("merge_kernel_size", 2)
+        image = media.get("content") if isinstance(media, dict) else media
+        width, height = getattr(image, "size", (patch, patch))
+        return max(1, height // patch) * max(1, width // patch)
+
+    def preprocess(self, medias, **kwargs):
+        raise NotImplementedError("this tiny test checkpoint takes text only")
+'''
+
+
+def _kimi_vision_shapes(v: dict, text_hidden: int) -> dict[str, tuple[int, ...]]:
+    h, i, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged = h * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    shapes = {"vision_tower.patch_embed.proj.weight": (h, 3, p, p), "vision_tower.patch_embed.proj.bias": (h,),
+              "vision_tower.patch_embed.pos_emb.weight": (v["pos_emb_height"], v["pos_emb_width"], h),
+              "vision_tower.encoder.final_layernorm.weight": (h,), "vision_tower.encoder.final_layernorm.bias": (h,),
+              "mm_projector.pre_norm.weight": (h,), "mm_projector.pre_norm.bias": (h,),
+              "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+              "mm_projector.proj.2.weight": (text_hidden, merged), "mm_projector.proj.2.bias": (text_hidden,)}
+    for b in range(v["num_hidden_layers"]):
+        pre = f"vision_tower.encoder.blocks.{b}."
+        shapes.update({pre + "norm0.weight": (h,), pre + "norm0.bias": (h,), pre + "norm1.weight": (h,),
+                       pre + "norm1.bias": (h,), pre + "wqkv.weight": (3 * h, h), pre + "wqkv.bias": (3 * h,),
+                       pre + "wo.weight": (h, h), pre + "wo.bias": (h,), pre + "mlp.fc0.weight": (i, h),
+                       pre + "mlp.fc0.bias": (i,), pre + "mlp.fc1.weight": (h, i), pre + "mlp.fc1.bias": (h,)})
+    return shapes
 
 
 def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
@@ -183,8 +240,6 @@ def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
 
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Kimi_K25Config
-    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
 
     text_dir = build_tiny_model("deepseek_v3", seed=seed)
     out_dir = out_dir or text_dir + "-kimi_k25"
@@ -193,37 +248,49 @@ def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(text_dir, "config.json")) as f:
         text_config = json.load(f)
-    cfg = Kimi_K25Config(text_config=text_config, vision_config=_KIMI_VISION, projection_hidden_size=128,
-                         image_token_id=VOCAB_SIZE - 4, video_token_id=VOCAB_SIZE - 3,
-                         vision_start_token_id=VOCAB_SIZE - 2, vision_end_token_id=VOCAB_SIZE - 1,
-                         tie_word_embeddings=False)
-    cfg.architectures = ["KimiK25ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    Kimi_K25ForConditionalGeneration(cfg).save_pretrained(out_dir)
-    tensors = {}
-    for key, value in load_file(os.path.join(out_dir, "model.safetensors")).items():
-        if key.startswith("language_model"):
-            continue  # replaced by the DeepSeek-V3 weights below
-        for old, new in _KIMI_RENAMES:
-            key = key.replace(old, new)
-        tensors[key] = value
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(shape, generator=g) * 0.02
+               for name, shape in _kimi_vision_shapes(_KIMI_VISION, text_config["hidden_size"]).items()}
     for key, value in load_file(os.path.join(text_dir, "model.safetensors")).items():
         tensors["language_model." + key] = value
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    # vLLM's own Kimi-K2.5 vision preprocessor reads this (HF's needs torchvision, which breaks next to +cpu torch)
+    special = {"image_token_id": VOCAB_SIZE - 4, "video_token_id": VOCAB_SIZE - 3,
+               "vision_start_token_id": VOCAB_SIZE - 2, "vision_end_token_id": VOCAB_SIZE - 1,
+               "media_placeholder_token_id": VOCAB_SIZE - 4}
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              # like the real repository: remote-code config for transformers versions without Kimi-K2.5
+              "auto_map": {"AutoConfig": "tiny_kimi_config.TinyKimiK25Config"},
+              "text_config": text_config, "vision_config": _KIMI_VISION, "projection_hidden_size": 128,
+              "tie_word_embeddings": False, "dtype": "float32", "torch_dtype": "float32", **special}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    # Image preprocessing: vLLM 0.3x uses its own (fused) processor from `media_proc_cfg`; older vLLM loads the
+    # repository's remote-code processor through `auto_map` (the real Kimi-K2.5 ships one; HF's port needs
+    # torchvision, which breaks next to a +cpu torch). Ours knows token counts only: extraction is text-only.
     with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
-        json.dump({"media_proc_cfg": _KIMI_MEDIA_PROC}, f, indent=1)
-    config_path = os.path.join(out_dir, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["architectures"] = ["KimiK25ForConditionalGeneration"]  # vLLM's native class (HF names its port
-    with open(config_path, "w") as f:                              # Kimi_K25…, which vLLM would run through
-        json.dump(config, f, indent=1)                             # its generic Transformers backend)
+        json.dump({"media_proc_cfg": _KIMI_MEDIA_PROC,
+                   "auto_map": {"AutoImageProcessor": "tiny_kimi_processor.TinyKimiK25ImageProcessor"}}, f, indent=1)
+    with open(os.path.join(out_dir, "tiny_kimi_processor.py"), "w") as f:
+        f.write(_KIMI_REMOTE_PROCESSOR)
+    with open(os.path.join(out_dir, "tiny_kimi_config.py"), "w") as f:
+        f.write(_KIMI_REMOTE_CONFIG)
     for name in os.listdir(text_dir):
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
             shutil.copy(os.path.join(text_dir, name), out_dir)
     open(os.path.join(out_dir, ".complete"), "w").close()
     return out_dir
+
+
+FAMILIES = (*TINY_CONFIGS, "kimi_k25")
+
+
+def build_family(family: str) -> tuple[str, str, int]:
+    """(checkpoint to run in vLLM, checkpoint with the same language-model weights for the HF reference,
+    number of decoder layers) for any family, including the Kimi-K2.5 wrapper."""
+    if family == "kimi_k25":
+        return build_tiny_kimi_k25(), build_tiny_model("deepseek_v3"), TINY_CONFIGS["deepseek_v3"][2]["num_hidden_layers"]
+    path = build_tiny_model(family)
+    return path, path, TINY_CONFIGS[family][2]["num_hidden_layers"]
 
 
 def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int]) -> list[list[Any]]:

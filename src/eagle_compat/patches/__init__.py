@@ -5,7 +5,7 @@ Each module holds one unit (one break, one contract); see `_base.PatchUnit`.
 from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_kv_budget, cpu_mla_disable, kv_cache_config_helpers,
-               platform_block_size, prefix_caching_off, request_eos_token_id, scheduler_block_size, scheduler_config_encoder_decoder,
+               platform_block_size, prefix_caching_off, text_only_model, request_eos_token_id, scheduler_block_size, scheduler_config_encoder_decoder,
                transformers5_pydantic_torch, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
                worker_error_messages)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
@@ -18,6 +18,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     async_scheduling_off.UNIT,
     prefix_caching_off.UNIT,
     platform_block_size.UNIT,
+    text_only_model.UNIT,
     kv_cache_config_helpers.UNIT,
     scheduler_block_size.UNIT,
     request_eos_token_id.UNIT,

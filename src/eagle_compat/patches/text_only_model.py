@@ -1,0 +1,35 @@
+"""speculators feeds token ids only, yet vLLM builds and profiles a multimodal wrapper's towers (Kimi-K2.5's
+MoonViT, Gemma-3's SigLIP …): GPU memory and start-up time spent on weights that never run, a profiling pass on
+a dummy multi-frame video, and on CPU the repository's image processor must work for that pass. At speculators'
+ModelConfig call site we ask for the language model alone (`language_model_only`, or zero media per prompt on
+releases without it). Text-only models are unaffected.
+"""
+from __future__ import annotations
+
+from ._base import GENERATOR_MODULE, PatchUnit
+
+
+def _needed() -> bool:
+    from .. import detect
+    from vllm.config import ModelConfig
+    return detect.has_parameter(ModelConfig, "language_model_only") or detect.has_parameter(
+        ModelConfig, "limit_mm_per_prompt")
+
+
+def _apply(patcher, module) -> None:
+    from .. import engine
+
+    patcher.wrap(module, "ModelConfig",
+                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.text_only(kwargs)))
+
+
+UNIT = PatchUnit(
+    name="text_only_model",
+    broke="multimodal wrappers (Kimi-K2.5) build and profile vision towers speculators never uses",
+    affects=">=0.11",
+    delete_when="speculators builds its ModelConfig text-only",
+    target=GENERATOR_MODULE,
+    sides=("driver",),
+    needed=_needed,
+    apply=_apply,
+)
