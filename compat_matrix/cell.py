@@ -30,11 +30,7 @@ def run(check: str, family: str) -> dict:
     out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict()}
     t0 = time.time()
     try:
-        if family == "kimi_k25":
-            path, ref_path, n = tiny_models.build_tiny_kimi_k25(), tiny_models.build_tiny_model("deepseek_v3"), 4
-        else:
-            path = ref_path = tiny_models.build_tiny_model(family)
-            n = tiny_models.TINY_CONFIGS[family][2]["num_hidden_layers"]
+        path, ref_path, n = tiny_models.build_family(family)
         layer_ids = list(range(n))
         batch = _prompts()
         if check == "shim":
@@ -50,7 +46,8 @@ def run(check: str, family: str) -> dict:
         else:
             from eagle_compat import VllmHiddenStatesGenerator
             with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512,
-                                           gpu_memory_utilization=0.3, dtype="float32") as gen:
+                                           gpu_memory_utilization=0.3, dtype="float32",
+                                           trust_remote_code=family == "kimi_k25") as gen:
                 results = gen.generate(batch)
                 out["contract"] = gen.describe()
             precision = "fp32"

@@ -10,7 +10,7 @@ SPECULATORS = "0.3.0"
 # (check, family): "shim" = unmodified speculators 0.3.0 under install() (dtype auto → bf16 on CPU);
 # "generator" = eagle_compat.VllmHiddenStatesGenerator in float32.
 CHECKS = [("shim", "llama"), ("shim", "deepseek_v3"),
-          ("generator", "llama"), ("generator", "deepseek_v3"), ("generator", "kimi_k25"),
+          ("generator", "llama"), ("generator", "deepseek_v3"), ("shim", "kimi_k25"), ("generator", "kimi_k25"),
           ("generator", "mistral"), ("generator", "qwen2"), ("generator", "qwen3"), ("generator", "qwen3_moe"),
           ("generator", "mixtral"), ("generator", "phi3"), ("generator", "gemma2"), ("generator", "gemma3"),
           ("generator", "granite"), ("generator", "glm4_moe"), ("generator", "gpt_oss")]

@@ -1,6 +1,7 @@
 """eagle-compat: the command line.
 
-  eagle-compat demo [--family deepseek_v3]   build a tiny model, run speculators 0.3.0 under install(), compare to HF
+  eagle-compat extract --model PATH --data FILE.jsonl --out DIR   conversations/token ids -> EAGLE-3 training files
+  eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
 """
 from __future__ import annotations
@@ -109,7 +110,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
         which = f"hidden_states[{lid + 1}]" if lid < n - 1 else "final norm input"
         print(f"{lid:>6} {which:>22} {err:>12.3e} {err / scale:>11.3e}  {'yes' if ok else 'NO'}")
     eagle_compat.uninstall()
+    ok_all &= demo_extract(path, args.out, layer_ids)
     return 0 if ok_all else 1
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from .extract import job
+
+    opts = job.ExtractOptions(
+        model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
+        batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job.parse_shard(args.shard),
+        validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization or _default_gmu(),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress)
+    summary = job.run(opts)
+    print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
+          f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s); manifest {summary['manifest']}")
+    return 0
+
+
+def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
+    """The main job on the shipped conversations, then one written sample checked against HF."""
+    import importlib.resources as res
+
+    import torch
+
+    from . import tiny_models
+    from .extract import job, writer
+
+    data = str(res.files("eagle_compat") / "data" / "demo_conversations.jsonl")
+    opts = job.ExtractOptions(model=path, data=data, out=out_dir, layers=layer_ids, batch_size=8, max_len=512,
+                              resume=os.path.exists(os.path.join(out_dir, "manifest.json")), validate=True,
+                              gpu_memory_utilization=_default_gmu())
+    summary = job.run(opts)
+    print(f"\nextract: {summary['samples']} training files in {out_dir} ({summary['seconds']:.1f} s)")
+    sample = writer.load_sample(writer.sample_path(out_dir, 5, "pt"))
+    ref = tiny_models.hf_reference(path, [sample["input_ids"].tolist()], layer_ids)[0]
+    worst = max(((h.float() - r).abs().max() / r.abs().max()).item() for h, r in zip(sample["hidden_states"], ref))
+    ok = worst <= 5e-2
+    print(f"data_5.pt vs HF: worst relative error {worst:.2e} over {len(layer_ids)} layers "
+          f"(bf16 tolerance 5e-2): {'ok' if ok else 'FAILED'}; assistant tokens in its loss mask: "
+          f"{int(sample['loss_mask'].sum())}/{sample['loss_mask'].numel()}")
+    return ok and torch.isfinite(sample["hidden_states"][0]).all().item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,9 +167,33 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="tiny model + speculators 0.3.0 under install(), compared with HF")
     from .tiny_models import TINY_CONFIGS
     p.add_argument("--family", default="deepseek_v3", choices=sorted(TINY_CONFIGS))
+    p.add_argument("--out", default="out/demo", help="where the demo's training files go")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, help="JSONL: {'conversations': [...]} or {'input_ids': [...]}")
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", help="comma-separated layer ids (default speculators' [2, N//2, N-3, N-1])")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per sample (longer ones are truncated)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--shard", default="0/1", help="I/N: this machine's share")
+    p.add_argument("--validate", action="store_true", help="check ids, lengths, NaN/Inf before writing")
+    p.add_argument("--format", default="pt", choices=["pt", "safetensors"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_extract)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from .errors import InvalidInput
+    try:
+        return int(args.func(args) or 0)
+    except InvalidInput as exc:
+        print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -52,14 +52,19 @@ class Patcher:
         self.set(owner, attribute, replacement)
 
     def wrap_instances(self, owner: Any, factory: str,
-                       method_wrappers: dict[str, Callable[[Any, Callable, tuple, dict], Any]]) -> None:
+                       method_wrappers: dict[str, Callable[[Any, Callable, tuple, dict], Any]],
+                       construct_within: Callable[[], Any] | None = None) -> None:
         """Wrap methods on each instance built through `owner.factory` (e.g. the MultiprocExecutor name in
         speculators' module): vLLM's class itself is untouched, so vLLM's own engine is unaffected.
-        A wrapper gets (instance, the method as it was, args, kwargs)."""
+        A wrapper gets (instance, the method as it was, args, kwargs). `construct_within` is a context-manager
+        factory entered around the construction itself."""
+        import contextlib
+
         from .. import engine
 
         def factory_wrapper(wrapped, instance, args, kwargs):
-            obj = wrapped(*args, **kwargs)
+            with (construct_within or contextlib.nullcontext)():
+                obj = wrapped(*args, **kwargs)
             engine.remember_executor(obj)
             for method, method_wrapper in method_wrappers.items():
                 setattr(obj, method, _instance_method(obj, getattr(obj, method), method_wrapper))

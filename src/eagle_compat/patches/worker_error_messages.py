@@ -25,13 +25,8 @@ def _apply(patcher, module) -> None:
     def translated(executor, call, args, kwargs):
         return remote_errors.translate(call, getattr(call, "__name__", ""))(*args, **kwargs)
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS})
-
-    def start_errors(wrapped, instance, args, kwargs):
-        with remote_errors.worker_start_errors():
-            return wrapped(*args, **kwargs)
-
-    patcher.wrap(module, "MultiprocExecutor", start_errors)
+    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS},
+                           construct_within=remote_errors.worker_start_errors)
 
 
 def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:

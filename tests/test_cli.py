@@ -1,0 +1,53 @@
+"""eagle-compat doctor: versions, features and patch needs; with --model the resolved decoder contract, and a
+non-zero exit for what cannot be captured."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle_compat import tiny_models
+
+
+def _doctor(*args):
+    return subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_doctor_reports_versions_features_and_patches():
+    proc = _doctor()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["versions"]["vllm"] and report["versions"]["speculators"] == "0.3.0"
+    assert all(isinstance(v, bool) for v in report["features"].values())
+    assert report["patches_needed"]["worker_capture"] is True
+
+
+@pytest.mark.engine
+def test_doctor_model_prints_the_kimi_k25_contract():
+    path = tiny_models.build_tiny_kimi_k25()
+    proc = _doctor("--model", path, "--trust-remote-code")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    contract = json.loads(proc.stdout)["model"]
+    assert contract["top_class"] == "KimiK25ForConditionalGeneration"
+    assert contract["base_path"].startswith("language_model")
+    assert contract["layer_class"] == "DeepseekV2DecoderLayer" and "positions" in contract["layer_signature"]
+    assert contract["output_kind"] == "pair" and "hooks" in contract["capture_strategy"]
+
+
+@pytest.mark.engine
+def test_doctor_model_exits_non_zero_for_an_unknown_family(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = str(tmp_path / "gpt2")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=256, n_head=4, n_layer=2, n_positions=512)).save_pretrained(path)
+    tiny_models.save_tokenizer(path)
+    proc = _doctor("--model", path)
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert "UnsupportedModel" in report["model"]["error"] and "no decoder stack found" in report["model"]["error"]

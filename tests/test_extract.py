@@ -1,0 +1,162 @@
+"""eagle-compat extract on real CPU vLLM: files load in speculators' own dataset class with tensors equal to HF
+(bf16 tolerance: the engine runs dtype auto), a killed-and-resumed run equals an uninterrupted one tensor for
+tensor, a resume with other settings is refused, shards 0/2 + 1/2 equal the unsharded run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eagle_compat import InvalidInput, tiny_models
+from eagle_compat.extract import job, writer
+
+from helpers import BF16_REL_TOL, prompts
+
+pytestmark = pytest.mark.engine
+
+LAYERS = [0, 2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Pre-tokenized samples (with loss masks) and conversations mixed, as a JSONL file."""
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    with open(path, "w") as f:
+        for n, ids in enumerate(prompts(60, 20, 200, seed=21)):
+            if n % 4 == 0:
+                f.write(json.dumps({"conversations": [
+                    {"role": "user", "content": " ".join(f"w{t}" for t in ids[:10])},
+                    {"role": "assistant", "content": " ".join(f"w{t}" for t in ids[10:30])}]}) + "\n")
+            else:
+                f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
+    return str(path)
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "eagle_compat.cli", "extract", *args, "--gpu-memory-utilization", "0.3",
+            "--no-progress"]
+
+
+def _run(model, data, out, *extra):
+    proc = subprocess.run(_cli("--model", model, "--data", data, "--out", str(out), "--layers",
+                               ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256", *extra),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _files(out):
+    return sorted(f for f in os.listdir(out) if f.startswith("data_") and f.endswith((".pt", ".safetensors")))
+
+
+@pytest.fixture(scope="module")
+def full_run(model, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    _run(model, dataset, out, "--validate")
+    return out
+
+
+def test_files_load_in_speculators_dataset_and_equal_hf(full_run, model):
+    import eagle_compat
+    eagle_compat.install()  # speculators 0.3.0 imports under transformers 5 only with it
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    assert len(_files(full_run)) == 60
+    ds = Eagle3SampleFileDataset(max_len=256, datapath=str(full_run))
+    assert len(ds) == 60
+    item = ds[3]
+    assert set(item) >= {"hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask"}
+    for index in (0, 1, 17, 59):
+        sample = writer.load_sample(writer.sample_path(str(full_run), index, "pt"))
+        ref = tiny_models.hf_reference(model, [sample["input_ids"].tolist()], LAYERS)[0]
+        for h, r in zip(sample["hidden_states"], ref):
+            assert (h.float() - r).abs().max() <= BF16_REL_TOL * r.abs().max()
+    manifest = json.load(open(os.path.join(full_run, "manifest.json")))
+    assert manifest["status"] == "complete" and manifest["layer_ids"] == LAYERS
+    assert "leaving decoder layer" in manifest["layer_convention"]
+    assert manifest["settings"]["model_checksums"]["model.safetensors"]["sha256"]
+    config = json.load(open(os.path.join(full_run, "data_config.json")))
+    assert config["hidden_states"]["layer_ids"] == LAYERS and config["data"]["num_samples"] == 60
+    conv = writer.load_sample(writer.sample_path(str(full_run), 0, "pt"))  # a conversation: mask on the reply
+    assert 0 < int(conv["loss_mask"].sum()) < conv["loss_mask"].numel()
+
+
+def _equal_dirs(a, b):
+    assert _files(a) == _files(b)
+    for name in _files(a):
+        x, y = writer.load_sample(os.path.join(a, name)), writer.load_sample(os.path.join(b, name))
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for h, g in zip(x["hidden_states"], y["hidden_states"], strict=True):
+            assert torch.equal(h, g), name
+
+
+def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
+                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver and vLLM workers
+    proc.wait()
+    written = len(_files(out))
+    assert 12 <= written < 60, f"kill came too late to test resume ({written} files)"
+    assert not [f for f in os.listdir(out) if ".tmp-" in f and f.startswith("data_") and f.endswith(".pt")]
+    _run(model, dataset, out, "--resume")
+    _equal_dirs(full_run, out)
+
+
+def test_resume_with_other_settings_is_refused(full_run, model, dataset):
+    before = {f: os.path.getmtime(os.path.join(full_run, f)) for f in os.listdir(full_run)}
+    proc = subprocess.run(_cli("--model", model, "--data", dataset, "--out", str(full_run), "--layers", "1,2",
+                               "--batch-size", "4", "--max-len", "256", "--resume"), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "other settings" in proc.stderr and "layer_ids: was [0, 2, 4, 5], now [1, 2]" in proc.stderr
+    assert "batch_size: was 8, now 4" in proc.stderr
+    after = {f: os.path.getmtime(os.path.join(full_run, f)) for f in os.listdir(full_run)}
+    assert after == before  # nothing already written was touched
+    again = subprocess.run(_cli("--model", model, "--data", dataset, "--out", str(full_run)), capture_output=True,
+                           text=True)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_two_shards_equal_the_unsharded_run(full_run, model, dataset, tmp_path):
+    out = tmp_path / "sharded"
+    _run(model, dataset, out, "--shard", "0/2")
+    _run(model, dataset, out, "--shard", "1/2")
+    _equal_dirs(full_run, out)
+    assert os.path.exists(out / "manifest.shard-0-of-2.json") and os.path.exists(out / "manifest.shard-1-of-2.json")
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"format": "npz"}, "--format 'npz'; allowed: pt, safetensors"),
+    ({"batch_size": 0}, "--batch-size 0; must be >= 1"),
+    ({"data": "/nonexistent.jsonl"}, "no such file"),
+])
+def test_bad_options_are_refused_before_the_engine(model, dataset, tmp_path, args, message):
+    opts = job.ExtractOptions(model=model, data=dataset, out=str(tmp_path / "x"), progress=False)
+    for k, v in args.items():
+        setattr(opts, k, v)
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        job.run(opts)
+
+
+def test_bad_shard_and_layers_text():
+    with pytest.raises(InvalidInput, match="need 0 <= I < N"):
+        job.parse_shard("2/2")
+    with pytest.raises(InvalidInput, match="expected I/N"):
+        job.parse_shard("half")
+    with pytest.raises(InvalidInput, match="comma-separated ints"):
+        job.parse_layers("2,x")
