@@ -1,6 +1,6 @@
 """Run one matrix cell inside a release's environment and print one JSON line. Used by run.py.
 
-usage: python cell.py CHECK FAMILY
+usage: python cell.py CHECK FAMILY [--dtype float32|auto] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -24,10 +24,14 @@ def _prompts():
     return [[rng.randrange(7, 512) for _ in range(rng.randint(10, 120))] for _ in range(4)]
 
 
-def run(check: str, family: str) -> dict:
+def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") -> dict:
     from eagle_compat import detect, tiny_models
 
-    out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict()}
+    out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict(),
+                 "device": device}
+    if device != "cpu":
+        import torch
+        out["gpu"] = torch.cuda.get_device_name(0)
     t0 = time.time()
     try:
         path, ref_path, n = tiny_models.build_family(family)
@@ -46,13 +50,14 @@ def run(check: str, family: str) -> dict:
         else:
             from eagle_compat import VllmHiddenStatesGenerator
             with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512,
-                                           gpu_memory_utilization=0.3, dtype="float32",
+                                           gpu_memory_utilization=0.3, dtype=dtype,
                                            trust_remote_code=family == "kimi_k25") as gen:
                 results = gen.generate(batch)
                 out["contract"] = gen.describe()
-            precision = "fp32"
+                out["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
+            precision = "fp32" if "float32" in out["engine_dtype"] else "bf16"
         out["engine_seconds"] = round(time.time() - t0, 1)
-        ref = tiny_models.hf_reference(ref_path, batch, layer_ids)
+        ref = tiny_models.hf_reference(ref_path, batch, layer_ids, device=device)
         errors = {}
         ok = True
         for j, lid in enumerate(layer_ids):
@@ -72,5 +77,12 @@ def run(check: str, family: str) -> dict:
 
 
 if __name__ == "__main__":
-    result = run(sys.argv[1], sys.argv[2])
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("check")
+    ap.add_argument("family")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    result = run(a.check, a.family, a.dtype, a.device)
     print("EAGLE_COMPAT_CELL " + json.dumps(result, default=str), flush=True)

@@ -13,14 +13,16 @@ from eagle_compat import tiny_models
 
 
 def _doctor(*args):
-    return subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
                           text=True, timeout=600)
+    proc.report = json.loads(proc.stdout) if proc.stdout.lstrip().startswith("{") else None
+    return proc
 
 
 def test_doctor_reports_versions_features_and_patches():
     proc = _doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)
+    report = proc.report
     assert report["versions"]["vllm"] and report["versions"]["speculators"] == "0.3.0"
     assert all(isinstance(v, bool) for v in report["features"].values())
     assert report["patches_needed"]["worker_capture"] is True
@@ -31,7 +33,7 @@ def test_doctor_model_prints_the_kimi_k25_contract():
     path = tiny_models.build_tiny_kimi_k25()
     proc = _doctor("--model", path, "--trust-remote-code")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    contract = json.loads(proc.stdout)["model"]
+    contract = proc.report["model"]
     assert contract["top_class"] == "KimiK25ForConditionalGeneration"
     assert contract["base_path"].startswith("language_model")
     assert contract["layer_class"] == "DeepseekV2DecoderLayer" and "positions" in contract["layer_signature"]
@@ -49,5 +51,5 @@ def test_doctor_model_exits_non_zero_for_an_unknown_family(tmp_path):
     tiny_models.save_tokenizer(path)
     proc = _doctor("--model", path)
     assert proc.returncode == 1
-    report = json.loads(proc.stdout)
+    report = proc.report
     assert "UnsupportedModel" in report["model"]["error"] and "no decoder stack found" in report["model"]["error"]

@@ -20,6 +20,8 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.json:  # keep stdout for the JSON: vLLM's own log handler writes to stdout
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from . import detect, installer
     from .errors import EagleCompatError
 

@@ -44,8 +44,10 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_hidden_layers=4, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
                                                       use_sliding_window=False)),
+    # every token takes all 4 experts (weights from the router's softmax): no top-k choice for bf16 rounding to flip,
+    # so bf16 runs (GPU) can be judged against fp32 HF; top-k selection is covered by Mixtral, GLM-4-MoE, gpt-oss
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                  dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=4, num_experts_per_tok=4,
                        moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
@@ -293,7 +295,8 @@ def build_family(family: str) -> tuple[str, str, int]:
     return path, path, TINY_CONFIGS[family][2]["num_hidden_layers"]
 
 
-def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int]) -> list[list[Any]]:
+def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int],
+                 device: str = "cpu") -> list[list[Any]]:
     """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in float32.
 
     Layer i <= N-2 is `output_hidden_states[i+1]`; the last layer N-1 is the input of the final norm (HF's
@@ -302,8 +305,11 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(torch.float32)).to(device)
     model.eval()
+    if device != "cpu":  # a true fp32 reference: no TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     base = getattr(model, "model", model)
     n = model.config.get_text_config().num_hidden_layers
     norm_input: list[torch.Tensor] = []
@@ -313,9 +319,9 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
         with torch.no_grad():
             for ids in sequences:
                 norm_input.clear()
-                res = model(torch.tensor([ids]), output_hidden_states=True)
+                res = model(torch.tensor([ids], device=device), output_hidden_states=True)
                 hs = res.hidden_states
-                out.append([(norm_input[-1][0] if i == n - 1 else hs[i + 1][0]).float() for i in layer_ids])
+                out.append([(norm_input[-1][0] if i == n - 1 else hs[i + 1][0]).float().cpu() for i in layer_ids])
     finally:
         handle.remove()
     return out
