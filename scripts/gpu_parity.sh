@@ -12,7 +12,7 @@ printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' >
 export PYTHONPATH=/tmp/site:$PWD/src EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
-for cell in ${CELLS:-"generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3"}; do
+for cell in ${CELLS:-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
   start=$(date +%s)
   timeout 300 python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda > /tmp/cell.log 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' /tmp/cell.log; then
