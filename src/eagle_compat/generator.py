@@ -112,7 +112,8 @@ class VllmHiddenStatesGenerator:
     def __init__(self, model_path: str, layer_ids: list[int] | None = None, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
-                 max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None):
+                 max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
+                 load_format: str = "auto"):
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
@@ -143,7 +144,8 @@ class VllmHiddenStatesGenerator:
             model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes)
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            load_format=load_format)
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
         with worker_start_errors():
