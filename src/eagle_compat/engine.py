@@ -345,8 +345,11 @@ def require_vllm() -> None:
 
 
 def default_env_for_cpu(dtype: str = "auto") -> dict[str, str]:
-    """Environment vLLM's workers need on a CPU-only machine (inherited by the spawned workers)."""
+    """Environment vLLM's workers need (inherited by the spawned workers)."""
     env = {}
+    if detect.feature("cuda_available"):
+        # a forked worker cannot use CUDA once anything in the driver touched it (seen on the H200)
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if not detect.feature("cuda_available") and (
             not detect.feature("cpu_mla_backend") or str(dtype).replace("torch.", "") in ("float32", "float")):
         # Before 0.28 CPU vLLM has no MLA backend and refuses DeepSeek/Kimi models; from 0.28 its MLA kernels
