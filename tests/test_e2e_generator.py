@@ -2,6 +2,8 @@
 clear errors for bad input with the engine still usable afterwards, worker errors with their traceback."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -114,3 +116,13 @@ def test_worker_start_up_failure_names_the_real_cause(tmp_path):
         VllmHiddenStatesGenerator(str(bad), max_model_len=256, gpu_memory_utilization=0.3)
     # vLLM names the unknown weight with a ValueError (0.32) or a KeyError (0.16)
     assert info.value.exc_type in ("ValueError", "KeyError") and "Traceback" in info.value.remote_traceback
+
+
+def test_results_own_their_memory(fp32_generator, tmp_path):
+    """States arrive through shared memory; each returned tensor must still be its own (torch.save of a view would
+    write the whole batch)."""
+    _, _, _, gen = fp32_generator
+    out = gen.generate([[7] * 50, [8] * 60])
+    h = out[0]["hidden_states"][0]
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"eagle-compat-")]

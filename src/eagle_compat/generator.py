@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from . import detect, engine
 from .capture.remote_errors import translate, worker_start_errors
+from .capture.worker import receive
 from .errors import IncompatibleEnvironment, InvalidInput
 
 log = logging.getLogger("eagle_compat.generator")
@@ -194,7 +195,7 @@ class VllmHiddenStatesGenerator:
                 pending.difference_update(done)
             if pending:
                 raise RuntimeError(f"{len(pending)} requests were never scheduled (KV cache too small for them?)")
-            states = self._rpc0("eagle_compat_collect")
+            states = receive(self._rpc0("eagle_compat_collect"))
         except BaseException:
             if pending:
                 engine.abort(self.scheduler, sorted(pending))
@@ -212,6 +213,7 @@ class VllmHiddenStatesGenerator:
         for ids in batch:
             n = len(ids)
             results.append({"input_ids": torch.as_tensor(ids, dtype=torch.long),
+                            # owned tensors: a view would make torch.save write the whole batch's buffer
                             "hidden_states": [h[offset:offset + n].clone() for h in states],
                             "loss_mask": None})
             offset += n

@@ -139,6 +139,104 @@ def _reorder(h, runner_order: list[str], wanted: list[str], counts: dict[str, in
     return torch.cat([h[starts[r]: starts[r] + counts[r]] for r in wanted], 0)
 
 
+class HostStaging:
+    """Moves each step's captured rows off the GPU while the next step computes, and hands a whole batch to the
+    driver through shared memory instead of pickling it through the executor's RPC queue.
+
+    Per step: an asynchronous device-to-host copy into pinned memory on a side stream. At collect: one file in
+    /dev/shm holding [layers, rows, hidden]; the driver maps it (no copy) and unlinks it at once, so the memory
+    lives exactly as long as the caller keeps the returned tensors. Peak host memory: about one batch.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[list] = []
+        self._stream = None
+
+    def add(self, per_layer: list) -> None:
+        import torch
+
+        if not per_layer or not per_layer[0].is_cuda:
+            self.steps.append([(h, None) for h in per_layer])
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        staged = []
+        with torch.cuda.stream(self._stream):
+            for h in per_layer:
+                host = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
+                host.copy_(h, non_blocking=True)
+                h.record_stream(self._stream)  # the GPU rows stay allocated until the copy is done
+                staged.append(host)
+        event = self._stream.record_event()
+        self.steps.append([(host, event) for host in staged])
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def collect(self) -> dict | list | None:
+        import torch
+
+        if not self.steps:
+            return None
+        for step in self.steps:
+            for _, event in step:
+                if event is not None:
+                    event.synchronize()
+        layers = len(self.steps[0])
+        rows = sum(step[0][0].shape[0] for step in self.steps)
+        hidden = self.steps[0][0][0].shape[-1]
+        dtype = self.steps[0][0][0].dtype
+        path = _shared_memory_path()
+        if path is None:  # no shared memory: plain tensors through the RPC queue
+            out = [torch.cat([step[j][0] for step in self.steps], 0) for j in range(layers)]
+            self.steps.clear()
+            return out
+        buf = torch.from_file(path, shared=True, size=layers * rows * hidden, dtype=dtype).view(layers, rows, hidden)
+        offset = 0
+        for step in self.steps:
+            n = step[0][0].shape[0]
+            for j, (host, _) in enumerate(step):
+                buf[j, offset: offset + n].copy_(host)
+            offset += n
+        self.steps.clear()
+        del buf
+        return {"shm_path": path, "layers": layers, "rows": rows, "hidden": hidden, "dtype": str(dtype)}
+
+
+def _shared_memory_path() -> str | None:
+    import itertools
+    import os
+
+    if os.environ.get("EAGLE_COMPAT_NO_SHM") == "1" or not os.path.isdir("/dev/shm"):
+        return None
+    counter = getattr(_shared_memory_path, "_counter", None) or itertools.count()
+    _shared_memory_path._counter = counter  # type: ignore[attr-defined]
+    return f"/dev/shm/eagle-compat-{os.getpid()}-{next(counter)}.bin"
+
+
+def receive(collected: dict | list | None) -> list | None:
+    """Driver side of HostStaging.collect: per-layer [rows, hidden] tensors."""
+    import os
+
+    import torch
+
+    if collected is None or isinstance(collected, list):
+        return collected
+    dtype = getattr(torch, collected["dtype"].replace("torch.", ""))
+    path = collected["shm_path"]
+    try:
+        buf = torch.from_file(path, shared=False, size=collected["layers"] * collected["rows"] * collected["hidden"],
+                              dtype=dtype)
+    finally:
+        try:
+            os.unlink(path)  # the mapping keeps the memory until the last tensor using it is gone
+        except OSError:
+            pass
+    buf = buf.view(collected["layers"], collected["rows"], collected["hidden"])
+    return [buf[j] for j in range(collected["layers"])]
+
+
 class CaptureWorkerExtension:
     """vLLM worker extension of eagle_compat's own generator (`worker_extension_cls`). Method names are prefixed:
     vLLM refuses an extension whose attribute names collide with the worker's."""
@@ -148,25 +246,18 @@ class CaptureWorkerExtension:
         old = getattr(self, "_eagle_compat_session", None)
         if old is not None:
             old.close()
-        self._eagle_compat_steps = []
-        self._eagle_compat_session = CaptureSession(self, layer_ids, self._eagle_compat_steps.append)
+        self._eagle_compat_staging = HostStaging()
+        self._eagle_compat_session = CaptureSession(self, layer_ids, self._eagle_compat_staging.add)
         return self._eagle_compat_session.contract.as_dict()
 
     @reported("eagle_compat_reset")
     def eagle_compat_reset(self) -> None:
-        self._eagle_compat_steps.clear()
+        self._eagle_compat_staging.clear()
 
     @reported("eagle_compat_collect")
-    def eagle_compat_collect(self) -> list | None:
-        """Per requested layer, every captured row of the steps since the last reset, on the CPU."""
-        import torch
-
-        steps = self._eagle_compat_steps
-        if not steps:
-            return None
-        out = [torch.cat([s[j] for s in steps], 0).cpu() for j in range(len(steps[0]))]
-        steps.clear()
-        return out
+    def eagle_compat_collect(self) -> dict | list | None:
+        """Every captured row since the last reset, per requested layer (see HostStaging)."""
+        return self._eagle_compat_staging.collect()
 
     @reported("eagle_compat_describe")
     def eagle_compat_describe(self) -> dict:
