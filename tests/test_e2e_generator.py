@@ -126,3 +126,17 @@ def test_results_own_their_memory(fp32_generator, tmp_path):
     h = out[0]["hidden_states"][0]
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"eagle-compat-")]
+
+
+def test_cpu_rotary_kernel_bug_is_worked_around_for_deepseek_without_rope_scaling():
+    """A DeepSeek checkpoint without rope scaling runs CPU vLLM's C++ rotary kernel on strided q/k views, which
+    leaves most heads unrotated (silently wrong states); the resolver switches those rotary embeddings to their
+    native implementation."""
+    path = tiny_models.build_tiny_model("deepseek_v3_plain_rope")
+    batch = prompts(3, 20, 60, seed=8)
+    with VllmHiddenStatesGenerator(path, layer_ids=[0, 1, 2, 3], max_model_len=256, gpu_memory_utilization=0.3,
+                                   dtype="float32") as gen:
+        results = gen.generate(batch)
+        contract = gen.describe()
+    assert any("rotary" in w for w in contract["workarounds"]), contract
+    assert_close_to_reference(results, tiny_models.hf_reference(path, batch, [0, 1, 2, 3]), precision="fp32")

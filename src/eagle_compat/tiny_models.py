@@ -34,12 +34,18 @@ _DEEPSEEK_V3 = dict(
     norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
     rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
 
+# Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
+# states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
+_DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
+_DEEPSEEK_V3_PLAIN_ROPE["rope_theta"] = 10000.0
+
 _MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 
 # family -> (transformers config class, HF architecture, config kwargs)
 TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_hidden_layers=6)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+    "deepseek_v3_plain_rope": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_PLAIN_ROPE),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_hidden_layers=4, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_hidden_layers=4, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
@@ -105,7 +111,8 @@ def _fix_deepseek_checkpoint(model_dir: str, config: Any) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-_POST_SAVE: dict[str, Callable[[str, Any], None]] = {"deepseek_v3": _fix_deepseek_checkpoint}
+_POST_SAVE: dict[str, Callable[[str, Any], None]] = {"deepseek_v3": _fix_deepseek_checkpoint,
+                                                     "deepseek_v3_plain_rope": _fix_deepseek_checkpoint}
 
 
 def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE) -> None:
@@ -283,7 +290,7 @@ def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
     return out_dir
 
 
-FAMILIES = (*TINY_CONFIGS, "kimi_k25")
+FAMILIES = (*(f for f in TINY_CONFIGS if f != "deepseek_v3_plain_rope"), "kimi_k25")
 
 
 def build_family(family: str) -> tuple[str, str, int]:
