@@ -51,6 +51,11 @@ class Patcher:
         replacement._self_eagle_compat_unit = self.unit_name  # type: ignore[attr-defined]
         self.set(owner, attribute, replacement)
 
+    def rewrite_kwargs(self, owner: Any, attribute: str, rewrite: Callable[[dict], dict]) -> None:
+        """Call `owner.attribute` with its keyword arguments passed through `rewrite` (speculators calls these
+        constructors with keywords only; rewriting by name, never by position)."""
+        self.wrap(owner, attribute, lambda wrapped, instance, args, kwargs: wrapped(*args, **rewrite(kwargs)))
+
     def wrap_instances(self, owner: Any, factory: str,
                        method_wrappers: dict[str, Callable[[Any, Callable, tuple, dict], Any]],
                        construct_within: Callable[[], Any] | None = None) -> None:

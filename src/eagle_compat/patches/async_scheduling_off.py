@@ -18,8 +18,7 @@ def _needed() -> bool:
 def _apply(patcher, module) -> None:
     from .. import engine
 
-    patcher.wrap(module, "SchedulerConfig",
-                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.without_async_scheduling(kwargs)))
+    patcher.rewrite_kwargs(module, "SchedulerConfig", engine.without_async_scheduling)
 
 
 UNIT = PatchUnit(

@@ -16,8 +16,7 @@ def _needed() -> bool:
 def _apply(patcher, module) -> None:
     from .. import engine
 
-    patcher.wrap(module, "CacheConfig",
-                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.platform_block_size(kwargs)))
+    patcher.rewrite_kwargs(module, "CacheConfig", engine.platform_block_size)
 
 
 UNIT = PatchUnit(

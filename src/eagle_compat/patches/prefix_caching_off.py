@@ -17,8 +17,7 @@ def _needed() -> bool:
 def _apply(patcher, module) -> None:
     from .. import engine
 
-    patcher.wrap(module, "CacheConfig",
-                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.without_prefix_caching(kwargs)))
+    patcher.rewrite_kwargs(module, "CacheConfig", engine.without_prefix_caching)
 
 
 UNIT = PatchUnit(

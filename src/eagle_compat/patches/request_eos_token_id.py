@@ -16,8 +16,7 @@ def _apply(patcher, module) -> None:
     from .. import engine
 
     request_cls = vars(module)["Request"]
-    patcher.wrap(module, "Request",
-                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.request_kwargs(kwargs, request_cls)))
+    patcher.rewrite_kwargs(module, "Request", lambda kw: engine.request_kwargs(kw, request_cls))
 
 
 UNIT = PatchUnit(

@@ -17,10 +17,7 @@ def _apply(patcher, module) -> None:
 
     scheduler_cls = vars(module)["Scheduler"]
 
-    def scheduler(wrapped, instance, args, kwargs):
-        return wrapped(*args, **engine.scheduler_kwargs(kwargs, scheduler_cls))
-
-    patcher.wrap(module, "Scheduler", scheduler)
+    patcher.rewrite_kwargs(module, "Scheduler", lambda kw: engine.scheduler_kwargs(kw, scheduler_cls))
 
 
 UNIT = PatchUnit(

@@ -18,16 +18,13 @@ def _apply(patcher, module) -> None:
     from .. import engine
     from ..errors import UnsupportedModel
 
-    def scheduler_config(wrapped, instance, args, kwargs):
-        return wrapped(*args, **engine.with_encoder_decoder_field(kwargs, False))
-
     def vllm_config(wrapped, instance, args, kwargs):
         mc = kwargs.get("model_config")
         if mc is not None and getattr(mc, "is_encoder_decoder", False):
             raise UnsupportedModel(f"{mc.model}: encoder-decoder models are not supported for hidden-state capture")
         return wrapped(*args, **kwargs)
 
-    patcher.wrap(module, "SchedulerConfig", scheduler_config)
+    patcher.rewrite_kwargs(module, "SchedulerConfig", lambda kw: engine.with_encoder_decoder_field(kw, False))
     patcher.wrap(module, "VllmConfig", vllm_config)
 
 

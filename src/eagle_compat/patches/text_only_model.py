@@ -19,8 +19,7 @@ def _needed() -> bool:
 def _apply(patcher, module) -> None:
     from .. import engine
 
-    patcher.wrap(module, "ModelConfig",
-                 lambda wrapped, instance, args, kwargs: wrapped(*args, **engine.text_only(kwargs)))
+    patcher.rewrite_kwargs(module, "ModelConfig", engine.text_only)
 
 
 UNIT = PatchUnit(
