@@ -177,7 +177,6 @@ def run(opts: ExtractOptions) -> dict:
     writer.atomic_write_json(manifest_path, manifest)
     done_tokens = done_samples = 0
     if todo:
-        progress = _progress(sum(map(len, todo)), opts.progress)
         with VllmHiddenStatesGenerator(opts.model, layer_ids=layer_ids, max_model_len=opts.max_len + 1,
                                        gpu_memory_utilization=opts.gpu_memory_utilization,
                                        tensor_parallel_size=opts.tensor_parallel_size, dtype=opts.dtype,
@@ -186,6 +185,7 @@ def run(opts: ExtractOptions) -> dict:
             manifest["decoder_contract"] = gen.describe()
             manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
             t_engine = time.time()
+            progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
             for batch in todo:
                 results = gen.generate([s.input_ids for s in batch])
                 for s, r in zip(batch, results):
@@ -196,7 +196,8 @@ def run(opts: ExtractOptions) -> dict:
                     writer.save_sample(opts.out, s.index, sample, opts.format)
                     done_samples += 1
                     done_tokens += len(s.input_ids)
-                progress.update(len(batch), done_tokens / max(time.time() - t_engine, 1e-9))
+                elapsed_engine = max(time.time() - t_engine, 1e-9)
+                progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
             progress.close()
     elapsed = time.time() - started
     files = [writer.sample_path(opts.out, s.index, opts.format) for b in mine for s in b]
@@ -220,10 +221,10 @@ class _progress:
             except ImportError:
                 pass
 
-    def update(self, n: int, tokens_per_s: float) -> None:
+    def update(self, n: int, samples_per_s: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.update(n)
-            self.bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s")
+            self.bar.set_postfix_str(f"{samples_per_s:,.1f} samples/s, {tokens_per_s:,.0f} tok/s")
 
     def close(self) -> None:
         if self.bar is not None:
