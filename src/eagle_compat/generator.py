@@ -140,7 +140,7 @@ class VllmHiddenStatesGenerator:
         except Exception as exc:  # noqa: BLE001 - token ids can still be given directly
             log.warning("no tokenizer for %s (%s); eos_token_id unknown", model_path, exc)
             self.tokenizer = None
-        self._env_restore = engine.apply_env(engine.default_env_for_cpu(dtype))
+        self._env_restore = engine.apply_env(engine.default_worker_env(dtype))
         self.vllm_config = engine.build_vllm_config(
             model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, dtype=dtype,

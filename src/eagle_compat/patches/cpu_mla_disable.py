@@ -15,7 +15,7 @@ from ._base import PatchUnit
 
 def _needed() -> bool:
     from .. import engine
-    return "VLLM_MLA_DISABLE" in engine.default_env_for_cpu()  # speculators always runs dtype="auto"
+    return "VLLM_MLA_DISABLE" in engine.default_worker_env()  # speculators always runs dtype="auto"
 
 
 class _Environ:
