@@ -141,18 +141,18 @@ class VllmHiddenStatesGenerator:
             log.warning("no tokenizer for %s (%s); eos_token_id unknown", model_path, exc)
             self.tokenizer = None
         self._env_restore = engine.apply_env(engine.default_worker_env(dtype))
-        self.vllm_config = engine.build_vllm_config(
-            model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            load_format=load_format)
-        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-        with worker_start_errors():
-            self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
-        engine.remember_executor(self.executor)
         try:
+            self.vllm_config = engine.build_vllm_config(
+                model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                load_format=load_format)
+            from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+            with worker_start_errors():
+                self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
+            engine.remember_executor(self.executor)
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
             budget = engine.kv_budget(self.executor, gpu_memory_utilization)
             kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
