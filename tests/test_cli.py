@@ -15,7 +15,10 @@ from eagle_compat import tiny_models
 def _doctor(*args):
     proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
                           text=True, timeout=600)
-    proc.report = json.loads(proc.stdout) if proc.stdout.lstrip().startswith("{") else None
+    # the JSON comes last; vLLM's workers may have printed to the same stdout before it (gloo on 0.16)
+    text = "\n" + proc.stdout
+    start = text.rfind("\n{\n")
+    proc.report = json.loads(text[start:]) if start >= 0 else None
     return proc
 
 
