@@ -127,3 +127,29 @@ def test_empty_vllm_worker_error_is_never_empty():
         raise RuntimeError("Worker failed with error '', please check the stack trace above for the root cause")
     with pytest.raises(WorkerError, match="RuntimeError in a vLLM worker"):
         remote_errors.translate(rpc, "execute_model")()
+
+
+def _config(enforce_eager=True, cudagraph_mode="NONE", pp=1, sp_moe=False):
+    from types import SimpleNamespace
+    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=enforce_eager),
+                           compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=pp, use_sequence_parallel_moe=sp_moe))
+
+
+class _CompiledBase(Base):
+    do_not_compile = False
+
+
+@pytest.mark.parametrize("config, base, message", [
+    (_config(enforce_eager=False, cudagraph_mode="FULL_AND_PIECEWISE"), Base(), "needs eager mode"),
+    (_config(enforce_eager=False), _CompiledBase(), "needs eager mode"),
+    (_config(pp=2), Base(), "pipeline_parallel_size=2"),
+    (_config(sp_moe=True), Base(), "sequence-parallel MoE"),
+])
+def test_engine_modes_that_capture_cannot_see_are_refused(config, base, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        resolver.check_engine_mode(config, base)
+
+
+def test_eager_engine_is_accepted():
+    resolver.check_engine_mode(_config(), Base())
