@@ -12,7 +12,7 @@ import os
 from typing import Any, Callable
 
 VOCAB_SIZE = 512
-BUILD_REVISION = 3  # bump when the way checkpoints are written changes (part of the cache key)
+BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -118,11 +118,15 @@ _POST_SAVE: dict[str, Callable[[str, Any], None]] = {"deepseek_v3": _fix_deepsee
                                                      "deepseek_v3_plain_rope": _fix_deepseek_checkpoint}
 
 
-def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE) -> None:
+# gpt-oss's reasoning parser, which vLLM 0.17+ builds with the engine, looks these up in the vocabulary
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE, extra_specials: list[str] | None = None) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", *(extra_specials or [])]
     vocab = {t: i for i, t in enumerate(specials)}
     for i in range(vocab_size - len(specials)):
         vocab[f"w{i}"] = len(vocab)
@@ -170,7 +174,7 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
     model.save_pretrained(out_dir, safe_serialization=True)
     if family in _POST_SAVE:
         _POST_SAVE[family](out_dir, config)
-    save_tokenizer(out_dir, config.vocab_size)
+    save_tokenizer(out_dir, config.vocab_size, HARMONY_TOKENS if family == "gpt_oss" else None)
     open(os.path.join(out_dir, ".complete"), "w").close()
     return out_dir
 
