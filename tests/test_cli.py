@@ -3,7 +3,6 @@ non-zero exit for what cannot be captured."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

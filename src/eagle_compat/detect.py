@@ -91,11 +91,6 @@ def parameters(obj: Any) -> dict[str, inspect.Parameter]:
         return {}
 
 
-def accepts(obj: Any, name: str) -> bool:
-    params = parameters(obj)
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 def has_parameter(obj: Any, name: str) -> bool:
     """True only if `name` is an explicit parameter (a **kwargs catch-all does not count)."""
     return name in parameters(obj)

@@ -7,10 +7,10 @@ import numbers
 import os
 from typing import Any, Sequence
 
-from . import detect, engine
+from . import engine
 from .capture.remote_errors import translate, worker_start_errors
 from .capture.worker import receive
-from .errors import IncompatibleEnvironment, InvalidInput
+from .errors import InvalidInput
 
 log = logging.getLogger("eagle_compat.generator")
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -11,7 +10,7 @@ import wrapt
 
 from . import detect
 from .errors import IncompatibleEnvironment
-from .patches import GENERATOR_MODULE, REGISTRY, Patcher, PatchUnit
+from .patches import REGISTRY, Patcher, PatchUnit
 
 log = logging.getLogger("eagle_compat")
 
@@ -196,6 +195,3 @@ def needed_units() -> dict[str, bool | str]:
             out[unit.name] = f"unknown ({type(exc).__name__}: {exc})"
     return out
 
-
-def generator_module_imported() -> bool:
-    return GENERATOR_MODULE in sys.modules

@@ -1,11 +1,10 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -34,7 +33,6 @@ class ExtractOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

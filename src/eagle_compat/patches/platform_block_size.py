@@ -10,7 +10,7 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 def _needed() -> bool:
     from .. import engine
-    return engine._has_field(engine._cache_config(), "user_specified_block_size")
+    return engine.explicit_block_size_is_final()
 
 
 def _apply(patcher, module) -> None:

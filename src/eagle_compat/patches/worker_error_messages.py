@@ -6,7 +6,6 @@ the executor built at speculators' call site turns it back into `eagle_compat.Wo
 """
 from __future__ import annotations
 
-import sys
 
 from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
 
