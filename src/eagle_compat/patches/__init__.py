@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_kv_budget, cpu_mla_disable, kv_cache_config_helpers,
                platform_block_size, prefix_caching_off, text_only_model, request_eos_token_id, scheduler_block_size, scheduler_config_encoder_decoder,
-               transformers5_pydantic_torch, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
+               transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
                worker_error_messages)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 
 REGISTRY: tuple[PatchUnit, ...] = (
     transformers5_pydantic_torch.UNIT,
+    transformers_attn_mask_utils.UNIT,
     cpu_mla_disable.UNIT,
     scheduler_config_encoder_decoder.UNIT,
     chunked_prefill_off.UNIT,

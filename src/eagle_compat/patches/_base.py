@@ -27,6 +27,26 @@ class Change:
     existed: bool
 
 
+class _ModuleTable:
+    """`sys.modules` seen through attributes, so a Patcher records and reverts a module it provides."""
+    __name__ = "sys.modules"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return sys.modules[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        sys.modules[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        sys.modules.pop(name, None)
+
+
+SYS_MODULES = _ModuleTable()
+
+
 class Patcher:
     """Records (owner, attribute, original, replacement) for every change so it can be undone exactly."""
 
@@ -41,6 +61,10 @@ class Patcher:
             existed, original = hasattr(owner, attribute), getattr(owner, attribute, None)
         setattr(owner, attribute, replacement)
         self.changes.append(Change(owner, attribute, original, replacement, existed))
+
+    def provide_module(self, name: str, module: ModuleType) -> None:
+        """Make `import name` find `module` (for a module a newer dependency removed); revert removes it."""
+        self.set(SYS_MODULES, name, module)
 
     def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
         """wrapt-style wrapper `(wrapped, instance, args, kwargs)` around `owner.attribute` (looked up where the
