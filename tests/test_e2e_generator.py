@@ -98,6 +98,18 @@ def test_worker_exception_reaches_the_caller_with_type_and_traceback(fp32_genera
     assert gen.generate([[7, 8]])[0]["hidden_states"][0].shape[0] == 2
 
 
+def test_failure_inside_vllms_own_worker_code_keeps_its_type_and_traceback(fp32_generator):
+    """A failure in vLLM's worker loop (not in eagle_compat's worker code) reaches vLLM's driver as str(exc)
+    only; the generator recovers the worker's traceback from what the worker logged."""
+    from eagle_compat import WorkerError, engine
+
+    _, _, _, gen = fp32_generator
+    with pytest.raises(WorkerError, match="no_such_worker_method") as info:
+        gen._translated(engine.rpc_rank0, "no_such_worker_method")(gen.executor, "no_such_worker_method")
+    assert info.value.exc_type == "AttributeError" and "Traceback" in info.value.remote_traceback
+    assert gen.generate([[7, 8]])[0]["hidden_states"][0].shape[0] == 2  # the engine is still usable
+
+
 def test_worker_start_up_failure_names_the_real_cause(tmp_path):
     """vLLM itself only says 'WorkerProc initialization failed … See stack trace for root cause'."""
     import shutil

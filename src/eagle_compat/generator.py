@@ -8,7 +8,7 @@ import os
 from typing import Any, Sequence
 
 from . import engine
-from .capture.remote_errors import translate, worker_start_errors
+from .capture.remote_errors import WorkerErrorLog, translate
 from .capture.worker import receive
 from .errors import InvalidInput
 
@@ -150,22 +150,27 @@ class VllmHiddenStatesGenerator:
                 load_format=load_format)
             from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-            with worker_start_errors():
+            self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
+            with self._worker_errors.spawning():
                 self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
             engine.remember_executor(self.executor)
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
-            budget = engine.kv_budget(self.executor, gpu_memory_utilization)
+            budget = self._translated(engine.kv_budget, "determine_available_memory")(
+                self.executor, gpu_memory_utilization)
             kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
             self.scheduler = engine.build_scheduler(self.vllm_config, kv_cache_config)
-            translate(engine.initialize_workers, "initialize_from_config")(
+            self._translated(engine.initialize_workers, "initialize_from_config")(
                 self.executor, kv_cache_config, self.vllm_config.parallel_config.world_size)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------------------------------------------------
+    def _translated(self, fn: Any, method: str) -> Any:
+        return translate(fn, method, log=getattr(self, "_worker_errors", None))
+
     def _rpc0(self, method: str, *args: Any) -> Any:
-        return translate(engine.rpc_rank0, method)(self.executor, method, *args)
+        return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -189,7 +194,7 @@ class VllmHiddenStatesGenerator:
             for rid, ids in zip(request_ids, batch):
                 self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
             while (out := self.scheduler.schedule()).total_num_scheduled_tokens > 0:
-                translate(engine.run_step, "execute_model")(self.executor, out)
+                self._translated(engine.run_step, "execute_model")(self.executor, out)
                 done = list(out.num_scheduled_tokens)
                 engine.abort(self.scheduler, done)
                 pending.difference_update(done)
@@ -230,6 +235,9 @@ class VllmHiddenStatesGenerator:
                 executor.shutdown()
             except Exception:  # noqa: BLE001
                 log.warning("exception during executor shutdown", exc_info=True)
+        if getattr(self, "_worker_errors", None) is not None:
+            self._worker_errors.close()
+            self._worker_errors = None
         for k, v in getattr(self, "_env_restore", {}).items():
             if v is None:
                 os.environ.pop(k, None)

@@ -66,8 +66,9 @@ def decode(exc: BaseException) -> WorkerError | None:
     return None
 
 
-def translate(fn: Callable, method: str = "") -> Callable:
-    """Driver side: re-raise a worker failure as WorkerError (type, message, worker traceback)."""
+def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = None) -> Callable:
+    """Driver side: re-raise a worker failure as WorkerError (type, message, worker traceback). With `log`, a
+    failure inside vLLM's own worker code (no payload of ours) is recovered from what the worker logged."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -75,7 +76,7 @@ def translate(fn: Callable, method: str = "") -> Callable:
         except WorkerError:
             raise
         except Exception as exc:
-            err = decode(exc)
+            err = decode(exc) or (log.latest(method) if log is not None and _from_worker(exc) else None)
             if err is not None:
                 raise err from exc
             text = str(exc)
@@ -121,26 +122,61 @@ def record_worker_start_errors() -> None:
             logger.addHandler(_FileHandler(directory))
 
 
+def _from_worker(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "Worker failed with error" in str(exc)
+
+
+class WorkerErrorLog:
+    """A directory where workers spawned under `spawning()` copy every exception they log, for the workers'
+    whole life (vLLM logs the traceback in the worker and sends the driver only str(exc))."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="eagle-compat-workers-")
+
+    def records(self) -> list[dict]:
+        records = []
+        for path in sorted(glob.glob(os.path.join(self.directory, "*.jsonl"))):
+            with open(path) as f:
+                records += [json.loads(line) for line in f if line.strip()]
+        return records
+
+    def latest(self, method: str = "") -> WorkerError | None:
+        records = self.records()
+        if not records:
+            return None
+        last = records[-1]
+        return WorkerError(last["type"], last["message"], last["traceback"], method or last["method"])
+
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """Around building an executor: its workers inherit the directory; an opaque start-up failure becomes a
+        WorkerError carrying the first exception a worker logged."""
+        previous = os.environ.get(START_ERRORS_ENV)
+        os.environ[START_ERRORS_ENV] = self.directory
+        try:
+            yield
+        except Exception as exc:
+            records = self.records()
+            if records:
+                first = records[0]
+                raise WorkerError(first["type"], first["message"], first["traceback"], first["method"]) from exc
+            raise
+        finally:
+            if previous is None:
+                os.environ.pop(START_ERRORS_ENV, None)
+            else:
+                os.environ[START_ERRORS_ENV] = previous
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def worker_start_errors() -> Iterator[None]:
     """Driver side: around building an executor, turn an opaque start-up failure into a WorkerError."""
-    directory = tempfile.mkdtemp(prefix="eagle-compat-workers-")
-    previous = os.environ.get(START_ERRORS_ENV)
-    os.environ[START_ERRORS_ENV] = directory
+    log = WorkerErrorLog()
     try:
-        yield
-    except Exception as exc:
-        records = []
-        for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
-            with open(path) as f:
-                records += [json.loads(line) for line in f if line.strip()]
-        if records:
-            first = records[0]
-            raise WorkerError(first["type"], first["message"], first["traceback"], first["method"]) from exc
-        raise
+        with log.spawning():
+            yield
     finally:
-        if previous is None:
-            os.environ.pop(START_ERRORS_ENV, None)
-        else:
-            os.environ[START_ERRORS_ENV] = previous
-        shutil.rmtree(directory, ignore_errors=True)
+        log.close()
