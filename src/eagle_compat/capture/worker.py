@@ -8,6 +8,7 @@ and hands each step's per-layer tensors to a sink.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 from ..errors import UnsupportedModel
@@ -50,9 +51,36 @@ def runner_batch_order(model_runner: Any) -> list[str] | None:
     return None
 
 
+def keep_vllm_config_current(worker: Any) -> bool:
+    """Make the worker's vLLM config current for the rest of this worker process's life, where vLLM has none.
+
+    vLLM >= 0.20's CPU fused-MoE torch path (taken in float32) builds a `SiluAndMul` CustomOp inside the forward
+    (`fused_moe/cpu_fused_moe.py`, `_CPU_MOE_ACT_FN`); CustomOp construction asks for the current vLLM config,
+    which vLLM's workers set only while loading the model, so the profile run fails with "Current vLLM config is
+    not set". The process is one of our workers and runs one model: its own config is the right answer.
+    Returns whether it had to be set."""
+    config = getattr(worker, "vllm_config", None)
+    try:
+        from vllm.config import set_current_vllm_config
+        state = sys.modules[set_current_vllm_config.__module__]
+    except (ImportError, KeyError):
+        return False
+    if config is None or getattr(state, "_current_vllm_config", "absent") is not None:
+        return False
+    context = set_current_vllm_config(config)
+    context.__enter__()  # never left: the worker's lifetime
+    _KEPT_CONTEXTS.append(context)
+    return True
+
+
+_KEPT_CONTEXTS: list = []
+
+
 class CaptureSession:
     def __init__(self, worker: Any, layer_ids: list[int], sink: Callable[[list], None]):
         self.worker = worker
+        if keep_vllm_config_current(worker):
+            log.info("vLLM config made current for this worker's life (forward-time CustomOps need it)")
         self.layer_ids = list(layer_ids)
         self.sink = sink
         model = _model_of(worker)
