@@ -81,9 +81,12 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
     data["env_seconds"] = round(time.time() - t0, 1)
     if build.returncode != 0:
         data["env_error"] = (build.stdout + build.stderr)[-3000:]
+        # the release could not be installed by our recipe: a failure of the matrix, with pip's own reason
+        reason = next((line for line in reversed(data["env_error"].splitlines()) if line.startswith("ERROR")),
+                      "see env_error")
         for c, f in todo:
-            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
-                                         "error": "the environment could not be built (see env_error)"}
+            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "fail",
+                                         "error": f"the environment could not be built: {reason}"}
         data["complete"] = True
         write(path, data)
         return data

@@ -153,3 +153,33 @@ def test_engine_modes_that_capture_cannot_see_are_refused(config, base, message)
 
 def test_eager_engine_is_accepted():
     resolver.check_engine_mode(_config(), Base())
+
+
+def test_worker_keeps_its_vllm_config_current_only_where_vllm_left_none(monkeypatch):
+    """vLLM 0.20-0.24 build a CustomOp inside the CPU float32 MoE forward, which needs a current config."""
+    import types
+
+    from eagle_compat.capture import worker as capture_worker
+
+    state, _ = capture_worker._vllm_config_state()  # the real vLLM has the global this relies on
+    assert hasattr(state, "_current_vllm_config")
+
+    class FakeWorker:
+        vllm_config = object()
+
+    entered = []
+
+    class Context:
+        def __init__(self, config):
+            self.config = config
+
+        def __enter__(self):
+            entered.append(self.config)
+
+    fake_state = types.SimpleNamespace(_current_vllm_config=FakeWorker.vllm_config)
+    monkeypatch.setattr(capture_worker, "_vllm_config_state", lambda: (fake_state, Context))
+    monkeypatch.setattr(capture_worker, "_KEPT_CONTEXTS", [])
+    assert capture_worker.keep_vllm_config_current(FakeWorker()) is False  # vLLM has one: left alone
+    fake_state._current_vllm_config = None
+    assert capture_worker.keep_vllm_config_current(FakeWorker()) is True
+    assert entered == [FakeWorker.vllm_config] and len(capture_worker._KEPT_CONTEXTS) == 1

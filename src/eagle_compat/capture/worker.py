@@ -54,15 +54,14 @@ def runner_batch_order(model_runner: Any) -> list[str] | None:
 def keep_vllm_config_current(worker: Any) -> bool:
     """Make the worker's vLLM config current for the rest of this worker process's life, where vLLM has none.
 
-    vLLM >= 0.20's CPU fused-MoE torch path (taken in float32) builds a `SiluAndMul` CustomOp inside the forward
+    vLLM 0.20-0.24's CPU fused-MoE torch path (taken in float32) builds a `SiluAndMul` CustomOp inside the forward
     (`fused_moe/cpu_fused_moe.py`, `_CPU_MOE_ACT_FN`); CustomOp construction asks for the current vLLM config,
     which vLLM's workers set only while loading the model, so the profile run fails with "Current vLLM config is
     not set". The process is one of our workers and runs one model: its own config is the right answer.
-    Returns whether it had to be set."""
+    Returns whether it had to be set. Can be deleted with support for vLLM < 0.25."""
     config = getattr(worker, "vllm_config", None)
     try:
-        from vllm.config import set_current_vllm_config
-        state = sys.modules[set_current_vllm_config.__module__]
+        state, set_current_vllm_config = _vllm_config_state()
     except (ImportError, KeyError):
         return False
     if config is None or getattr(state, "_current_vllm_config", "absent") is not None:
@@ -74,6 +73,12 @@ def keep_vllm_config_current(worker: Any) -> bool:
 
 
 _KEPT_CONTEXTS: list = []
+
+
+def _vllm_config_state() -> tuple[Any, Callable]:
+    """The module holding vLLM's current-config global, and its context manager."""
+    from vllm.config import set_current_vllm_config
+    return sys.modules[set_current_vllm_config.__module__], set_current_vllm_config
 
 
 class CaptureSession:
