@@ -43,6 +43,15 @@ def test_parity_layers_first_middle_penultimate_last(shim):
         assert len(res["hidden_states"]) == len(layer_ids)
 
 
+def test_failure_inside_vllms_worker_code_reaches_speculators_caller_with_traceback(shim):
+    family, _, _, gen = shim
+    if family != "llama":
+        pytest.skip("one family is enough")
+    with pytest.raises(eagle_compat.WorkerError, match="no_such_worker_method") as info:
+        gen.executor.collective_rpc("no_such_worker_method")
+    assert info.value.exc_type == "AttributeError" and "Traceback" in info.value.remote_traceback
+
+
 def test_big_mixed_batch_two_calls_and_alone(shim):
     """> max_num_seqs (32) sequences, > one step's tokens (8192), shared 16+ token prefix, called twice; each
     sequence equals its result when generated alone."""

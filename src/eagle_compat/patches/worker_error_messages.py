@@ -2,10 +2,14 @@
 empty (a bare assert, many KeyErrors), with the real traceback only in the worker's log.
 
 Worker side: speculators' extension methods raise a failure that carries type, message and traceback. Driver side:
-the executor built at speculators' call site turns it back into `eagle_compat.WorkerError`.
+the executor built at speculators' call site turns it back into `eagle_compat.WorkerError`; a failure inside vLLM's
+own worker code (profiling, KV initialisation, the forward) is recovered from what the workers logged, kept in a
+`WorkerErrorLog` for the executor's life.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 
 from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
 
@@ -21,11 +25,29 @@ def _apply(patcher, module) -> None:
             patcher.set(ext, name, remote_errors.reported(name)(vars(ext)[name]))
         return
 
+    built: list = []  # the log of the executor being built; claimed by its first call
+    logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @contextlib.contextmanager
+    def spawning_with_log():
+        log = remote_errors.WorkerErrorLog()
+        try:
+            with log.spawning():
+                yield
+        except BaseException:
+            log.close()
+            raise
+        built.append(log)
+
     def translated(executor, call, args, kwargs):
-        return remote_errors.translate(call, getattr(call, "__name__", ""))(*args, **kwargs)
+        log = logs.get(executor)
+        if log is None and built:
+            log = logs[executor] = built.pop()
+            weakref.finalize(executor, log.close)
+        return remote_errors.translate(call, getattr(call, "__name__", ""), log=log)(*args, **kwargs)
 
     patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS},
-                           construct_within=remote_errors.worker_start_errors)
+                           construct_within=spawning_with_log)
 
 
 def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:
