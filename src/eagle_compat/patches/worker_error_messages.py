@@ -46,7 +46,8 @@ def _apply(patcher, module) -> None:
             weakref.finalize(executor, log.close)
         return remote_errors.translate(call, getattr(call, "__name__", ""), log=log)(*args, **kwargs)
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in _RPC_METHODS},
+    methods = [m for m in _RPC_METHODS if hasattr(module.MultiprocExecutor, m)]  # sample_tokens: 0.11.1+
+    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in methods},
                            construct_within=spawning_with_log)
 
 
