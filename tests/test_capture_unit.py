@@ -183,3 +183,20 @@ def test_worker_keeps_its_vllm_config_current_only_where_vllm_left_none(monkeypa
     fake_state._current_vllm_config = None
     assert capture_worker.keep_vllm_config_current(FakeWorker()) is True
     assert entered == [FakeWorker.vllm_config] and len(capture_worker._KEPT_CONTEXTS) == 1
+
+
+def test_ipex_fused_moe_with_routing_bias_is_refused():
+    """vLLM 0.11.0's IPEX fused MoE on CPU ignores DeepSeek's e_score_correction_bias: silently wrong."""
+    class IPEXFusedMOE:
+        pass
+
+    class FusedMoE(nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.cpu_fused_moe = IPEXFusedMOE()
+            self.e_score_correction_bias = bias
+
+    biased, unbiased = nn.Sequential(FusedMoE(torch.zeros(4))), nn.Sequential(FusedMoE(None))
+    resolver.check_known_wrong_kernels([unbiased])  # softmax routing without bias: IPEX is exact
+    with pytest.raises(UnsupportedModel, match="e_score_correction_bias"):
+        resolver.check_known_wrong_kernels([unbiased, biased])

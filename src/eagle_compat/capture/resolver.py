@@ -90,6 +90,22 @@ def check_engine_mode(vllm_config: Any, base: Any) -> None:
             "partial. Turn off expert/data parallelism for extraction.")
 
 
+def check_known_wrong_kernels(layers: list[Any]) -> None:
+    """Refuse engine kernels known to compute these layers wrongly without any error.
+
+    vLLM 0.11.0 on x86 CPU runs float32 MoE through IPEX's `GatedMLPMOE`, which mishandles the routing bias of
+    `noaux_tc` models (DeepSeek-V3, Kimi-K2: `e_score_correction_bias`): measured against a plain implementation,
+    its MoE output is 26-50% off (0.0 without the bias), ~3% in the residual stream of a tiny DeepSeek-V3."""
+    for layer in layers:
+        for module in layer.modules():
+            kernel = getattr(module, "cpu_fused_moe", None)
+            if type(kernel).__name__ == "IPEXFusedMOE" and getattr(module, "e_score_correction_bias", None) is not None:
+                raise UnsupportedModel(
+                    "this vLLM runs the MoE layers on CPU through IPEX's fused MoE, which ignores DeepSeek-style "
+                    "routing bias (e_score_correction_bias, topk_method='noaux_tc'): hidden states would be silently "
+                    "wrong. Use vLLM >= 0.11.1, or a GPU.")
+
+
 def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None) -> DecoderContract:
     path, base = find_base_model(model)
     layers = base.layers
@@ -110,6 +126,7 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
         raise UnsupportedModel(f"{type(model).__name__}: layers of mixed output kinds {sorted(kinds)}.")
     family = next(iter(families.values()))
     check_engine_mode(vllm_config, base)
+    check_known_wrong_kernels(own)
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     contract = DecoderContract(
