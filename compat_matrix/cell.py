@@ -13,9 +13,16 @@ import traceback
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
-# engine errors that mean "this release cannot run this model on CPU at all" (not a capture failure)
+# errors that mean "this release cannot run this model in this mode on CPU at all", or that eagle_compat refuses it
+# with a reason (not a capture failure): status "unsupported". Everything else that goes wrong is "fail".
 UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "is not in eagle_compat's family",
-                       "are not supported for now", "does not support")
+                       "are not supported for now", "does not support",
+                       "unexpected keyword argument 'sinks'",  # CPU attention without attention sinks (gpt-oss)
+                       "expected scalar type BFloat16 but found Float")  # CPU MoE kernel that takes bf16 only
+
+
+def classify(error_text: str) -> str:
+    return "unsupported" if any(m in error_text for m in UNSUPPORTED_MARKERS) else "fail"
 
 
 def _prompts():
@@ -70,7 +77,7 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
                    error=None if ok else "hidden states differ from HF beyond tolerance")
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         text = f"{type(exc).__name__}: {exc}"
-        out.update(status="unsupported" if any(m in text for m in UNSUPPORTED_MARKERS) else "fail",
+        out.update(status=classify(text),
                    error=text[:2000], traceback=traceback.format_exc()[-4000:])
     out["seconds"] = round(time.time() - t0, 1)
     return out

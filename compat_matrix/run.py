@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import json
 import os
 import shutil
@@ -109,6 +110,24 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
     return data
 
 
+def reclassify() -> int:
+    """Status of a red cell is a pure function of its error text: apply today's classification to the records."""
+    from cell import classify
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        changed = [k for k, c in data["cells"].items()
+                   if c["status"] != "pass" and c.get("error") and classify(c["error"]) != c["status"]]
+        for key in changed:
+            data["cells"][key]["status"] = classify(data["cells"][key]["error"])
+        if changed:
+            write(path, data)
+            print(f"{os.path.basename(path)}: reclassified {', '.join(changed)}")
+    import render
+    render.main()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--releases", default=",".join(RELEASES))
@@ -121,11 +140,15 @@ def main() -> int:
                                                    "with vLLM and eagle_compat installed; one release)")
     ap.add_argument("--rerun", action="store_true", help="repeat the selected cells even if already recorded")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at a time (each is its own engine)")
+    ap.add_argument("--reclassify", action="store_true",
+                    help="only re-derive fail/unsupported of recorded cells from their error text (cell.classify)")
     a = ap.parse_args()
     families = set(a.families.split(",")) if a.families else None
     kinds = set(a.checks.split(","))
     checks = [(c, f) for c, f in CHECKS if c in kinds and (families is None or f in families)]
     os.makedirs(RESULTS, exist_ok=True)
+    if a.reclassify:
+        return reclassify()
     os.makedirs(a.work, exist_ok=True)
     releases = [r for r in a.releases.split(",") if r]
     venv = os.path.join(a.work, "env")  # one at a time; make_env.py reuses it while the torch line is the same
