@@ -24,6 +24,14 @@ def load() -> list[dict]:
     return sorted(out, key=key)
 
 
+def reason(error: str) -> str:
+    """The informative part of a recorded error: no worker traceback, no list of every supported architecture."""
+    text = (error or "").split("--- worker traceback ---")[0]
+    text = text.split("Supported architectures:")[0]
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text[:300].rstrip(" .")
+
+
 def _cell_text(cell: dict, notes: list[str]) -> str:
     status = cell.get("status", "?")
     if status == "pass":
@@ -31,8 +39,10 @@ def _cell_text(cell: dict, notes: list[str]) -> str:
         worst = max((e["max_abs"] if cell.get("precision") == "fp32" else e["max_rel_to_layer_max"])
                     for e in errs.values()) if errs else 0.0
         return f"pass ({'abs' if cell.get('precision') == 'fp32' else 'rel'} {worst:.0e})"
-    notes.append(f"{cell.get('family')} / {cell.get('check')}: {(cell.get('error') or '').splitlines()[0][:300]}")
-    return f"{MARK.get(status, status)} [{len(notes)}]"
+    note = reason(cell.get("error"))
+    if note not in notes:  # one number per distinct reason, shared by every cell it explains
+        notes.append(note)
+    return f"{MARK.get(status, status)} [{notes.index(note) + 1}]"
 
 
 def render(results: list[dict]) -> str:
@@ -45,7 +55,8 @@ def render(results: list[dict]) -> str:
              "under `eagle_compat.install()` (engine dtype auto = bf16 on CPU; pass = every layer within 5e-2 of the",
              "layer's max |value| of HF transformers fp32); `generator/<family>` = `eagle_compat.VllmHiddenStatesGenerator`",
              "in float32 (pass = max abs error <= 1e-4). Cells show the worst error over the layers checked.",
-             "A release not listed has not been run yet.", ""]
+             "`unsupported` = the release cannot run that model in that mode on CPU, or eagle_compat refuses it",
+             "with the reason given (rather than return wrong tensors); `FAIL` = anything else.", ""]
     notes: list[str] = []
     lines.append("| vLLM | " + " | ".join(cols) + " |")
     lines.append("|---|" + "---|" * len(cols))
@@ -55,6 +66,10 @@ def render(results: list[dict]) -> str:
             cell = r["cells"].get(col)
             row.append(_cell_text(cell, notes) if cell else "not run")
         lines.append("| " + " | ".join(row) + " |")
+    from matrix import RELEASES
+    missing = [v for v in RELEASES if v not in {r["release"] for r in results}]
+    if missing:
+        lines += ["", "Not run yet: " + ", ".join(missing) + "."]
     if notes:
         lines += ["", "Reasons:", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
     versions = [f"- {r['release']}: {json.dumps(r.get('versions'))}" for r in results if r.get("versions")]
