@@ -18,7 +18,8 @@ BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
 UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "is not in eagle_compat's family",
                        "are not supported for now", "does not support",
                        "unexpected keyword argument 'sinks'",  # CPU attention without attention sinks (gpt-oss)
-                       "expected scalar type BFloat16 but found Float")  # CPU MoE kernel that takes bf16 only
+                       "expected scalar type BFloat16 but found Float",  # CPU MoE kernel that takes bf16 only
+                       "compiled extension does not load on this machine")  # the wheel's C++ runtime is newer
 
 
 def classify(error_text: str) -> str:

