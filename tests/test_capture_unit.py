@@ -200,3 +200,31 @@ def test_ipex_fused_moe_with_routing_bias_is_refused():
     resolver.check_known_wrong_kernels([unbiased])  # softmax routing without bias: IPEX is exact
     with pytest.raises(UnsupportedModel, match="e_score_correction_bias"):
         resolver.check_known_wrong_kernels([unbiased, biased])
+
+
+def test_native_rotary_switch_only_where_the_cpu_kernel_would_run():
+    """vLLM 0.11-0.13's CustomOp sends CPU to forward_cuda (the C++ rotary kernel, wrong on DeepSeek's strided
+    q/k); 0.14+ send scaled RoPE to forward_native already; plain RoPE has its own kernel-backed forward_cpu."""
+    class CustomOp(nn.Module):
+        def forward_native(self, *a):
+            return "native"
+
+        def forward_cuda(self, *a):
+            return "kernel"
+
+        def forward_cpu(self, *a):  # 0.11-0.13 default
+            return self.forward_cuda(*a)
+
+    def rope(base, method):
+        cls = type("DeepseekScalingRotaryEmbedding", (base,), {})
+        module = cls()
+        module._forward_method = getattr(module, method)
+        return module
+
+    old_default = rope(CustomOp, "forward_cpu")
+    old_default._forward_method.__func__.__qualname__ = "CustomOp.forward_cpu"
+    already_native = rope(CustomOp, "forward_native")
+    own_kernel = rope(CustomOp, "forward_cuda")
+    layer = nn.ModuleList([old_default, already_native, own_kernel])
+    assert resolver.use_native_rotary([layer]) == 2
+    assert all(m._forward_method() == "native" for m in layer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UnsupportedModel
 from . import families as fam
@@ -134,27 +134,70 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
         layer_class=classes[0] if len(classes) == 1 else ",".join(classes), layer_signature=_signature(own[0]),
         output_kind=family.output, num_layers=len(layers), start_layer=start, end_layer=end,
         native_eagle3=bool(supports_eagle3(model)))
-    if family.cpu_native_rotary and (platform or _platform()) == "cpu":
+    on_cpu = (platform or _platform()) == "cpu"
+    if on_cpu:
+        n = use_native_custom_ops(own)
+        if n:
+            contract.workarounds.append(
+                f"this vLLM runs CPU custom ops through C++ kernels that mishandle strided views: {n} op(s) "
+                "switched to their native implementation")
+    if family.cpu_native_rotary and on_cpu:
         n = use_native_rotary(own)
         if n:
             contract.workarounds.append(
-                f"CPU rotary kernel mishandles {family.name} attention's strided q/k views without rope scaling: "
+                f"CPU rotary kernel mishandles {family.name} attention's strided q/k views: "
                 f"{n} rotary embedding(s) switched to their native implementation")
     return contract
 
 
 def use_native_rotary(layers: list[Any]) -> int:
-    """Run plain (unscaled) rotary embeddings through forward_native; returns how many were switched."""
+    """Run the layers' rotary embeddings through forward_native where they would reach vLLM's CPU rotary kernel
+    (plain RoPE's own forward_cpu, on every release); returns how many were switched."""
+    return _switch_to_native(layers, lambda m: type(m).__name__.endswith("RotaryEmbedding") and _reaches_kernel(m))
+
+
+def use_native_custom_ops(layers: list[Any]) -> int:
+    """vLLM 0.11-0.13's CustomOp default sends CPU to forward_cuda, i.e. the C++ kernels, which give wrong
+    results on strided views (Qwen3's per-head q/k norm, DeepSeek's YaRN rotary: measured ~0.7-1.6 relative error
+    from the first layer). Run every such op through its forward_native (the reference implementation)."""
+    return _switch_to_native(layers, _default_cpu_reaches_kernel)
+
+
+def _switch_to_native(layers: list[Any], wanted: Callable[[Any], bool]) -> int:
     switched = 0
     seen: set[int] = set()
     for layer in layers:
         for module in layer.modules():
-            if type(module).__name__ == "RotaryEmbedding" and id(module) not in seen and hasattr(
-                    module, "forward_native") and hasattr(module, "_forward_method"):
+            if id(module) not in seen and hasattr(module, "_forward_method") and hasattr(
+                    module, "forward_native") and wanted(module):
                 seen.add(id(module))
                 module._forward_method = module.forward_native
                 switched += 1
     return switched
+
+
+def _current_function(module: Any) -> Any:
+    return getattr(getattr(module, "_forward_method", None), "__func__", None)
+
+
+def _default_cpu_reaches_kernel(module: Any) -> bool:
+    current = _current_function(module)
+    if getattr(current, "__qualname__", "") != "CustomOp.forward_cpu":
+        return False
+    try:
+        return "forward_cuda" in inspect.getsource(current)
+    except (OSError, TypeError):
+        return False
+
+
+def _reaches_kernel(module: Any) -> bool:
+    native = getattr(type(module), "forward_native", None)
+    current = _current_function(module)
+    if native is None or current is None or current is native:
+        return False
+    if getattr(current, "__qualname__", "") == "CustomOp.forward_cpu":  # the default: native or cuda by release
+        return _default_cpu_reaches_kernel(module)
+    return True  # a class's own forward_cpu / forward_cuda: the C++ kernel
 
 
 def _platform() -> str:
