@@ -228,3 +228,26 @@ def test_native_rotary_switch_only_where_the_cpu_kernel_would_run():
     layer = nn.ModuleList([old_default, already_native, own_kernel])
     assert resolver.use_native_rotary([layer]) == 2
     assert all(m._forward_method() == "native" for m in layer)
+
+
+def test_cpu_ops_that_reach_cuda_kernels_by_default_run_natively():
+    class OldDefault(nn.Module):  # vLLM 0.11-0.13: CustomOp.forward_cpu -> forward_cuda
+        def forward_native(self, *a):
+            return "native"
+
+        def forward_cuda(self, *a):
+            return "kernel"
+
+        def forward_cpu(self, *a):
+            return self.forward_cuda(*a)
+
+    class NewDefault(OldDefault):  # 0.14+: CustomOp.forward_cpu -> forward_native
+        def forward_cpu(self, *a):
+            return self.forward_native(*a)
+
+    for cls in (OldDefault, NewDefault):
+        cls.forward_cpu.__qualname__ = "CustomOp.forward_cpu"
+    old, new = OldDefault(), NewDefault()
+    old._forward_method, new._forward_method = old.forward_cpu, new.forward_cpu
+    assert resolver.use_native_custom_ops([nn.ModuleList([old, new])]) == 1
+    assert old._forward_method() == "native" and new._forward_method.__func__ is NewDefault.forward_cpu
