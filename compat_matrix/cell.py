@@ -19,7 +19,8 @@ UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "
                        "are not supported for now", "does not support",
                        "unexpected keyword argument 'sinks'",  # CPU attention without attention sinks (gpt-oss)
                        "expected scalar type BFloat16 but found Float",  # CPU MoE kernel that takes bf16 only
-                       "compiled extension does not load on this machine")  # the wheel's C++ runtime is newer
+                       "compiled extension does not load on this machine",  # the wheel's C++ runtime is newer
+                       "Found no NVIDIA driver")  # model code that calls CUDA unconditionally (Kimi-K2.5 on 0.15)
 
 
 def classify(error_text: str) -> str:
