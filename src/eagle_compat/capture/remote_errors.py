@@ -88,9 +88,10 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Worker start-up failures: vLLM only says "WorkerProc initialization failed due to an exception in a background
-# process. See stack trace for root cause." The worker logs the exception; while the driver builds an executor we
-# ask workers (through the plugin, which vLLM loads before the model) to also write it to a file the driver reads.
+# Failures inside vLLM's own worker code: at start-up vLLM only says "WorkerProc initialization failed due to an
+# exception in a background process. See stack trace for root cause.", later "Worker failed with error '<str>'".
+# The worker logs the exception; workers spawned under a WorkerErrorLog (told through the plugin, which vLLM loads
+# before the model) also write it to a file the driver reads.
 
 START_ERRORS_ENV = "EAGLE_COMPAT_WORKER_ERRORS_DIR"
 
@@ -169,14 +170,3 @@ class WorkerErrorLog:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def worker_start_errors() -> Iterator[None]:
-    """Driver side: around building an executor, turn an opaque start-up failure into a WorkerError."""
-    log = WorkerErrorLog()
-    try:
-        with log.spawning():
-            yield
-    finally:
-        log.close()
