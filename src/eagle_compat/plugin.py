@@ -9,10 +9,10 @@ import os
 
 
 def register() -> None:
-    from .capture.remote_errors import record_worker_start_errors
+    from .capture.remote_errors import record_worker_errors
     from .installer import INSTALLED_ENV, install, is_installed
 
-    record_worker_start_errors()  # only if a driver of ours asked (environment variable)
+    record_worker_errors()  # only if a driver of ours asked (environment variable)
 
     if os.environ.get(INSTALLED_ENV) == "1" and not is_installed():
         install(side="worker")

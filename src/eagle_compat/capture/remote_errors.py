@@ -114,7 +114,7 @@ class _FileHandler(logging.Handler):
             pass
 
 
-def record_worker_start_errors() -> None:
+def record_worker_errors() -> None:
     """Worker side (plugin): if the driver asked for it, copy logged exceptions to its directory."""
     directory = os.environ.get(START_ERRORS_ENV)
     if directory and os.path.isdir(directory):
