@@ -208,8 +208,20 @@ def _feature_register_all_kvcache_specs() -> bool:
 
 
 def _feature_cpu_mla_backend() -> bool:
-    return importable("vllm.v1.attention.backends.mla.cpu_mla") or importable(
-        "vllm.v1.attention.backends.mla", "cpu_mla")
+    if not (importable("vllm.v1.attention.backends.mla.cpu_mla") or importable(
+            "vllm.v1.attention.backends.mla", "cpu_mla")):
+        return False
+    # 0.28 has the CPU MLA backend, but its MLA prefill selector has no CPU branch and picks FlashAttention,
+    # whose module cannot be imported from a CPU build: MLA models die at load. 0.29 added the CPU branch.
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("vllm.v1.attention.backends.mla.prefill.selector")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return True
+    with open(spec.origin) as f:
+        return "is_cpu()" in f.read()
 
 
 def _feature_cuda_available() -> bool:
@@ -241,7 +253,8 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
         _feature_unique_reply_returns_single, "collective_rpc(unique_reply_rank=) returns one reply (0.11.1+)"),
     "warm_up_separate": (_feature_warm_up_separate, "compile_or_warm_up_model is a separate step (0.27+)"),
     "register_all_kvcache_specs": (_feature_register_all_kvcache_specs, "register_all_kvcache_specs exists (0.23+)"),
-    "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend exists (0.28+)"),
+    "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
+                                                  "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
 }
 

@@ -349,7 +349,7 @@ def default_worker_env(dtype: str = "auto") -> dict[str, str]:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if not detect.feature("cuda_available") and (
             not detect.feature("cpu_mla_backend") or str(dtype).replace("torch.", "") in ("float32", "float")):
-        # Before 0.28 CPU vLLM has no MLA backend and refuses DeepSeek/Kimi models; from 0.28 its MLA kernels
+        # Before 0.29 CPU vLLM has no usable MLA backend and refuses DeepSeek/Kimi models; from 0.29 its MLA kernels
         # take bf16/fp16 weights only ("expect weight to be bfloat16 …" on AMX machines). Plain attention
         # computes the same function (the kv_b projection expanded); the parity tests check it against HF.
         env["VLLM_MLA_DISABLE"] = "1"
