@@ -21,7 +21,8 @@ UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "
                        "expected scalar type BFloat16 but found Float",  # CPU MoE kernel that takes bf16 only
                        "compiled extension does not load on this machine",  # the wheel's C++ runtime is newer
                        "Found no NVIDIA driver",  # model code that calls CUDA unconditionally (Kimi-K2.5 on 0.15)
-                       "BlockSizeAlignment == 0 (16 vs. 0)")  # no CPU attention kernel for the config (Gemma3 on 0.28)
+                       "BlockSizeAlignment == 0 (16 vs. 0)",  # no CPU attention kernel for the config (Gemma3, 0.27-0.28)
+                       "CPU fused-MoE AMX grouped-gemm kernel cannot be used")  # 0.27 CPU MoE refuses float32 layers
 
 
 def classify(error_text: str) -> str:
