@@ -27,24 +27,28 @@ class Change:
     existed: bool
 
 
-class _ModuleTable:
-    """`sys.modules` seen through attributes, so a Patcher records and reverts a module it provides."""
-    __name__ = "sys.modules"
+class MappingAttributes:
+    """A mapping (sys.modules, os.environ) seen through attributes, so a Patcher records and reverts its entries
+    like any attribute."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __init__(self, mapping: Any, name: str):
+        object.__setattr__(self, "_mapping", mapping)
+        object.__setattr__(self, "__name__", name)
+
+    def __getattr__(self, key: str) -> Any:
         try:
-            return sys.modules[name]
+            return self._mapping[key]
         except KeyError:
-            raise AttributeError(name) from None
+            raise AttributeError(key) from None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        sys.modules[name] = value
+    def __setattr__(self, key: str, value: Any) -> None:
+        self._mapping[key] = value
 
-    def __delattr__(self, name: str) -> None:
-        sys.modules.pop(name, None)
+    def __delattr__(self, key: str) -> None:
+        self._mapping.pop(key, None)
 
 
-SYS_MODULES = _ModuleTable()
+SYS_MODULES = MappingAttributes(sys.modules, "sys.modules")
 
 
 class Patcher:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ._base import PatchUnit
+from ._base import MappingAttributes, PatchUnit
 
 
 def _needed() -> bool:
@@ -19,23 +19,7 @@ def _needed() -> bool:
     return "VLLM_MLA_DISABLE" in engine.default_worker_env()  # speculators always runs dtype="auto"
 
 
-class _Environ:
-    """os.environ as a patch owner, so the Patcher records and restores the variable like any attribute."""
-
-    def __getattr__(self, name):
-        try:
-            return os.environ[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name, value):
-        os.environ[name] = value
-
-    def __delattr__(self, name):
-        os.environ.pop(name, None)
-
-
-ENVIRON = _Environ()
+ENVIRON = MappingAttributes(os.environ, "os.environ")
 
 
 def _apply(patcher, module) -> None:
