@@ -13,20 +13,39 @@ import traceback
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
-# errors that mean "this release cannot run this model in this mode on CPU at all", or that eagle_compat refuses it
+# Errors that mean "this release cannot run this model in this mode on CPU at all", or that eagle_compat refuses it
 # with a reason (not a capture failure): status "unsupported". Everything else that goes wrong is "fail".
-UNSUPPORTED_MARKERS = ("not supported", "Unsupported", "No common block size", "is not in eagle_compat's family",
-                       "are not supported for now", "does not support",
-                       "unexpected keyword argument 'sinks'",  # CPU attention without attention sinks (gpt-oss)
-                       "expected scalar type BFloat16 but found Float",  # CPU MoE kernel that takes bf16 only
-                       "compiled extension does not load on this machine",  # the wheel's C++ runtime is newer
-                       "Found no NVIDIA driver",  # model code that calls CUDA unconditionally (Kimi-K2.5 on 0.15)
-                       "BlockSizeAlignment == 0 (16 vs. 0)",  # no CPU attention kernel for the config (Gemma3, 0.27-0.28)
-                       "CPU fused-MoE AMX grouped-gemm kernel cannot be used")  # 0.27 CPU MoE refuses float32 layers
+# Each entry: (text found in the error, what it means, shown next to the error on the generated page; "" when the
+# error says it itself).
+KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
+    ("not supported", ""),
+    ("Unsupported", ""),
+    ("No common block size", ""),
+    ("is not in eagle_compat's family", ""),
+    ("are not supported for now", ""),
+    ("does not support", ""),
+    ("unexpected keyword argument 'sinks'", "this release's CPU attention has no attention sinks (gpt-oss)"),
+    ("expected scalar type BFloat16 but found Float", "this release's CPU MoE kernel takes bfloat16 only"),
+    ("compiled extension does not load on this machine", "the wheel needs a newer C++ runtime than this machine's"),
+    ("Found no NVIDIA driver", "the model code calls CUDA unconditionally"),
+    ("BlockSizeAlignment == 0 (16 vs. 0)", "this release has no CPU attention kernel for this head configuration"),
+    ("CPU fused-MoE AMX grouped-gemm kernel cannot be used", "this release's CPU MoE refuses float32 layers"),
+    ("'layers.0.mlp.experts.w2_weight'",
+     "vLLM 0.24 moved MoE expert parameters under `routed_experts` but not gpt-oss's loader for unquantized "
+     "(non-MXFP4) checkpoints; fixed in 0.25 (`remap_moe_expert_weights`)"),
+)
 
 
 def classify(error_text: str) -> str:
-    return "unsupported" if any(m in error_text for m in UNSUPPORTED_MARKERS) else "fail"
+    return "unsupported" if known_cause(error_text) is not None else "fail"
+
+
+def known_cause(error_text: str) -> str | None:
+    """What a recorded error means, if it is a known inability of the release ("" when the error says it)."""
+    for marker, cause in KNOWN_CAUSES:
+        if marker in (error_text or ""):
+            return cause
+    return None
 
 
 def _prompts():

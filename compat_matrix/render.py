@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(os.path.dirname(HERE), "docs", "compatibility.md")
@@ -29,6 +30,7 @@ def reason(error: str) -> str:
     text = (error or "").split("--- worker traceback ---")[0]
     text = text.split("Supported architectures:")[0]
     text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    text = re.sub(r"\[rank\d+\]:\[[A-Z]\d{4} [\d:.]+ ([^\]]+)\] ", r"\1: ", text)  # C++ log prefix: time stamped
     return text[:300].rstrip(" .")
 
 
@@ -39,7 +41,11 @@ def _cell_text(cell: dict, notes: list[str]) -> str:
         worst = max((e["max_abs"] if cell.get("precision") == "fp32" else e["max_rel_to_layer_max"])
                     for e in errs.values()) if errs else 0.0
         return f"pass ({'abs' if cell.get('precision') == 'fp32' else 'rel'} {worst:.0e})"
+    from cell import known_cause
     note = reason(cell.get("error"))
+    cause = known_cause(cell.get("error"))
+    if cause:
+        note += f" ({cause})"
     if note not in notes:  # one number per distinct reason, shared by every cell it explains
         notes.append(note)
     return f"{MARK.get(status, status)} [{notes.index(note) + 1}]"
