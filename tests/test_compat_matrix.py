@@ -71,6 +71,14 @@ def test_runner_takes_vllm_from_a_requirement_a_wheel_or_an_index(matrix_code):
         "https://example.org/nightly/cpu" and "--pre" in nightly
 
 
+def test_runner_sets_ld_preload_only_for_a_worker_that_refuses_to_start_without(matrix_code):
+    import make_env
+    refuses = (ROOT / "tests" / "data" / "cpu_worker_0_18_0.py.txt").read_text()  # vLLM 0.18.0's check, verbatim
+    warns = refuses.replace('raise RuntimeError(\n                    f"{name} is not found', 'logger.warning(\n'
+                            '                    "%s is not found')  # 0.19 onwards
+    assert make_env.worker_demands_preload(refuses) and not make_env.worker_demands_preload(warns)
+
+
 def _recorded_cells_for_this_release() -> list[tuple[str, str, dict]]:
     import json
 
