@@ -51,6 +51,14 @@ def _cell_text(cell: dict, notes: list[str]) -> str:
     return f"{MARK.get(status, status)} [{notes.index(note) + 1}]"
 
 
+def _cell_env_text(cell_env: dict | None) -> str:
+    """Environment the cells needed (e.g. vLLM 0.18.0's LD_PRELOAD), library names without this machine's paths."""
+    if not cell_env:
+        return ""
+    shown = {k: ":".join(os.path.basename(p) for p in v.split(":")) for k, v in cell_env.items()}
+    return "; cells ran with " + ", ".join(f"`{k}={v}`" for k, v in shown.items())
+
+
 def render(results: list[dict]) -> str:
     from matrix import CHECKS
 
@@ -78,7 +86,8 @@ def render(results: list[dict]) -> str:
         lines += ["", "Not run yet: " + ", ".join(missing) + "."]
     if notes:
         lines += ["", "Reasons:", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
-    versions = [f"- {r['release']}: {json.dumps(r.get('versions'))}" for r in results if r.get("versions")]
+    versions = [f"- {r['release']}: {json.dumps(r.get('versions'))}{_cell_env_text(r.get('cell_env'))}"
+                for r in results if r.get("versions")]
     if versions:
         lines += ["", "Package versions per run:", ""] + versions
     return "\n".join(lines) + "\n"
