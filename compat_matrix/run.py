@@ -61,7 +61,8 @@ def run_cell(py: str, check: str, family: str, env: dict) -> dict:
 
 def cell_environment(py: str) -> dict:
     """What make_env.py found that every cell of this environment needs (nothing for an environment of your own)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(py)), "eagle-compat-cell-env.json")
+    from make_env import CELL_ENV_FILE
+    path = os.path.join(os.path.dirname(os.path.dirname(py)), CELL_ENV_FILE)
     if not os.path.exists(path):
         return {}
     with open(path) as f:
