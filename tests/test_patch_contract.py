@@ -266,3 +266,32 @@ def test_vllm_cpu_worker_demanding_preloaded_libraries_is_refused_with_the_fix(m
     monkeypatch.setattr(detect, "missing_cpu_preloads", lambda: ["libtcmalloc", "libiomp"])
     with pytest.raises(IncompatibleEnvironment, match=r"LD_PRELOAD names libtcmalloc and libiomp .*libiomp5\.so"):
         installer.check_environment()
+
+
+def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_not(monkeypatch):
+    """vLLM 0.25-0.26: sliding-window layers carry their own block size and unify cannot merge them (gpt-oss on CPU).
+    Checked with this vLLM's own spec classes and its own unify; on releases that promote by themselves too."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from eagle_compat import engine
+    from eagle_compat.patches import sliding_window_block_size
+
+    def specs():
+        common = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
+        return {"layers.0.attn": SlidingWindowSpec(block_size=32, sliding_window=128, **common),
+                "layers.1.attn": FullAttentionSpec(block_size=128, **common)}
+
+    detect.feature.cache_clear()
+    monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
+        True if name == "sliding_window_block_size_not_unified" else real(name)))
+    assert sliding_window_block_size.UNIT.needed()
+    unified = specs()
+    engine.unify_kv_cache_specs(unified, unify_hybrid_kv_cache_specs)
+    assert {type(s) for s in unified.values()} == {FullAttentionSpec}
+    assert {s.block_size for s in unified.values()} == {128}
+    assert unified["layers.0.attn"].sliding_window == 128  # still computed as sliding window
+    seen = []
+    engine.unify_kv_cache_specs(specs(), seen.append)  # what vLLM's unify receives
+    assert seen[0]["layers.0.attn"].block_size == 128 and type(seen[0]["layers.0.attn"]) is SlidingWindowSpec

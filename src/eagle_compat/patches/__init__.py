@@ -5,9 +5,10 @@ Each module holds one unit (one break, one contract); see `_base.PatchUnit`.
 from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_kv_budget, cpu_mla_disable, kv_cache_config_helpers,
-               platform_block_size, prefix_caching_off, text_only_model, request_eos_token_id, scheduler_block_size, scheduler_config_encoder_decoder,
-               transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
-               worker_error_messages)
+               platform_block_size, prefix_caching_off, request_eos_token_id, scheduler_block_size,
+               scheduler_config_encoder_decoder, sliding_window_block_size, text_only_model,
+               transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
+               warm_up_separate, worker_capture, worker_error_messages)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 
 REGISTRY: tuple[PatchUnit, ...] = (
@@ -20,6 +21,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     prefix_caching_off.UNIT,
     platform_block_size.UNIT,
     text_only_model.UNIT,
+    sliding_window_block_size.UNIT,
     kv_cache_config_helpers.UNIT,
     scheduler_block_size.UNIT,
     request_eos_token_id.UNIT,
