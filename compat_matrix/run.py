@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {release}", flush=True)
             run_release(release, checks, venv, a.vllm_spec, a.rerun, a.python, a.jobs, a.vllm_index)
     finally:
-        if not a.keep_env:
+        if not a.keep_env and a.python is None:  # only what we built; --python runs in an environment left alone
             shutil.rmtree(venv, ignore_errors=True)
     import render
     render.main()
