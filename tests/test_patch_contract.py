@@ -295,3 +295,15 @@ def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_no
     seen = []
     engine.unify_kv_cache_specs(specs(), seen.append)  # what vLLM's unify receives
     assert seen[0]["layers.0.attn"].block_size == 128 and type(seen[0]["layers.0.attn"]) is SlidingWindowSpec
+
+    # at speculators' call site, reverted exactly
+    eagle_compat.install()  # speculators may need the transformers units to import at all
+    gen, _ = _import_speculators()
+    eagle_compat.uninstall()
+    original = gen.unify_hybrid_kv_cache_specs
+    patcher = Patcher(sliding_window_block_size.UNIT.name)
+    sliding_window_block_size.UNIT.apply(patcher, gen)
+    through_speculators = specs()
+    gen.unify_hybrid_kv_cache_specs(through_speculators)
+    assert {s.block_size for s in through_speculators.values()} == {128}
+    assert patcher.revert() == [] and gen.unify_hybrid_kv_cache_specs is original
