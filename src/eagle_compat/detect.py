@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import importlib.metadata as md
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass

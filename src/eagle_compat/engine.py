@@ -269,9 +269,9 @@ def scheduler_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, 
 
 def unify_kv_cache_specs(kv_cache_spec: dict[str, Any], unify: Callable[[dict[str, Any]], Any]) -> Any:
     """vLLM's `unify_hybrid_kv_cache_specs` (one KV-cache type for every layer, as speculators wants), after giving
-    sliding-window layers the full-attention layers' block size where this vLLM does not (0.25-0.26: gpt-oss failed
-    with "failed to convert the KV cache specs to one unified type"). 0.27+ does the same promotion itself. The
-    block size only decides how the cache is paged; the full layers' kernels already run at it."""
+    sliding-window layers the full-attention layers' block size where this vLLM does not (0.25-0.26: gpt-oss and
+    Gemma-2 failed with "failed to convert the KV cache specs to one unified type"). 0.27+ does the same promotion
+    itself. The block size only decides how the cache is paged; the full layers' kernels already run at it."""
     if detect.feature("sliding_window_block_size_not_unified"):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
         full = {s.block_size for s in kv_cache_spec.values() if isinstance(s, FullAttentionSpec)}
