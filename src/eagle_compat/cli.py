@@ -3,6 +3,8 @@
   eagle-compat extract --model PATH --data FILE.jsonl --out DIR   conversations/token ids -> EAGLE-3 training files
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
+  eagle-compat run SCRIPT.py ARGS... | run -m MODULE ARGS...   any script unmodified under install(), spawned
+                                               processes included (e.g. speculators' data_generation_offline.py)
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except EagleCompatError as exc:
             report["model"] = {"error": f"{type(exc).__name__}: {exc}"}
             problems.append(str(exc))
+    from . import startup
+    report["startup_hook"] = {"path": startup.pth_path(), "installed": startup.pth_installed(),
+                              "active_in_this_process": installer.is_started_up()}
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -50,6 +55,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
             _print_table([(k, "needed" if v is True else "not needed" if v is False else str(v))
                           for k, v in report["patches_needed"].items()], "Patch units (install())")
+        hook = report["startup_hook"]
+        _print_table([("path", hook["path"]), ("installed", "yes" if hook["installed"] else
+                       "no (eagle-compat run writes it; needed only for scripts run through it)")],
+                     "Start-up hook for spawned processes")
         if "model" in report:
             _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")
         if problems:
@@ -158,6 +167,10 @@ def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
+        from . import launcher
+        return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
+    sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     args = parser.parse_args(argv)
     from .errors import InvalidInput
     try:

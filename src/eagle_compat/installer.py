@@ -65,6 +65,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.installed = False
+        self.started_up = False  # the start-up hook registered the import-time units (eagle_compat.startup)
         self.generation = 0
         self.side = "driver"
         self.applied: list[tuple[PatchUnit, Patcher]] = []
@@ -131,33 +132,54 @@ def install(*, side: str = "driver") -> InstallReport:
             log.info("eagle_compat is already installed; nothing to do")
             return InstallReport(side, versions, list(_state.status.values()), already_installed=True)
         check_environment()
+        if not _state.started_up:  # else keep the start-up hooks' generation: they are this install's too
+            _state.generation += 1
+            _state.status = {}
         _state.installed = True
         _state.side = side
-        _state.generation += 1
-        _state.status = {}
         os.environ[INSTALLED_ENV] = "1"
-        generation = _state.generation
         try:
             for unit in REGISTRY:
-                status = UnitStatus(unit.name, "", unit.broke, unit.affects, unit.target)
-                _state.status[unit.name] = status
-                if side not in unit.sides:
-                    status.state = "not for this side"
-                elif unit.target is None:
-                    _apply(unit, None, status)
-                else:
-                    status.state = "waiting for import"
-                    wrapt.register_post_import_hook(_on_import(unit, status, generation), unit.target)
+                if unit.name not in _state.status:
+                    _register(unit, side)
         except Exception:
             uninstall()
             raise
         return InstallReport(side, versions, list(_state.status.values()))
 
 
+def activate_at_startup() -> None:
+    """Apply only the import-time units (`PatchUnit.at_startup`), from the start-up hook of a process of a run.
+
+    Runs before the process imports anything of the user's (a spawned child re-imports the parent's __main__
+    script first). Touches nothing but post-import hooks; install() (or the worker plugin) does the rest later."""
+    with _state.lock:
+        if _state.installed or _state.started_up:
+            return
+        _state.started_up = True
+        _state.generation += 1
+        _state.status = {}
+        for unit in REGISTRY:
+            if unit.at_startup:
+                _register(unit, "startup")
+
+
+def _register(unit: PatchUnit, side: str) -> None:
+    status = UnitStatus(unit.name, "", unit.broke, unit.affects, unit.target)
+    _state.status[unit.name] = status
+    if side != "startup" and side not in unit.sides:
+        status.state = "not for this side"
+    elif unit.target is None:
+        _apply(unit, None, status)
+    else:
+        status.state = "waiting for import"
+        wrapt.register_post_import_hook(_on_import(unit, status, _state.generation), unit.target)
+
+
 def _on_import(unit: PatchUnit, status: UnitStatus, generation: int):
     def hook(module):
         with _state.lock:
-            if not _state.installed or _state.generation != generation:
+            if _state.generation != generation:
                 return  # wrapt cannot unregister hooks: a hook from an earlier install() does nothing
             _apply(unit, module, status)
     return hook
@@ -174,8 +196,17 @@ def _apply(unit: PatchUnit, module, status: UnitStatus) -> None:
         status.state = "not needed"
         return
     patcher = Patcher(unit.name)
-    unit.apply(patcher, module)
-    _state.applied.append((unit, patcher))
+    _state.applied.append((unit, patcher))  # recorded before apply() runs: a unit failing half-way is reverted
+    try:
+        unit.apply(patcher, module)
+    except Exception as exc:
+        _state.applied.remove((unit, patcher))
+        for problem in patcher.revert():
+            log.warning(problem)
+        status.state = f"failed: {type(exc).__name__}: {exc}"
+        raise IncompatibleEnvironment(
+            f"patch {unit.name!r} failed to apply on {detect.installed_versions().describe()} and was reverted: "
+            f"{type(exc).__name__}: {exc}") from exc
     status.state = "applied"
 
 
@@ -188,6 +219,7 @@ def uninstall() -> list[str]:
         _state.applied.clear()
         _state.status = {}
         _state.installed = False
+        _state.started_up = False
         _state.generation += 1
         os.environ.pop(INSTALLED_ENV, None)
         for p in problems:
@@ -197,6 +229,11 @@ def uninstall() -> list[str]:
 
 def is_installed() -> bool:
     return _state.installed
+
+
+def is_started_up() -> bool:
+    """Whether the start-up hook activated the import-time units in this process (eagle_compat.startup)."""
+    return _state.started_up
 
 
 def status() -> list[UnitStatus]:

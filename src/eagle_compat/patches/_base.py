@@ -144,6 +144,10 @@ class PatchUnit:
     target: str | None  # module whose namespace is patched (applied when it is imported), or None
     sides: tuple[str, ...] = ("driver", "worker")
     silent: bool = False  # True where the break gives wrong results with no error
+    # True where the break shows while a process imports speculators, i.e. possibly before install() can run in
+    # it: a spawned child re-imports its parent's __main__ script first. The start-up hook applies these units
+    # (only these) in every process of a run (see eagle_compat.startup).
+    at_startup: bool = False
     needed: Callable[[], bool] = field(default=lambda: True)
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
 

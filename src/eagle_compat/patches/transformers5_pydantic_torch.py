@@ -28,6 +28,7 @@ UNIT = PatchUnit(
     affects="transformers>=5 (vLLM>=0.24 requires it)",
     delete_when="the speculators floor supports transformers 5",
     target="transformers.configuration_utils",
+    at_startup=True,
     needed=_needed,
     apply=_apply,
 )

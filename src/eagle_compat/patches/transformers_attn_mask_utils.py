@@ -68,6 +68,7 @@ UNIT = PatchUnit(
     affects="transformers>=5.24 (vLLM 0.20-0.30 allow it; 0.31 and 0.32 pin older transformers)",
     delete_when="the speculators floor no longer imports transformers.modeling_attn_mask_utils",
     target="transformers",
+    at_startup=True,
     needed=_needed,
     apply=_apply,
 )

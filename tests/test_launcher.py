@@ -1,0 +1,119 @@
+"""The launcher (issue 11): a speculators-shaped script, unmodified, through `eagle-compat run` and
+`python -m eagle_compat`, on a real CPU vLLM whose workers are spawned, equal to HF; the start-up hook acts only in
+processes of a run (the variable set) and only with the import-time patch units."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle_compat import startup, tiny_models
+from eagle_compat.installer import INSTALLED_ENV
+
+from helpers import assert_close_to_reference, prompts
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "data", "speculators_shaped_script.py")
+EAGLE_COMPAT = os.path.join(os.path.dirname(sys.executable), "eagle-compat")
+
+# What a fresh interpreter reports about itself: whether our start-up hook ran and what it patched.
+PROBE = """
+import json, sys
+import transformers.configuration_utils as cu
+from eagle_compat import installer
+print(json.dumps({"eagle_compat_imported": "eagle_compat.startup" in sys.modules,
+                  "started_up": installer.is_started_up(), "installed": installer.is_installed(),
+                  "torch_in_configuration_utils": "torch" in vars(cu),
+                  "units": {u.name: u.state for u in installer.status() if u.state != "not installed"}}))
+"""
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != INSTALLED_ENV}
+    env.update(extra)
+    return env
+
+
+def _probe(env):
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def hook_written():
+    return startup.ensure_pth()
+
+
+def test_startup_hook_does_nothing_without_the_variable(hook_written):
+    seen = _probe(_env())
+    assert seen["eagle_compat_imported"] is False and seen["started_up"] is False
+    assert seen["units"] == {}
+
+
+def test_startup_hook_applies_only_import_time_units_with_the_variable(hook_written):
+    from eagle_compat.patches import REGISTRY
+    seen = _probe(_env(**{INSTALLED_ENV: "1"}))
+    assert seen["started_up"] is True and seen["installed"] is False
+    assert set(seen["units"]) == {u.name for u in REGISTRY if u.at_startup}
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5:  # the break the hook is for
+        assert seen["torch_in_configuration_utils"] is True
+        assert seen["units"]["transformers5_pydantic_torch"] == "applied"
+
+
+def test_startup_hook_line_is_inert_where_eagle_compat_is_missing(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / startup.PTH_NAME).write_text(startup.PTH_LINE)
+    code = "import site, sys; site.addsitedir(sys.argv[1]); print('ok')"
+    # -S: no site-packages, so eagle_compat cannot be found; the line must not print an error
+    env = _env(**{INSTALLED_ENV: "1"})
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(site)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok" and "Error" not in out.stderr, out.stderr
+
+
+def test_bad_command_lines_are_refused_before_anything_runs(tmp_path):
+    for argv, message in ((["run"], "usage"), (["run", "-m"], "-m needs a module"),
+                          (["run", str(tmp_path / "missing.py")], "does not exist"),
+                          (["run", "--verbose", "x.py"], "unknown option")):
+        out = subprocess.run([EAGLE_COMPAT, *argv], capture_output=True, text=True, timeout=60, env=_env())
+        assert out.returncode == 2 and message in out.stderr, (argv, out.stderr)
+
+
+def test_exit_status_and_exceptions_pass_through(tmp_path):
+    script = tmp_path / "status.py"
+    script.write_text("import sys, os\nprint(os.environ.get('EAGLE_COMPAT_INSTALLED'))\n"
+                      "if sys.argv[1] == 'raise':\n    raise KeyError('boom')\nsys.exit(int(sys.argv[1]))\n")
+    ok = subprocess.run([sys.executable, "-m", "eagle_compat", str(script), "0"], capture_output=True, text=True,
+                        timeout=120, env=_env())
+    assert ok.returncode == 0 and ok.stdout.strip() == "1", ok.stderr  # the variable is set for the script
+    assert subprocess.run([EAGLE_COMPAT, "run", str(script), "7"], capture_output=True, timeout=120,
+                          env=_env()).returncode == 7
+    boom = subprocess.run([EAGLE_COMPAT, "run", str(script), "raise"], capture_output=True, text=True, timeout=120,
+                          env=_env())
+    assert boom.returncode == 1 and "KeyError: 'boom'" in boom.stderr
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("form", ["eagle-compat run", "python -m eagle_compat"])
+def test_speculators_shaped_script_runs_unmodified_and_matches_hf(form, tmp_path):
+    path, reference_path, num_layers = tiny_models.build_family("llama")
+    layer_ids = [0, num_layers // 2, num_layers - 1]
+    batch = prompts(3, 20, 60, seed=5)
+    (tmp_path / "prompts.json").write_text(json.dumps(batch))
+    out = tmp_path / "states.pt"
+    launcher = [EAGLE_COMPAT, "run"] if form == "eagle-compat run" else [sys.executable, "-m", "eagle_compat"]
+    proc = subprocess.run([*launcher, SCRIPT, "--target-model-path", path, "--prompts", str(tmp_path / "prompts.json"),
+                           "--layer-ids", *map(str, layer_ids), "--output", str(out), "--exit-status", "3"],
+                          capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-4000:]  # the script's own status
+    states = torch.load(out)
+    reference = tiny_models.hf_reference(reference_path, batch, layer_ids)
+    assert_close_to_reference([{"hidden_states": s} for s in states], reference, precision="bf16",
+                              layer_ids=layer_ids)
