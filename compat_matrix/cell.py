@@ -15,15 +15,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
 # Errors that mean "this release cannot run this model in this mode on CPU at all", or that eagle_compat refuses it
 # with a reason (not a capture failure): status "unsupported". Everything else that goes wrong is "fail".
-# Each entry: (text found in the error, what it means, shown next to the error on the generated page; "" when the
-# error says it itself).
+# Each entry: (exact text of one known cause, what it means, shown next to the error on the generated page; "" when
+# the error says it itself). No generic words ("not supported"): a capture bug must never read as a known limit.
 KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
-    ("not supported", ""),
-    ("Unsupported", ""),
-    ("No common block size", ""),
-    ("is not in eagle_compat's family", ""),
-    ("are not supported for now", ""),
-    ("does not support", ""),
+    ("are not supported for now. Supported architectures", ""),  # vLLM's registry lacks the architecture
+    ("UnsupportedModel", ""),  # eagle_compat's own refusal, with its reason
     ("unexpected keyword argument 'sinks'", "this release's CPU attention has no attention sinks (gpt-oss)"),
     ("expected scalar type BFloat16 but found Float", "this release's CPU MoE kernel takes bfloat16 only"),
     ("compiled extension does not load on this machine", "the wheel needs a newer C++ runtime than this machine's"),
@@ -34,6 +30,8 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
      "vLLM 0.24 moved MoE expert parameters under `routed_experts` but not gpt-oss's loader for unquantized "
      "(non-MXFP4) checkpoints; fixed in 0.25 (`remap_moe_expert_weights`)"),
 )
+# A broken capture invariant is a failure whatever else its message says.
+CAPTURE_BUG = "CaptureInvariantError"
 
 
 def classify(error_text: str) -> str:
@@ -42,6 +40,8 @@ def classify(error_text: str) -> str:
 
 def known_cause(error_text: str) -> str | None:
     """What a recorded error means, if it is a known inability of the release ("" when the error says it)."""
+    if CAPTURE_BUG in (error_text or ""):
+        return None
     for marker, cause in KNOWN_CAUSES:
         if marker in (error_text or ""):
             return cause

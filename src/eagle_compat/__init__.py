@@ -9,7 +9,7 @@ or use `eagle_compat.VllmHiddenStatesGenerator`, the stable generator with specu
 """
 from __future__ import annotations
 
-from .errors import (EagleCompatError, IncompatibleEnvironment, InvalidInput, UnsupportedModel,  # noqa: F401
+from .errors import (CaptureInvariantError, EagleCompatError, IncompatibleEnvironment, InvalidInput, UnsupportedModel,  # noqa: F401
                      WorkerError)
 from .installer import install, is_installed, status, uninstall  # noqa: F401
 
@@ -24,5 +24,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["install", "uninstall", "is_installed", "status", "VllmHiddenStatesGenerator", "EagleCompatError",
+__all__ = ["install", "uninstall", "is_installed", "status", "VllmHiddenStatesGenerator", "CaptureInvariantError", "EagleCompatError",
            "IncompatibleEnvironment", "InvalidInput", "UnsupportedModel", "WorkerError", "__version__"]

@@ -18,6 +18,12 @@ class UnsupportedModel(EagleCompatError):
     """The loaded model (or engine mode) cannot be captured correctly; the message says why and what would work."""
 
 
+class CaptureInvariantError(EagleCompatError, RuntimeError):
+    """A check of the capture itself failed while the engine ran (a hook that never fired, rows that do not add up
+    to the scheduled tokens, a batch order that does not match). This is a bug or an unforeseen engine change, never
+    a known limitation: the states of that step cannot be trusted, so nothing from it is returned."""
+
+
 class InvalidInput(EagleCompatError, ValueError):
     """Bad input to generate()/extract, rejected before anything reaches the engine."""
 

@@ -8,6 +8,7 @@ import os
 from typing import Any, Sequence
 
 from . import engine
+from .capture import handshake
 from .capture.remote_errors import WorkerErrorLog, translate
 from .capture.worker import receive
 from .errors import InvalidInput
@@ -156,6 +157,8 @@ class VllmHiddenStatesGenerator:
             with self._worker_errors.spawning():
                 self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
             engine.remember_executor(self.executor)
+            handshake.require_patched_workers(self._translated(self.executor.collective_rpc, "collective_rpc"),
+                                              "generator")
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
             budget = self._translated(engine.kv_budget, "determine_available_memory")(
                 self.executor, gpu_memory_utilization)

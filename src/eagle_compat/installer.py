@@ -110,6 +110,8 @@ def check_environment() -> None:
             f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
             "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
     require_cpu_platform_ready(v)
+    from .capture.handshake import require_plugin_allowed
+    require_plugin_allowed()
     missing = []
     for module_name, names in SPECULATORS_VLLM_IMPORTS:
         try:
@@ -138,6 +140,8 @@ def install(*, side: str = "driver") -> InstallReport:
         _state.installed = True
         _state.side = side
         os.environ[INSTALLED_ENV] = "1"
+        if side == "driver":
+            _ensure_startup_hook()
         try:
             for unit in REGISTRY:
                 if unit.name not in _state.status:
@@ -146,6 +150,16 @@ def install(*, side: str = "driver") -> InstallReport:
             uninstall()
             raise
         return InstallReport(side, versions, list(_state.status.values()))
+
+
+def _ensure_startup_hook() -> None:
+    """Processes this one spawns re-import its __main__ script first; the start-up hook patches their imports of
+    speculators before that (eagle_compat.startup). Best effort here; `eagle-compat run` insists."""
+    from . import startup
+    try:
+        startup.ensure_pth()
+    except IncompatibleEnvironment as exc:
+        log.info("%s", exc)
 
 
 def activate_at_startup() -> None:

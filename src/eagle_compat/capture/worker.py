@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from ..errors import UnsupportedModel
+from ..errors import CaptureInvariantError, UnsupportedModel
 from . import resolver
 from .remote_errors import reported
 
@@ -145,16 +145,17 @@ class CaptureSession:
         for i in self.layer_ids:
             parts = step.get(i)
             if not parts:
-                raise UnsupportedModel(f"decoder layer {i} did not run during the step (its hook never fired)")
+                raise CaptureInvariantError(f"decoder layer {i} did not run during the step (its hook never fired)")
             h = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             if h.shape[0] < total:
-                raise UnsupportedModel(
-                    f"layer {i} produced {h.shape[0]} rows for {total} scheduled tokens: the output is sharded "
-                    "across ranks (sequence parallelism), which capture does not gather")
+                raise CaptureInvariantError(
+                    f"layer {i} produced {h.shape[0]} rows for {total} scheduled tokens (an output sharded across "
+                    "ranks, e.g. by sequence parallelism, would do this; capture does not gather it)")
             per_layer.append(h[:total])  # rows past the scheduled tokens are padding
         if runner_order is not None and runner_order != wanted:
             if sorted(runner_order) != sorted(wanted):
-                raise UnsupportedModel(f"model runner batch {runner_order} does not match the scheduled {wanted}")
+                raise CaptureInvariantError(
+                    f"model runner batch {runner_order} does not match the scheduled {wanted}")
             per_layer = [_reorder(h, runner_order, wanted, scheduled) for h in per_layer]
         elif runner_order is None and len(set(scheduled.values())) > 1:
             raise UnsupportedModel(
@@ -291,6 +292,11 @@ class CaptureWorkerExtension:
     def eagle_compat_collect(self) -> dict | list | None:
         """Every captured row since the last reset, per requested layer (see HostStaging)."""
         return self._eagle_compat_staging.collect()
+
+    @reported("eagle_compat_handshake")
+    def eagle_compat_handshake(self) -> dict:
+        from .handshake import worker_report
+        return worker_report("generator")
 
     @reported("eagle_compat_describe")
     def eagle_compat_describe(self) -> dict:

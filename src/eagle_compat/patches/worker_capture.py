@@ -19,6 +19,7 @@ from ._base import WORKER_MODULE, PatchUnit
 
 def _apply(patcher, module) -> None:
     from ..capture.remote_errors import reported
+    from ..capture.handshake import worker_report
     from ..capture.worker import CaptureSession
 
     @reported("_setup_hidden_states_capture")
@@ -31,7 +32,14 @@ def _apply(patcher, module) -> None:
         # speculators appends layers in the order its loop meets them: ascending, each once
         self._eagle_compat_session = CaptureSession(self, sorted(set(layer_ids)), self._store_captured_states)
 
-    patcher.set(module.HiddenStatesWorkerExtension, "_setup_hidden_states_capture", _setup_hidden_states_capture)
+    @reported("eagle_compat_handshake")
+    def eagle_compat_handshake(self):
+        return worker_report("shim")
+
+    ext = module.HiddenStatesWorkerExtension
+    patcher.set(ext, "_setup_hidden_states_capture", _setup_hidden_states_capture)
+    # the driver asks every worker for this before any capture (capture/handshake.py): present only where patched
+    patcher.set(ext, "eagle_compat_handshake", eagle_compat_handshake)
 
 
 UNIT = PatchUnit(

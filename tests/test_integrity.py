@@ -1,0 +1,74 @@
+"""Integrity under misuse and faults (issue 13), the parts outside the extract job: unpatched workers refused by
+a handshake, capture bugs never classified as known limits, environment traps named with their fix."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import eagle_compat
+from eagle_compat import installer, tiny_models
+from eagle_compat.errors import CaptureInvariantError, IncompatibleEnvironment, WorkerError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def clean_install_state():
+    eagle_compat.uninstall()
+    yield
+    eagle_compat.uninstall()
+
+
+def test_install_refuses_a_plugin_allow_list_that_keeps_workers_unpatched(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    with pytest.raises(IncompatibleEnvironment, match=r"VLLM_PLUGINS='some_other_plugin' does not list it: add it "
+                                                      r"\(VLLM_PLUGINS=some_other_plugin,eagle_compat\)"):
+        eagle_compat.install()
+    assert not eagle_compat.is_installed()
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin,eagle_compat")
+    eagle_compat.install()
+
+
+def _session(layer_ids):
+    from eagle_compat.capture.worker import CaptureSession
+    session = CaptureSession.__new__(CaptureSession)  # the delivery checks alone, no model
+    session.layer_ids, session.delivered = layer_ids, []
+    session.sink = session.delivered.append
+    session.worker = type("Worker", (), {"model_runner": None})()
+    return session
+
+
+@pytest.mark.parametrize("step,scheduled,order,message", [
+    ({0: [torch.zeros(5, 4)]}, {"a": 5}, ["a"], "decoder layer 1 did not run"),
+    ({0: [torch.zeros(3, 4)], 1: [torch.zeros(3, 4)]}, {"a": 5}, ["a"], "produced 3 rows for 5 scheduled tokens"),
+    ({0: [torch.zeros(5, 4)], 1: [torch.zeros(5, 4)]}, {"a": 2, "b": 3}, ["a", "c"], "does not match the scheduled"),
+])
+def test_a_broken_capture_invariant_is_a_failure_in_the_matrix_never_unsupported(step, scheduled, order, message):
+    sys.path.insert(0, os.path.join(ROOT, "compat_matrix"))
+    try:
+        from cell import classify
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(CaptureInvariantError, match=message) as info:
+        _session([0, 1])._deliver(step, scheduled, order)
+    # as a cell records it: the worker's exception, carried to the driver as a WorkerError
+    remote = WorkerError(type(info.value).__name__, str(info.value), "Traceback (most recent call last): ...",
+                         "execute_model")
+    assert classify(f"{type(remote).__name__}: {remote}") == "fail"
+    assert classify(f"{type(remote).__name__}: {remote} (not supported; Unsupported)") == "fail"
+
+
+@pytest.mark.engine
+def test_a_worker_without_the_plugin_is_refused_before_any_capture(monkeypatch):
+    """The allow-list changed after install() (as for a worker started another way): the workers run speculators'
+    unpatched capture; the handshake refuses the generator before speculators uses it, naming cause and fix."""
+    path, _, _ = tiny_models.build_family("llama")
+    eagle_compat.install()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")  # inherited by the workers vLLM spawns next
+    with pytest.raises(IncompatibleEnvironment, match=r"did not answer eagle_compat's handshake.*"
+                                                      r"VLLM_PLUGINS='some_other_plugin' does not list it"):
+        VllmHiddenStatesGenerator(path, layer_ids=[0, 2], max_model_len=512, gpu_memory_utilization=0.3)
