@@ -21,6 +21,14 @@ def test_compatibility_page_is_generated_from_results(matrix_code):
         "run python compat_matrix/render.py"
 
 
+def test_gpu_parity_page_is_generated_from_results(matrix_code):
+    import render_gpu
+    results = render_gpu.load()
+    assert results and all(cells for _, cells, _ in results)
+    assert (ROOT / "docs" / "gpu-parity.md").read_text() == render_gpu.render(results), \
+        "run python compat_matrix/render_gpu.py"
+
+
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
     import render
     from cell import classify

@@ -77,7 +77,10 @@ def test_install_before_importing_speculators_then_uninstall_restores_identity()
         for key, value in before[part].items():
             assert restored[part][key] is value, f"{part}.{key} not restored"
     assert restored["env"] == before["env"]
-    assert str(report)
+    text = str(report).splitlines()  # one line per unit, with the state it reached
+    assert text[0].startswith("eagle_compat install (driver) on vLLM") and len(text) == 1 + len(REGISTRY)
+    states = {line.split()[0]: " ".join(line.split()[1:]) for line in text[1:]}
+    assert states["worker_capture"] == "applied" and set(states) == set(UNIT_IDS), text
 
 
 def test_second_install_is_a_noop_and_nothing_is_wrapped_twice():
