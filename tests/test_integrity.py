@@ -95,3 +95,26 @@ def test_a_torchvision_that_cannot_load_is_named_with_the_fix_by_install_and_doc
     doctor = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor"], capture_output=True, text=True,
                             env=env, timeout=300)
     assert doctor.returncode == 1 and "pip uninstall -y torchvision" in doctor.stdout, doctor.stdout[-2000:]
+
+
+@pytest.mark.engine
+def test_a_worker_killed_mid_batch_is_a_worker_error_within_seconds_not_a_hang():
+    import random
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    path = tiny_models.build_tiny_model("llama")
+    rng = random.Random(0)
+    batch = [[rng.randrange(7, 500) for _ in range(400)] for _ in range(1000)]  # ~30 s of work here
+    with eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=[0, 2], max_model_len=512,
+                                                gpu_memory_utilization=0.3) as gen:
+        workers = [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+        assert workers, [p.name() for p in psutil.Process().children(recursive=True)]
+        threading.Timer(1.0, os.kill, (workers[0].pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"vLLM worker 0 \(pid {workers[0].pid}\) killed by SIGKILL") as info:
+            gen.generate(batch)
+        assert time.monotonic() - start < 60 and info.value.exc_type == "WorkerDied"

@@ -76,6 +76,11 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
         except WorkerError:
             raise
         except Exception as exc:
+            died = dead_workers()
+            if died:  # the root cause; vLLM says only "cancelled" or that the engine shut down
+                raise WorkerError("WorkerDied", "; ".join(died) + ". Nothing of the interrupted batch was "
+                                  "returned; start a new engine (extract: rerun with --resume)", "",
+                                  method or getattr(fn, "__name__", "")) from exc
             err = decode(exc) or (log.latest(method) if log is not None and _from_worker(exc) else None)
             if err is not None:
                 raise err from exc
@@ -85,6 +90,25 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
                                   "", method or getattr(fn, "__name__", "")) from exc
             raise
     return wrapper
+
+
+def dead_workers() -> list[str]:
+    """Worker processes of our live executors that have exited, described (pid, signal or exit status)."""
+    import signal
+
+    from .. import engine
+
+    out = []
+    for executor in list(engine._executors_by_config.values()):
+        for rank, handle in enumerate(getattr(executor, "workers", None) or []):
+            proc = getattr(handle, "proc", None)
+            code = getattr(proc, "exitcode", None)
+            if code is None:
+                continue
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_
+                   else f"exited with status {code}")
+            out.append(f"vLLM worker {rank} (pid {proc.pid}) {how}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
