@@ -113,6 +113,8 @@ def test_speculators_shaped_script_runs_unmodified_and_matches_hf(form, tmp_path
                            "--layer-ids", *map(str, layer_ids), "--output", str(out), "--exit-status", "3"],
                           capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-4000:]  # the script's own status
+    for noise in ("Traceback", "Exception during executor shutdown", "Exception ignored"):  # a clean end
+        assert noise not in proc.stderr + proc.stdout, (noise, proc.stderr[-3000:])
     states = torch.load(out)
     reference = tiny_models.hf_reference(reference_path, batch, layer_ids)
     assert_close_to_reference([{"hidden_states": s} for s in states], reference, precision="bf16",

@@ -9,6 +9,15 @@ import torch
 from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
 
+def extract(args, batch):
+    gen = VllmHiddenStatesGenerator(args.target_model_path, layer_ids=args.layer_ids, max_model_len=512,
+                                    gpu_memory_utilization=0.3)
+    try:
+        return gen.generate(batch)
+    finally:
+        gen.executor.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target-model-path", required=True)
@@ -19,12 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     with open(args.prompts) as f:
         batch = json.load(f)
-    gen = VllmHiddenStatesGenerator(args.target_model_path, layer_ids=args.layer_ids, max_model_len=512,
-                                    gpu_memory_utilization=0.3)
-    try:
-        results = gen.generate(batch)
-    finally:
-        gen.executor.shutdown()
+    results = extract(args, batch)  # the generator is collected on return: its __del__ runs then
     torch.save([[h.clone() for h in r["hidden_states"]] for r in results], args.output)
     print(f"wrote {len(results)} samples to {args.output}")
     sys.exit(args.exit_status)

