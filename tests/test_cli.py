@@ -3,6 +3,7 @@ non-zero exit for what cannot be captured."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,8 @@ def test_doctor_reports_versions_features_and_patches():
     assert report["versions"]["vllm"] and report["versions"]["speculators"] == "0.3.0"
     assert all(isinstance(v, bool) for v in report["features"].values())
     assert report["patches_needed"]["worker_capture"] is True
+    assert report["cpu_tensor_parallel"]["cores"] == len(os.sched_getaffinity(0))  # TP on CPU: what fits here
+    assert report["startup_hook"]["path"].endswith("eagle_compat_startup.pth")
 
 
 @pytest.mark.engine

