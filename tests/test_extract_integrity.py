@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from eagle_compat import InvalidInput, tiny_models
+from eagle_compat.errors import EagleCompatError
 from eagle_compat.extract import inputs, job, writer
 
 from helpers import prompts
@@ -122,7 +123,7 @@ def _snapshot(out):
 
 
 def _samples(out):
-    return sorted((f for f in os.listdir(out) if writer.SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
+    return sorted((f for f in os.listdir(out) if re.match(r"^(data|hs)_\d+\.pt$", f)), key=lambda f: (len(f), f))
 
 
 def _equal_dirs(a, b):
@@ -144,7 +145,7 @@ def test_other_layers_into_a_sharded_directory_are_refused_and_nothing_is_touche
     before = _snapshot(out)
     assert _samples(out)
     for resume in (False, True):
-        with pytest.raises(writer.OutputDirectoryConflict, match=r"layer_ids: was \[0, 1\], now \[2, 3\]"):
+        with pytest.raises(InvalidInput, match=r"layer_ids: was \[0, 1\], now \[2, 3\]"):
             job.run(_opts(model, dataset, out, layers=[2, 3], resume=resume))
         assert _snapshot(out) == before
     assert fake_engine.started == 1
@@ -153,16 +154,17 @@ def test_other_layers_into_a_sharded_directory_are_refused_and_nothing_is_touche
 def test_samples_without_a_settings_record_are_refused(model, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
     job.run(_opts(model, dataset, out, shard=(0, 2)))
-    os.unlink(out / "manifest.json")
+    for record in out.glob("manifest*.json"):
+        record.unlink()
     before = _snapshot(out)
     for layers, resume in (([2, 3], False), ([2, 3], True), ([0, 1], True)):  # other settings, and even the same
-        with pytest.raises(writer.OutputDirectoryConflict, match="no settings record") as exc:
+        with pytest.raises(InvalidInput, match="no settings record") as exc:
             job.run(_opts(model, dataset, out, layers=layers, resume=resume))
         assert "data_0.pt" in str(exc.value)
         assert _snapshot(out) == before
     os.mkdir(tmp_path / "theirs")  # files another tool wrote (speculators' hs_{i}.pt) count too
     (tmp_path / "theirs" / "hs_3.pt").write_bytes(b"x")
-    with pytest.raises(writer.OutputDirectoryConflict, match="hs_3.pt"):
+    with pytest.raises(InvalidInput, match="hs_3.pt"):
         job.run(_opts(model, dataset, tmp_path / "theirs"))
     assert fake_engine.started == 1
 
@@ -171,18 +173,17 @@ def test_shards_end_with_one_record_and_data_config_for_the_whole_set(model, dat
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     job.run(_opts(model, dataset, whole))
     first = job.run(_opts(model, dataset, sharded, shard=(1, 2)))
-    assert not first["complete"] and not os.path.exists(sharded / "data_config.json")
-    assert json.load(open(sharded / "manifest.json"))["status"] == "incomplete"
+    assert not os.path.exists(sharded / "data_config.json")
     second = job.run(_opts(model, dataset, sharded, shard=(0, 2)))
-    assert second["complete"] and second["samples"] == N
+    assert sorted(f for f in os.listdir(sharded) if f.endswith(".json")) == ["data_config.json", "manifest.json"]
     config = json.load(open(sharded / "data_config.json"))
     assert config["data"]["num_samples"] == N and config["hidden_states"]["layer_ids"] == [0, 1]
-    assert sorted(f for f in os.listdir(sharded) if f.endswith(".json")) == ["data_config.json", "manifest.json"]
+    assert not first["complete"] and second["complete"] and second["samples"] == N
     manifest = json.load(open(sharded / "manifest.json"))
     assert manifest["status"] == "complete" and [r["shard"] for r in manifest["runs"]] == ["1/2", "0/2"]
     _equal_dirs(whole, sharded)
     before = _snapshot(sharded)
-    with pytest.raises(writer.OutputDirectoryConflict, match="pass --resume"):  # the same shard again
+    with pytest.raises(InvalidInput, match="pass --resume"):  # the same shard again
         job.run(_opts(model, dataset, sharded, shard=(0, 2)))
     assert _snapshot(sharded) == before
     assert job.run(_opts(model, dataset, sharded, resume=True))["written_this_run"] == 0  # the merge check
@@ -206,7 +207,7 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, 
             if os.path.exists(out / "manifest.json"):
                 break
             thread.join(0.1)
-        with pytest.raises(writer.OutputDirectoryBusy, match=rf"pid {os.getpid()} on "):
+        with pytest.raises(InvalidInput, match=rf"pid {os.getpid()} on "):
             job.run(_opts(model, dataset, out, shard=(1, 2)))
     finally:
         fake_engine.block.set()
@@ -221,8 +222,8 @@ def test_temp_files_of_a_dead_run_are_swept(model, dataset, tmp_path, fake_engin
     for name in stale:
         (out / name).write_bytes(b"partial")
     summary = job.run(_opts(model, dataset, out, shard=(1, 2)))
-    assert sorted(summary["temp_files_swept"]) == sorted(stale)
     assert not [f for f in os.listdir(out) if ".tmp-" in f]
+    assert sorted(summary["temp_files_swept"]) == sorted(stale)
 
 
 # ---- item 6: bad input lines, a failing writer --------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, 
     job.run(_opts(model, dataset, clean))
     with monkeypatch.context() as m:
         _fail_on_write(m, after=5)
-        with pytest.raises(writer.OutputWriteError, match=r"could not write .*data_5.pt: No space left on device"
+        with pytest.raises(EagleCompatError, match=r"could not write .*data_5.pt: No space left on device"
                                                           r".*rerun the same command with --resume"):
             job.run(_opts(model, dataset, out))
     assert len(_samples(out)) == 5 and not [f for f in os.listdir(out) if ".tmp-" in f]
@@ -298,7 +299,7 @@ def test_a_full_disk_leaves_no_partial_file_and_resume_completes(model, dataset,
         filler = out / "filler"
         sizes = sorted(os.path.getsize(clean / f) for f in _samples(clean))
         filler.write_bytes(b"\0" * (1024 * 1024 - 4 * sizes[-1] - 64 * 1024))  # room for a few samples only
-        with pytest.raises(writer.OutputWriteError, match="No space left on device"):
+        with pytest.raises(EagleCompatError, match="No space left on device"):
             job.run(_opts(model, dataset, out))
         kept = _samples(out)
         assert 0 < len(kept) < N and not [f for f in os.listdir(out) if ".tmp-" in f]
@@ -326,6 +327,7 @@ def short_model(model, tmp_path_factory):
 
 def test_max_len_default_follows_the_model_and_is_in_the_manifest(short_model, dataset, tmp_path, fake_engine):
     summary = job.run(_opts(short_model, dataset, tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "data_config.json"))["data"]["seq_length"] == 511
     assert summary["max_len"] == 511
     note = json.load(open(tmp_path / "out" / "manifest.json"))["max_len"]
     assert note["value"] == 511 and note["model_limit"] == 511
@@ -363,7 +365,7 @@ def _think_data(tmp_path):
 
 
 def test_an_assistant_turn_that_cannot_be_located_is_an_error_naming_the_line(think_model, tmp_path, no_engine):
-    with pytest.raises(inputs.UncoveredConversation, match=r"think.jsonl:2: assistant message 1 .*--skip-uncovered"):
+    with pytest.raises(InvalidInput, match=r"think.jsonl:2: assistant message 1 .*--skip-uncovered"):
         job.run(_opts(think_model, _think_data(tmp_path), tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -414,5 +416,5 @@ def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
 
     monkeypatch.setattr(tok.__class__, "__call__", shifted_offsets)
     inputs.tokenize_conversation(tok, messages, 512)  # without --validate nothing notices
-    with pytest.raises(inputs.UncoveredConversation, match="masked tokens decode to"):
+    with pytest.raises(InvalidInput, match="masked tokens decode to"):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
