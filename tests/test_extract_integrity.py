@@ -35,6 +35,7 @@ class FakeEngine:
 
     def __init__(self, model_path, layer_ids=None, max_model_len=2048, **kwargs):
         FakeEngine.started += 1
+        FakeEngine.max_model_len = max_model_len
         self.layer_ids = list(layer_ids)
         self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32"))
 
@@ -328,7 +329,7 @@ def short_model(model, tmp_path_factory):
 def test_max_len_default_follows_the_model_and_is_in_the_manifest(short_model, dataset, tmp_path, fake_engine):
     summary = job.run(_opts(short_model, dataset, tmp_path / "out"))
     assert json.load(open(tmp_path / "out" / "data_config.json"))["data"]["seq_length"] == 511
-    assert summary["max_len"] == 511
+    assert summary["max_len"] == 511 and fake_engine.max_model_len == 512  # what the engine is asked for
     note = json.load(open(tmp_path / "out" / "manifest.json"))["max_len"]
     assert note["value"] == 511 and note["model_limit"] == 511
     assert "max_position_embeddings=512" in note["model_limit_from"]

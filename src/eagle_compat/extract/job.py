@@ -190,6 +190,12 @@ def _stop_on_first_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _ignore_sigint(worker: Any) -> None:
+    """Runs in each vLLM worker (main thread): Ctrl-C reaches the whole process group, but the driver stops the
+    workers itself; a worker interrupted mid-forward would only print its traceback over the one-line message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _write_json(path: str, obj: Any) -> None:
     try:
         writer.atomic_write_json(path, obj)
@@ -319,6 +325,8 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
         raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
                            f"{str(exc).splitlines()[-1].strip()[:400]}") from None
     with gen:
+        if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
+            gen.executor.collective_rpc(_ignore_sigint)
         manifest["decoder_contract"] = gen.describe()
         manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
         t_engine = time.time()
