@@ -411,8 +411,8 @@ def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
 
     def shifted_offsets(self, *args, **kwargs):  # a tokenizer whose character offsets are off by one token
         enc = real(self, *args, **kwargs)
-        offsets = enc["offset_mapping"]
-        enc["offset_mapping"] = offsets[1:] + offsets[-1:]
+        if "offset_mapping" in enc:
+            enc["offset_mapping"] = enc["offset_mapping"][1:] + enc["offset_mapping"][-1:]
         return enc
 
     monkeypatch.setattr(tok.__class__, "__call__", shifted_offsets)

@@ -104,7 +104,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
 
     Every assistant message must be located (UncoveredConversation otherwise); spans past `max_len` tokens are
     truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each reply and
-    checks that they spell the reply: an independent check of the tokenizer's character offsets.
+    checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
+    tokenizer's character offsets.
     """
     text = _render(tokenizer, messages, False)
     spans = assistant_spans(tokenizer, messages, text)
@@ -124,14 +125,18 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
         if not covering:
             raise UncoveredConversation(f"assistant message {k + 1}: no token of the tokenized text covers its "
                                         f"characters {s}..{e}")
-        if check_decoded:
-            want = "".join(text[s:min(e, kept_end)].split())
-            got = "".join(tokenizer.decode([ids[j] for j in covering], skip_special_tokens=False,
-                                           clean_up_tokenization_spaces=False).split())
+        if check_decoded:  # the reply tokenized alone, decoded: words the vocabulary lacks read <unk> on both sides
+            alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
+            want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
             if want not in got:
                 raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
                                             f"{_preview(got)}, not to the reply {_preview(want)}")
     return ids, mask
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return "".join(text.split())  # tokenizers differ in the spaces they restore
 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
