@@ -76,6 +76,8 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--data {opts.data!r}: no such file")
     if not os.path.exists(opts.model):
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
+    if os.path.exists(opts.out) and not os.path.isdir(opts.out):
+        raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
 
 
 def _sha256(path: str) -> str:

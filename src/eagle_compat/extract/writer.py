@@ -162,8 +162,9 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
         found = sample_files(out_dir)
         if found:
             legacy = sorted(f for f in os.listdir(out_dir) if f.startswith("manifest.shard-"))
+            names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
             raise OutputDirectoryConflict(
-                f"{out_dir} holds {len(found)} sample files ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}) "
+                f"{out_dir} holds {len(found)} sample files ({names}) "
                 f"but no settings record ({MANIFEST}{'; only ' + ', '.join(legacy) if legacy else ''}): nothing "
                 "says which model, data and layers made them, so adding files to them could mix two extractions. "
                 "Move them away or choose another --out")
