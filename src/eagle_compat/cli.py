@@ -151,10 +151,23 @@ def cmd_extract(args: argparse.Namespace) -> int:
         validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization or _default_gmu(),
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress)
+        progress=not args.no_progress, skip_uncovered=args.skip_uncovered)
     summary = job.run(opts)
     print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
-          f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s); manifest {summary['manifest']}")
+          f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
+          f"manifest {summary['manifest']}")
+    if summary["temp_files_swept"]:
+        print(f"extract: removed {len(summary['temp_files_swept'])} temporary files left by an earlier run")
+    if summary["skipped"]:
+        lines = ", ".join(str(s["line"]) for s in summary["skipped"][:20])
+        print(f"extract: skipped {len(summary['skipped'])} conversations whose assistant tokens could not all be "
+              f"located (--skip-uncovered; lines {lines}{', ...' if len(summary['skipped']) > 20 else ''}; reasons "
+              "in manifest.json)")
+    if not summary["complete"]:
+        print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} samples "
+              "are in the directory. data_config.json is written by the run that completes the set: run the other "
+              "shards into this directory (or copy their files here and run once more without --shard, with "
+              "--resume)")
     return 0
 
 
@@ -209,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--layers", help="comma-separated layer ids (default speculators' [2, N//2, N-3, N-1])")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per sample (longer ones are truncated)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--shard", default="0/1", help="I/N: this machine's share")
-    p.add_argument("--validate", action="store_true", help="check ids, lengths, NaN/Inf before writing")
+    p.add_argument("--validate", action="store_true",
+                   help="check ids, lengths, NaN/Inf before writing, and that loss masks spell the assistant replies")
+    p.add_argument("--skip-uncovered", action="store_true",
+                   help="leave out (count, list) conversations whose assistant tokens cannot all be located, "
+                        "instead of stopping")
     p.add_argument("--format", default="pt", choices=["pt", "safetensors"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -224,11 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     args = parser.parse_args(argv)
     from .errors import InvalidInput
+    from .extract.writer import OutputWriteError
     try:
         return int(args.func(args) or 0)
     except InvalidInput as exc:
         print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OutputWriteError as exc:
+        print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (the job says what is kept)
+        print(f"eagle-compat {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,15 +1,22 @@
 """Read the input JSONL: conversations (chat template applied, loss mask on assistant tokens, as speculators 0.3.0's
-preprocessing does) or pre-tokenized ids."""
+preprocessing does) or pre-tokenized ids. Every problem is an `InvalidInput` naming the file and line, raised before
+any engine starts."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInput
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
                 "model": "assistant", "system": "system"}
+LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, ...]} (or \"messages\"), or "
+              "{\"input_ids\": [ints], \"loss_mask\": [0/1 per id]}")
+
+
+class UncoveredConversation(InvalidInput):
+    """An assistant message whose tokens cannot be located in the chat-templated text (no loss mask for it)."""
 
 
 @dataclass
@@ -17,6 +24,14 @@ class Sample:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
+    line: int = 0
+
+
+@dataclass
+class Dataset:
+    samples: list[Sample]
+    # conversations left out under --skip-uncovered: {"line", "index", "reason"}
+    skipped: list[dict] = field(default_factory=list)
 
 
 def _messages(record: dict, where: str) -> list[dict] | None:
@@ -38,61 +53,163 @@ def _messages(record: dict, where: str) -> list[dict] | None:
     return out
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) -> tuple[list[int], list[int]]:
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of every assistant message's content in `text`, the templated conversation.
+
+    Messages are looked up in order (an assistant reply is never matched inside an earlier message). Where the
+    template renders the prefix up to an assistant turn as the full text starts, the search starts after that
+    prefix's generation header (short replies never match the header itself). A reply that is not in the text
+    (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises UncoveredConversation.
+    """
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        content = m["content"]
+        start = cursor
+        if m["role"] == "assistant" and i:
+            before = _render(tokenizer, messages[:i], True)
+            if text.startswith(before):
+                start = max(cursor, len(before))
+        pos, found = -1, content
+        for candidate in (content, content.strip()):  # templates often trim message content
+            if candidate:
+                pos, found = text.find(candidate, start), candidate
+                if pos >= 0:
+                    break
+        if pos < 0:
+            if m["role"] == "assistant" and content.strip():
+                n_assistant = sum(1 for x in messages[: i + 1] if x["role"] == "assistant")
+                raise UncoveredConversation(
+                    f"assistant message {n_assistant} ({_preview(content)}) is not in the chat-templated text: the "
+                    "template renders it differently (rewrites it, or drops part of it from earlier turns), so its "
+                    "tokens cannot be located for the loss mask")
+            continue  # a system/user text the template rewrites: it only positions the search
+        if m["role"] == "assistant":
+            spans.append((pos, pos + len(found)))
+        cursor = pos + len(found)
+    return spans
+
+
+def _preview(text: str, n: int = 40) -> str:
+    return json.dumps(text if len(text) <= n else text[:n] + "...")
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
+                          check_decoded: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask that is 1 on assistant-content tokens.
 
-    The assistant spans are found by rendering the conversation prefix by prefix (the text an assistant message
-    adds to the template), then mapped to tokens through the tokenizer's character offsets.
+    Every assistant message must be located (UncoveredConversation otherwise); spans past `max_len` tokens are
+    truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each reply and
+    checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
+    tokenizer's character offsets.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, add_generation_prompt=False)
-        if not text.startswith(through) or not through.startswith(before[: len(through)]):
-            continue
-        start = through.find(m["content"], len(before) - len(m["content"]) if len(before) > len(m["content"]) else 0)
-        if start >= 0:
-            spans.append((start, start + len(m["content"])))
-    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, truncation=True, max_length=max_len)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    text = _render(tokenizer, messages, False)
+    spans = assistant_spans(tokenizer, messages, text)
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, truncation=True,
+                        max_length=max_len)
+    except NotImplementedError:
+        raise InvalidInput("conversations need a fast tokenizer (character offsets locate the assistant's tokens); "
+                           "this model's tokenizer has none. Pre-tokenize into input_ids + loss_mask") from None
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [1 if any(s < e_tok and b_tok < e for s, e in spans) else 0 for b_tok, e_tok in offsets]
-    return list(ids), mask
+    kept_end = offsets[-1][1] if offsets else 0
+    for k, (s, e) in enumerate(spans):
+        if s >= kept_end:
+            continue  # truncated away by --max-len, with the text
+        covering = [j for j, (b_tok, e_tok) in enumerate(offsets) if s < e_tok and b_tok < e]
+        if not covering:
+            raise UncoveredConversation(f"assistant message {k + 1}: no token of the tokenized text covers its "
+                                        f"characters {s}..{e}")
+        if check_decoded:  # the reply tokenized alone, decoded: words the vocabulary lacks read <unk> on both sides
+            alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
+            want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
+            if want not in got:
+                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
+                                            f"{_preview(got)}, not to the reply {_preview(want)}")
+    return ids, mask
 
 
-def read_samples(path: str, tokenizer: Any, max_len: int) -> list[Sample]:
-    samples = []
-    with open(path) as f:
-        for n, line in enumerate(f):
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return "".join(text.split())  # tokenizers differ in the spaces they restore
+
+
+def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
+                 check_decoded: bool = False) -> Dataset:
+    """Every line parsed and tokenized (the whole file, before any engine starts)."""
+    samples: list[Sample] = []
+    skipped: list[dict] = []
+    index = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f):
+            where = f"{path}:{n + 1}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{n + 1}"
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                raise InvalidInput(f"{where}: not JSON ({exc})") from None
+                raise InvalidInput(f"{where}: not JSON ({exc}); each line is one JSON object: {LINE_FORMS}") from None
             if not isinstance(record, dict):
-                raise InvalidInput(f"{where}: each line must be a JSON object")
+                raise InvalidInput(f"{where}: a JSON {type(record).__name__}; each line is one JSON object: "
+                                   f"{LINE_FORMS}")
             messages = _messages(record, where)
             if messages is not None:
                 if tokenizer is None:
                     raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load")
-                ids, mask = tokenize_conversation(tokenizer, messages, max_len)
+                try:
+                    ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded)
+                except UncoveredConversation as exc:
+                    if not skip_uncovered:
+                        raise UncoveredConversation(
+                            f"{where}: {exc}. Fix the line (or the chat template), or pass --skip-uncovered to leave "
+                            "such conversations out (counted, and listed in manifest.json)") from None
+                    skipped.append({"line": n + 1, "index": index, "reason": str(exc)})
+                    index += 1
+                    continue
+                except InvalidInput as exc:
+                    raise InvalidInput(f"{where}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - the template's own error (e.g. roles must alternate)
+                    raise InvalidInput(f"{where}: the chat template failed on this conversation: "
+                                       f"{type(exc).__name__}: {exc}") from None
             elif "input_ids" in record:
-                ids = record["input_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise InvalidInput(f"{where}: input_ids must be a list of ints")
-                mask = record.get("loss_mask", [1] * len(ids))
-                if len(mask) != len(ids) or any(v not in (0, 1) for v in mask):
-                    raise InvalidInput(f"{where}: loss_mask must be 0/1 values, one per input id")
+                ids, mask = _token_record(record, where)
                 ids, mask = ids[:max_len], mask[:max_len]
             else:
-                raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids'")
+                raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
+                                   f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
             if not ids:
                 raise InvalidInput(f"{where}: the sample tokenizes to nothing")
-            samples.append(Sample(len(samples), list(ids), list(mask)))
+            bad = [t for t in ids if vocab_size and not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
+            samples.append(Sample(index, list(ids), list(mask), n + 1))
+            index += 1
     if not samples:
-        raise InvalidInput(f"{path}: no samples")
-    return samples
+        raise InvalidInput(f"{path}: no samples" + (f" ({len(skipped)} skipped as uncovered)" if skipped else ""))
+    return Dataset(samples, skipped)
+
+
+def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:
+    ids = record["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidInput(f"{where}: input_ids must be a list of ints, got {_preview(json.dumps(ids))}")
+    mask = record.get("loss_mask", [1] * len(ids))
+    if (not isinstance(mask, list) or len(mask) != len(ids)
+            or any(v not in (0, 1) for v in mask)):
+        got = f"{len(mask)} values" if isinstance(mask, list) else f"a {type(mask).__name__}"
+        raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); "
+                           f"got {got}")
+    return ids, mask
+
+
+def read_samples(path: str, tokenizer: Any, max_len: int) -> list[Sample]:
+    return read_dataset(path, tokenizer, max_len).samples

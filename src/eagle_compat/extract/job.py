@@ -1,8 +1,12 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -13,6 +17,12 @@ from ..errors import InvalidInput
 from . import inputs, writer
 
 FORMATS = ("pt", "safetensors")
+DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
+# the config keys vLLM derives a model's length limit from (the smallest wins)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE scalings whose factor extends the positions given in the config (the others leave them already scaled)
+ROPE_EXTENDING = ("linear", "dynamic")
 
 
 @dataclass
@@ -22,7 +32,8 @@ class ExtractOptions:
     out: str
     layers: list[int] | None = None
     batch_size: int = 8
-    max_len: int = 2048
+    max_len: int | None = None  # None: min(DEFAULT_MAX_LEN, what the model takes)
+    skip_uncovered: bool = False
     resume: bool = False
     shard: tuple[int, int] = (0, 1)
     validate: bool = False
@@ -59,24 +70,69 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--format {opts.format!r}; allowed: {', '.join(FORMATS)}")
     if opts.batch_size < 1:
         raise InvalidInput(f"--batch-size {opts.batch_size}; must be >= 1")
-    if opts.max_len < 1:
+    if opts.max_len is not None and opts.max_len < 1:
         raise InvalidInput(f"--max-len {opts.max_len}; must be >= 1")
     if not os.path.isfile(opts.data):
         raise InvalidInput(f"--data {opts.data!r}: no such file")
     if not os.path.exists(opts.model):
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
+    if os.path.exists(opts.out) and not os.path.isdir(opts.out):
+        raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
 
 
 def _sha256(path: str) -> str:
     return writer.file_sha256(path)
 
 
-def settings_of(opts: ExtractOptions, layer_ids: list[int]) -> dict[str, Any]:
-    """What must be equal for a resumed run to continue the same extraction."""
+def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dict[str, Any]:
+    """What must be equal for any run to add files to a directory. Not the shard layout: batches are fixed by
+    position, so any layout writes the same files (tested), and shards may finish in any order."""
     return {"model": os.path.abspath(opts.model), "model_checksums": writer.model_checksums(opts.model),
             "data": os.path.abspath(opts.data), "data_sha256": _sha256(opts.data), "layer_ids": layer_ids,
-            "max_len": opts.max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
-            "shard": list(opts.shard), "tensor_parallel_size": opts.tensor_parallel_size}
+            "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
+            "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered}
+
+
+def model_position_limit(model: str, text_config: Any) -> tuple[int | None, str]:
+    """The most positions the model takes, and where that comes from: the smallest of the config keys vLLM reads
+    (times a linear/dynamic RoPE factor) and the tokenizer's model_max_length."""
+    found = [(int(v), f"{k}={v} in config.json") for k in POSITION_KEYS
+             if isinstance(v := getattr(text_config, k, None), (int, float)) and not isinstance(v, bool) and v > 0]
+    limit, source = min(found) if found else (None, "")
+    rope = getattr(text_config, "rope_scaling", None) or getattr(text_config, "rope_parameters", None)
+    if limit is not None and isinstance(rope, dict):
+        kind = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if kind in ROPE_EXTENDING and isinstance(factor, (int, float)) and factor > 1:
+            limit, source = int(limit * factor), f"{source} x {kind} RoPE factor {factor}"
+    try:
+        with open(os.path.join(model, "tokenizer_config.json")) as f:
+            tok_max = json.load(f).get("model_max_length")
+    except (OSError, ValueError):
+        tok_max = None
+    if isinstance(tok_max, int) and tok_max < 10**9 and (limit is None or tok_max < limit):  # 1e30: "unset"
+        limit, source = tok_max, f"model_max_length={tok_max} in tokenizer_config.json"
+    return limit, source
+
+
+def resolve_max_len(model: str, text_config: Any, requested: int | None) -> tuple[int, dict]:
+    """--max-len, checked against the model before any engine starts; the note goes into the manifest."""
+    limit, source = model_position_limit(model, text_config)
+    # the engine keeps one position for the token it samples after the prompt
+    allowed = None if limit is None else limit - 1
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true"):
+        allowed, source = None, f"{source}; not enforced: VLLM_ALLOW_LONG_MAX_MODEL_LEN is set"
+    if requested is None:
+        value = DEFAULT_MAX_LEN if allowed is None else min(DEFAULT_MAX_LEN, allowed)
+        how = f"default: min({DEFAULT_MAX_LEN}, the model's limit)"
+    elif allowed is not None and requested > allowed:
+        raise InvalidInput(f"--max-len {requested}: this model takes at most {allowed} tokens per sample ({source}; "
+                           "one position is kept for the engine's sampled token). Pass --max-len "
+                           f"{allowed} or less, or leave it out (default: min({DEFAULT_MAX_LEN}, {allowed}))")
+    else:
+        value, how = requested, "--max-len"
+    return value, {"value": value, "from": how, "model_limit": allowed,
+                   "model_limit_from": source or "the model's config names no position limit"}
 
 
 def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
@@ -101,7 +157,7 @@ def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size
 
 
 def speculators_data_config(opts: ExtractOptions, layer_ids: list[int], hidden_size: int, num_samples: int,
-                            versions: dict) -> dict:
+                            versions: dict, max_len: int) -> dict:
     """data_config.json in the shape speculators 0.3.0's data-generation script writes it (version 2.0)."""
     return {
         "version": "2.0", "generated_at": datetime.now(timezone.utc).isoformat(),
@@ -112,7 +168,7 @@ def speculators_data_config(opts: ExtractOptions, layer_ids: list[int], hidden_s
                             "gpu": "CPU only" if not detect.feature("cuda_available") else "cuda"},
         "model": {"target_model_path": opts.model, "tensor_parallel_size": opts.tensor_parallel_size,
                   "gpu_memory_utilization": opts.gpu_memory_utilization, "hidden_size": hidden_size},
-        "data": {"train_data_path": opts.data, "seq_length": opts.max_len, "max_samples": None,
+        "data": {"train_data_path": opts.data, "seq_length": max_len, "max_samples": None,
                  "num_samples": num_samples, "seed": 0,
                  "chat_template_note": "Uses tokenizer's built-in chat template"},
         "hidden_states": {"layer_ids": layer_ids,
@@ -127,86 +183,176 @@ def speculators_data_config(opts: ExtractOptions, layer_ids: list[int], hidden_s
     }
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: the run stopped; every file it left is complete. The message says how to continue."""
+
+
+def _stop_on_first_sigint(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the engine must not be interrupted by a second Ctrl-C
+    raise KeyboardInterrupt
+
+
+def _ignore_sigint(worker: Any) -> None:
+    """Runs in each vLLM worker (main thread): Ctrl-C reaches the whole process group, but the driver stops the
+    workers itself; a worker interrupted mid-forward would only print its traceback over the one-line message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    try:
+        writer.atomic_write_json(path, obj)
+    except OSError as exc:
+        raise writer.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
+
+
+def _best_effort_json(path: str, obj: Any) -> None:
+    try:  # recording why a run stopped must not hide the reason it stopped (e.g. the disk is full)
+        writer.atomic_write_json(path, obj)
+    except OSError:
+        pass
+
+
 def run(opts: ExtractOptions) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from ..generator import VllmHiddenStatesGenerator, default_layer_ids, model_text_config, validate_layer_ids
+    from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     started = time.time()
     _check(opts)
-    text_config = model_text_config(opts.model, opts.trust_remote_code)
+    text_config = generator.model_text_config(opts.model, opts.trust_remote_code)
     num_layers, hidden_size = int(text_config.num_hidden_layers), int(getattr(text_config, "hidden_size", 0))
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
-    layer_ids = (default_layer_ids(num_layers) if opts.layers is None
-                 else validate_layer_ids(opts.layers, num_layers))
-    os.makedirs(opts.out, exist_ok=True)
-    manifest_path = os.path.join(opts.out, writer.manifest_name(opts.shard))
-    settings = settings_of(opts, layer_ids)
-    if os.path.exists(manifest_path):
-        if not opts.resume:
-            raise InvalidInput(f"{opts.out} already holds an extraction ({os.path.basename(manifest_path)}); pass "
-                               "--resume to continue it, or choose another --out")
-        import json
-        with open(manifest_path) as f:
-            old = json.load(f)
-        diffs = writer.settings_differences(old.get("settings", {}), settings)
-        if diffs:
-            raise InvalidInput("refusing to resume into a directory made with other settings:\n  " + "\n  ".join(diffs))
+    layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
+                 else generator.validate_layer_ids(opts.layers, num_layers))
+    max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
+    settings = settings_of(opts, layer_ids, max_len)
+    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
+    writer.check_directory(opts.out, settings)
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception:  # noqa: BLE001 - pre-tokenized input does not need one
         tokenizer = None
-    samples = inputs.read_samples(opts.data, tokenizer, opts.max_len)
-    bad = [s.index for s in samples if vocab_size and any(t < 0 or t >= vocab_size for t in s.input_ids)]
-    if bad:
-        raise InvalidInput(f"samples {bad[:10]} have token ids outside the vocabulary [0, {vocab_size - 1}]")
+    data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
+                               skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate)
+    samples = data.samples
     shard_i, shard_n = opts.shard
     batches = [samples[k: k + opts.batch_size] for k in range(0, len(samples), opts.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
-    # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
-    todo = [b for b in mine if not all(os.path.exists(writer.sample_path(opts.out, s.index, opts.format)) for s in b)]
+
+    def path_of(s: inputs.Sample) -> str:
+        return writer.sample_path(opts.out, s.index, opts.format)
+
+    def refuse_without_resume() -> None:
+        present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]
+        if present and not opts.resume:
+            raise writer.OutputDirectoryConflict(
+                f"{opts.out} already holds {len(present)} of this run's {sum(map(len, mine))} files ({present[0]}, "
+                "...), made with these same settings; pass --resume to continue (batches with a missing file are "
+                "redone), or choose another --out")
+
+    refuse_without_resume()
+    os.makedirs(opts.out, exist_ok=True)
+    manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
-    manifest = {"eagle_compat": __import__("eagle_compat").__version__, "layer_convention": writer.LAYER_CONVENTION,
-                "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "versions": versions,
-                "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
-                "num_samples_in_data": len(samples), "num_samples_in_shard": sum(map(len, mine)),
-                "status": "running"}
-    writer.atomic_write_json(manifest_path, manifest)
+    with writer.DirectoryLock(opts.out):
+        record = writer.check_directory(opts.out, settings)  # another run may have written between the checks
+        refuse_without_resume()
+        swept = writer.sweep_temp_files(opts.out)
+        # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
+        todo = [b for b in mine if not all(os.path.exists(path_of(s)) for s in b)]
+        manifest = record or {
+            "eagle_compat": __import__("eagle_compat").__version__, "layer_convention": writer.LAYER_CONVENTION,
+            "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
+            "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
+            "num_samples_in_data": len(samples) + len(data.skipped), "num_samples": len(samples),
+            "skipped_uncovered": data.skipped, "versions": versions, "runs": []}
+        this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
+                    "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume, "versions": versions,
+                    "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running"}
+        manifest.setdefault("runs", []).append(this_run)
+        manifest["status"] = "running"
+        _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
+        done_tokens = done_samples = 0
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
+        try:
+            if todo:
+                done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
+                                                     hidden_size, manifest, path_of, torch)
+        except KeyboardInterrupt:
+            this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
+            _best_effort_json(manifest_path, manifest)
+            present = sum(os.path.exists(path_of(s)) for b in mine for s in b)
+            raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, mine))} files are complete in "
+                              f"{opts.out} (no partial file is left); rerun the same command with --resume to "
+                              "continue") from None
+        except BaseException as exc:
+            this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
+                            finished=datetime.now(timezone.utc).isoformat())
+            _best_effort_json(manifest_path, manifest)
+            raise
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+        elapsed = time.time() - started
+        present = sum(os.path.exists(path_of(s)) for s in samples)
+        complete = present == len(samples)
+        this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
+                        samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2))
+        manifest.update(status="complete" if complete else "incomplete", samples_present=present)
+        _write_json(manifest_path, manifest)
+        if complete:  # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
+            _write_json(os.path.join(opts.out, "data_config.json"),
+                        speculators_data_config(opts, layer_ids, hidden_size, len(samples), versions, max_len))
+    return {"samples": present, "samples_in_data": len(samples), "complete": complete,
+            "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
+            "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
+            "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}"}
+
+
+def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int,
+             hidden_size: int, manifest: dict, path_of: Any, torch: Any) -> tuple[int, int]:
     done_tokens = done_samples = 0
-    if todo:
-        with VllmHiddenStatesGenerator(opts.model, layer_ids=layer_ids, max_model_len=opts.max_len + 1,
-                                       gpu_memory_utilization=opts.gpu_memory_utilization,
-                                       tensor_parallel_size=opts.tensor_parallel_size, dtype=opts.dtype,
-                                       trust_remote_code=opts.trust_remote_code,
-                                       kv_cache_memory_bytes=opts.kv_cache_memory_bytes) as gen:
-            manifest["decoder_contract"] = gen.describe()
-            manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
-            t_engine = time.time()
-            progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
-            for batch in todo:
-                results = gen.generate([s.input_ids for s in batch])
-                for s, r in zip(batch, results):
-                    sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                              "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-                    if opts.validate:
-                        validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+    try:
+        gen = generator.VllmHiddenStatesGenerator(
+            opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
+            gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
+            dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+            kv_cache_memory_bytes=opts.kv_cache_memory_bytes)
+    except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
+        if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
+            raise
+        raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
+                           f"{str(exc).splitlines()[-1].strip()[:400]}") from None
+    with gen:
+        if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
+            gen.executor.collective_rpc(_ignore_sigint)
+        manifest["decoder_contract"] = gen.describe()
+        manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
+        t_engine = time.time()
+        progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
+        for batch in todo:
+            results = gen.generate([s.input_ids for s in batch])
+            for s, r in zip(batch, results):
+                sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                          "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+                if opts.validate:
+                    validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+                try:
                     writer.save_sample(opts.out, s.index, sample, opts.format)
-                    done_samples += 1
-                    done_tokens += len(s.input_ids)
-                elapsed_engine = max(time.time() - t_engine, 1e-9)
-                progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
-            progress.close()
-    elapsed = time.time() - started
-    files = [writer.sample_path(opts.out, s.index, opts.format) for b in mine for s in b]
-    manifest.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
-                    samples_written_this_run=done_samples, tokens_this_run=done_tokens, seconds=round(elapsed, 2))
-    writer.atomic_write_json(manifest_path, manifest)
-    writer.atomic_write_json(os.path.join(opts.out, "data_config.json" if shard_n == 1
-                                          else f"data_config.shard-{shard_i}-of-{shard_n}.json"),
-                             speculators_data_config(opts, layer_ids, hidden_size, len(files), versions))
-    return {"samples": len(files), "written_this_run": done_samples, "tokens_this_run": done_tokens,
-            "seconds": round(elapsed, 2), "files": len(files), "out": opts.out, "manifest": manifest_path}
+                except OSError as exc:
+                    raise writer.OutputWriteError(
+                        f"could not write {path_of(s)}: {exc.strerror or exc}. The {done_samples} files written "
+                        "before it are complete (each is written under a temporary name and renamed when whole); "
+                        "free space or fix the directory, then rerun the same command with --resume") from exc
+                done_samples += 1
+                done_tokens += len(s.input_ids)
+            elapsed_engine = max(time.time() - t_engine, 1e-9)
+            progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
+        progress.close()
+    return done_samples, done_tokens
 
 
 class _progress:

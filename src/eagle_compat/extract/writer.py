@@ -3,30 +3,63 @@
 Layout of an output directory (readable by speculators 0.3.0's `Eagle3SampleFileDataset` unchanged):
   data_{i}.pt            {"input_ids": LongTensor[T], "hidden_states": [Tensor[T, H] per layer], "loss_mask": LongTensor[T]}
                          (or data_{i}.safetensors: input_ids, loss_mask, hidden_states.{k})
-  data_config.json       speculators' data-generation config, as its script writes it
-  manifest.json          eagle_compat's record: layer convention, versions, model checksums, settings
-                         (manifest.shard-I-of-N.json for a shard)
+  manifest.json          the directory's one settings record (every shard layout shares it), written before the
+                         first sample: layer convention, versions, model checksums, settings, and each run
+  data_config.json       speculators' data-generation config, written once every sample of the data has its file
+  .eagle-compat.lock     flock'ed by the run writing the directory (holds its pid)
 `i` is the sample's index in the input file, so shards and resumed runs never collide.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import socket
+from datetime import datetime, timezone
 from typing import Any
+
+from ..errors import EagleCompatError, InvalidInput
+
+MANIFEST = "manifest.json"
+LOCK_FILE = ".eagle-compat.lock"
+# sample files of any writer (ours: data_{i}.pt/.safetensors; speculators' scripts: hs_{i}.pt); not data_config.json
+SAMPLE_FILE = re.compile(r"^(data|hs)_\d+\.[A-Za-z0-9]+$")
+TEMP_FILE = re.compile(r"\.tmp-\d+$")
 
 LAYER_CONVENTION = ("hidden_states[k] is the residual stream leaving decoder layer layer_ids[k] "
                     "(hidden + residual after that layer; HF output_hidden_states[layer_id + 1] for layer_id <= N-2; "
                     "for the last layer N-1 the input of the final norm, i.e. pre-final-norm)")
 
 
+class OutputDirectoryConflict(InvalidInput):
+    """--out holds files that this run's settings did not make (or that no settings record describes)."""
+
+
+class OutputDirectoryBusy(InvalidInput):
+    """Another run holds --out's lock."""
+
+
+class OutputWriteError(EagleCompatError, OSError):
+    """Writing to --out failed (disk full, permissions, I/O error); what was written before is complete."""
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave no partial file behind, not even under the temporary name
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def atomic_write_json(path: str, obj: Any) -> None:
@@ -99,9 +132,118 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
     return out
 
 
-def manifest_name(shard: tuple[int, int]) -> str:
-    i, n = shard
-    return "manifest.json" if n == 1 else f"manifest.shard-{i}-of-{n}.json"
+def sample_files(out_dir: str) -> list[str]:
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted((f for f in os.listdir(out_dir) if SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
+
+
+def _load_record(path: str) -> dict:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
+            raise ValueError("no 'settings' object")
+    except ValueError as exc:
+        raise OutputDirectoryConflict(f"{path} is not a readable eagle_compat settings record ({exc}); the files "
+                                      "next to it cannot be checked. Choose another --out") from None
+    # records of eagle_compat before one record per directory: the shard was a setting, --skip-uncovered did not exist
+    record["settings"].pop("shard", None)
+    record["settings"].setdefault("skip_uncovered", False)
+    return record
+
+
+def read_manifest(out_dir: str) -> dict | None:
+    """The directory's settings record. Directories of earlier eagle_compat releases have one manifest per shard
+    layout (and, where runs were mixed, several that disagree): all of them must agree."""
+    if not os.path.isdir(out_dir):
+        return None
+    names = sorted(f for f in os.listdir(out_dir) if re.fullmatch(r"manifest\.shard-\d+-of-\d+\.json", f))
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+        names.insert(0, MANIFEST)
+    records = [_load_record(os.path.join(out_dir, f)) for f in names]
+    for name, other in zip(names[1:], records[1:]):
+        diffs = settings_differences(records[0]["settings"], other["settings"])
+        if diffs:
+            raise OutputDirectoryConflict(f"{out_dir}: {names[0]} and {name} disagree, so its files mix two "
+                                          "extractions; choose another --out:\n  " + "\n  ".join(diffs))
+    return records[0] if records else None
+
+
+def check_directory(out_dir: str, settings: dict) -> dict | None:
+    """Refuse a directory whose samples were made with other settings, or by a run that left no record.
+
+    Returns the existing record (None for a directory without one and without samples). Reads only."""
+    record = read_manifest(out_dir)
+    if record is None:
+        found = sample_files(out_dir)
+        if found:
+            names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise OutputDirectoryConflict(
+                f"{out_dir} holds {len(found)} sample files ({names}) "
+                f"but no settings record ({MANIFEST}): nothing "
+                "says which model, data and layers made them, so adding files to them could mix two extractions. "
+                "Move them away or choose another --out")
+        return None
+    diffs = settings_differences(record["settings"], settings)
+    if diffs:
+        raise OutputDirectoryConflict(
+            f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
+            "without --resume:\n  " + "\n  ".join(diffs) +
+            "\nRerun with the settings above, or choose another --out")
+    return record
+
+
+def sweep_temp_files(out_dir: str) -> list[str]:
+    """Temporary files of runs that died mid-write (only the lock holder calls this, so none is in use)."""
+    swept = []
+    for name in os.listdir(out_dir):
+        if TEMP_FILE.search(name):
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                swept.append(name)
+            except FileNotFoundError:
+                pass
+    return swept
+
+
+class DirectoryLock:
+    """One writer per output directory: flock on `.eagle-compat.lock`, released by the kernel if the run dies."""
+
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, LOCK_FILE)
+        self.fd: int | None = None
+
+    def __enter__(self) -> "DirectoryLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
+                                      f"({self.holder()}); two runs writing one directory could mix their files. "
+                                      "Wait for it to finish, or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": datetime.now(timezone.utc).isoformat()}).encode())
+        self.fd = fd
+        return self
+
+    def holder(self) -> str:
+        try:
+            with open(self.path) as f:
+                info = json.load(f)
+            return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+        except (OSError, ValueError, KeyError):
+            return "holder unknown"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def settings_differences(old: dict, new: dict) -> list[str]:

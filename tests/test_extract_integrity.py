@@ -1,0 +1,444 @@
+"""eagle-compat extract under misuse and faults, without an engine: the output directory is the unit of consistency
+(one settings record, refusals that leave it untouched, one writer at a time, temporary files swept, a whole set
+described for speculators), bad input lines named before any engine, a failing writer, --max-len against the model,
+loss-mask coverage. Where samples must be produced, a deterministic stand-in engine replaces vLLM: these tests are
+about which files the job writes, keeps and refuses; test_extract.py checks the tensors on real vLLM."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagle_compat import InvalidInput, tiny_models
+from eagle_compat.errors import EagleCompatError
+from eagle_compat.extract import inputs, job, writer
+
+from helpers import prompts
+
+HIDDEN = 256  # the tiny Llama's hidden size
+N = 12  # samples in the dataset; batch size 4: three batches
+
+
+class FakeEngine:
+    """Stands in for VllmHiddenStatesGenerator: hidden states are a pure function of (token, position, layer)."""
+    started = 0
+    block: threading.Event | None = None  # set by a test to hold the run inside generate()
+
+    def __init__(self, model_path, layer_ids=None, max_model_len=2048, **kwargs):
+        FakeEngine.started += 1
+        FakeEngine.max_model_len = max_model_len
+        self.layer_ids = list(layer_ids)
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def describe(self):
+        return {"stand_in": True}
+
+    def generate(self, token_ids):
+        if FakeEngine.block is not None:
+            FakeEngine.block.wait(30)
+        out = []
+        for ids in token_ids:
+            t = torch.tensor(ids, dtype=torch.long)
+            base = t.float()[:, None] + torch.arange(len(ids)).float()[:, None] / 7 + torch.arange(HIDDEN) / 100
+            out.append({"input_ids": t, "hidden_states": [base * (lid + 1) for lid in self.layer_ids]})
+        return out
+
+
+class NoEngine:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("an engine was started")
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    import eagle_compat.generator
+
+    FakeEngine.started, FakeEngine.block = 0, None
+    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", FakeEngine)
+    return FakeEngine
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    import eagle_compat.generator
+
+    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NoEngine)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+def _write_lines(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    records = []
+    for n, ids in enumerate(prompts(N, 10, 40, seed=5)):
+        if n % 3 == 0:
+            records.append({"conversations": [
+                {"role": "user", "content": " ".join(f"w{t - 7}" for t in ids[:5])},
+                {"role": "assistant", "content": " ".join(f"w{t - 7}" for t in ids[5:15])}]})
+        else:
+            records.append({"input_ids": ids})
+    return _write_lines(tmp_path / "data.jsonl", records)
+
+
+def _opts(model, data, out, **kw):
+    kw.setdefault("layers", [0, 1])
+    kw.setdefault("batch_size", 4)
+    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+
+
+def _snapshot(out):
+    """Every file in --out with its content hash and mtime: a refused run must change none of them."""
+    if not os.path.isdir(out):
+        return None
+    snap = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        with open(path, "rb") as f:
+            snap[name] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return snap
+
+
+def _samples(out):
+    return sorted((f for f in os.listdir(out) if re.match(r"^(data|hs)_\d+\.pt$", f)), key=lambda f: (len(f), f))
+
+
+def _equal_dirs(a, b):
+    assert _samples(a) == _samples(b) and _samples(a)
+    for name in _samples(a):
+        x, y = writer.load_sample(os.path.join(a, name)), writer.load_sample(os.path.join(b, name))
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for h, g in zip(x["hidden_states"], y["hidden_states"], strict=True):
+            assert torch.equal(h, g), name
+
+
+# ---- item 1: the directory is the unit of consistency ------------------------------------------------------------
+
+def test_other_layers_into_a_sharded_directory_are_refused_and_nothing_is_touched(model, dataset, tmp_path,
+                                                                                 fake_engine):
+    """The issue's reproduction: --shard 0/2 --layers 0,1, then an unsharded --layers 2,3 without --resume."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, layers=[0, 1], shard=(0, 2)))
+    before = _snapshot(out)
+    assert _samples(out)
+    for resume in (False, True):
+        with pytest.raises(InvalidInput, match=r"layer_ids: was \[0, 1\], now \[2, 3\]"):
+            job.run(_opts(model, dataset, out, layers=[2, 3], resume=resume))
+        assert _snapshot(out) == before
+    assert fake_engine.started == 1
+
+
+def test_samples_without_a_settings_record_are_refused(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    for record in out.glob("manifest*.json"):
+        record.unlink()
+    before = _snapshot(out)
+    for layers, resume in (([2, 3], False), ([2, 3], True), ([0, 1], True)):  # other settings, and even the same
+        with pytest.raises(InvalidInput, match="no settings record") as exc:
+            job.run(_opts(model, dataset, out, layers=layers, resume=resume))
+        assert "data_0.pt" in str(exc.value)
+        assert _snapshot(out) == before
+    os.mkdir(tmp_path / "theirs")  # files another tool wrote (speculators' hs_{i}.pt) count too
+    (tmp_path / "theirs" / "hs_3.pt").write_bytes(b"x")
+    with pytest.raises(InvalidInput, match="hs_3.pt"):
+        job.run(_opts(model, dataset, tmp_path / "theirs"))
+    assert fake_engine.started == 1
+
+
+def test_records_of_the_earlier_layout_are_adopted_only_where_they_agree(model, dataset, tmp_path, fake_engine):
+    """Earlier releases kept one manifest per shard layout; the issue's mixed directory has two that disagree."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    written = out / ("manifest.json" if os.path.exists(out / "manifest.json") else "manifest.shard-0-of-2.json")
+    record = json.load(open(written))
+    os.unlink(written)
+    record["settings"]["shard"] = [0, 2]
+    record["settings"].pop("skip_uncovered", None)
+    json.dump(record, open(out / "manifest.shard-0-of-2.json", "w"))
+    job.run(_opts(model, dataset, out, shard=(1, 2)))  # the same settings: the other shard completes the set
+    assert os.path.exists(out / "data_config.json")
+    mixed = json.load(open(out / "manifest.json"))  # what the old code left: the last run's record said [2, 3]
+    mixed["settings"]["layer_ids"] = [2, 3]
+    json.dump(mixed, open(out / "manifest.json", "w"))
+    before = _snapshot(out)
+    for layers in ([2, 3], [0, 1]):
+        with pytest.raises(InvalidInput, match=r"manifest.json and manifest.shard-0-of-2.json disagree(.|\n)*"
+                                               r"layer_ids: was \[2, 3\], now \[0, 1\]"):
+            job.run(_opts(model, dataset, out, layers=layers, resume=True))
+    assert _snapshot(out) == before
+
+
+def test_shards_end_with_one_record_and_data_config_for_the_whole_set(model, dataset, tmp_path, fake_engine):
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    job.run(_opts(model, dataset, whole))
+    first = job.run(_opts(model, dataset, sharded, shard=(1, 2)))
+    assert not os.path.exists(sharded / "data_config.json")
+    second = job.run(_opts(model, dataset, sharded, shard=(0, 2)))
+    assert sorted(f for f in os.listdir(sharded) if f.endswith(".json")) == ["data_config.json", "manifest.json"]
+    config = json.load(open(sharded / "data_config.json"))
+    assert config["data"]["num_samples"] == N and config["hidden_states"]["layer_ids"] == [0, 1]
+    assert not first["complete"] and second["complete"] and second["samples"] == N
+    manifest = json.load(open(sharded / "manifest.json"))
+    assert manifest["status"] == "complete" and [r["shard"] for r in manifest["runs"]] == ["1/2", "0/2"]
+    _equal_dirs(whole, sharded)
+    before = _snapshot(sharded)
+    with pytest.raises(InvalidInput, match="pass --resume"):  # the same shard again
+        job.run(_opts(model, dataset, sharded, shard=(0, 2)))
+    assert _snapshot(sharded) == before
+    assert job.run(_opts(model, dataset, sharded, resume=True))["written_this_run"] == 0  # the merge check
+
+
+def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    fake_engine.block = threading.Event()
+    first_error = []
+
+    def first():
+        try:
+            job.run(_opts(model, dataset, out))
+        except BaseException as exc:  # noqa: BLE001
+            first_error.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        for _ in range(600):  # the first run holds the lock once its record is written
+            if os.path.exists(out / "manifest.json"):
+                break
+            thread.join(0.1)
+        with pytest.raises(InvalidInput, match=rf"pid {os.getpid()} on "):
+            job.run(_opts(model, dataset, out, shard=(1, 2)))
+    finally:
+        fake_engine.block.set()
+        thread.join(60)
+    assert not first_error and len(_samples(out)) == N
+
+
+def test_temp_files_of_a_dead_run_are_swept(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    stale = ["data_5.pt.tmp-999999", "manifest.json.tmp-424242"]
+    for name in stale:
+        (out / name).write_bytes(b"partial")
+    summary = job.run(_opts(model, dataset, out, shard=(1, 2)))
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]
+    assert sorted(summary["temp_files_swept"]) == sorted(stale)
+
+
+# ---- item 6: bad input lines, a failing writer --------------------------------------------------------------------
+
+GOOD = {"input_ids": [5, 6, 7]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"input_ids": [5, 6', "not JSON"),
+    ('[1, 2, 3]', "a JSON list; each line is one JSON object"),
+    ({"text": "hello"}, "a line needs 'conversations' (or 'messages') or 'input_ids'"),
+    ({"input_ids": [5, "x"]}, "input_ids must be a list of ints"),
+    ({"input_ids": [5, 6], "loss_mask": [1]}, "loss_mask must be a list of 0/1 values, one per input id (2)"),
+    ({"input_ids": [5, 6], "loss_mask": "11"}, "got a str"),
+    ({"input_ids": [5, 100000]}, "token id 100000 outside the model's vocabulary [0, 511]"),
+    ({"conversations": []}, "must be a non-empty list of messages"),
+    ({"conversations": [{"role": "robot", "content": "hi"}]}, "message needs a role in"),
+    (b'{"input_ids": [5, 6]}\xff', "not UTF-8 text"),
+])
+def test_a_malformed_line_is_named_before_any_engine(model, tmp_path, no_engine, bad, message):
+    data = tmp_path / "data.jsonl"
+    with open(data, "wb") as f:
+        for record in (GOOD, GOOD, bad, GOOD):
+            f.write(record if isinstance(record, bytes) else
+                    (record if isinstance(record, str) else json.dumps(record)).encode())
+            f.write(b"\n")
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:3: .*" + re.escape(message)):
+        job.run(_opts(model, str(data), out))
+    assert not out.exists()  # nothing written, not even the directory
+
+
+def _fail_on_write(monkeypatch, after: int):
+    """The disk fills up while the (after+1)-th sample file is written: its temporary file is already on disk."""
+    real_fsync, calls = os.fsync, {"samples": 0}
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith("data_") and ".pt.tmp-" in name:
+            calls["samples"] += 1
+            if calls["samples"] > after:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, tmp_path, fake_engine, monkeypatch):
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    job.run(_opts(model, dataset, clean))
+    with monkeypatch.context() as m:
+        _fail_on_write(m, after=5)
+        with pytest.raises(EagleCompatError, match=r"could not write .*data_5.pt: No space left on device"
+                                                          r".*rerun the same command with --resume"):
+            job.run(_opts(model, dataset, out))
+    assert len(_samples(out)) == 5 and not [f for f in os.listdir(out) if ".tmp-" in f]
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["status"] == "running" and manifest["runs"][-1]["status"].startswith("failed: OutputWriteError")
+    assert not os.path.exists(out / "data_config.json")
+    summary = job.run(_opts(model, dataset, out, resume=True))
+    assert summary["complete"] and summary["written_this_run"] == 8  # the batch with data_5 is redone whole
+    _equal_dirs(clean, out)
+
+
+def test_a_full_disk_leaves_no_partial_file_and_resume_completes(model, dataset, tmp_path, fake_engine):
+    """A real ENOSPC: the output directory is a 1 MiB tmpfs (needs root; skipped where mount is not allowed)."""
+    clean, out = tmp_path / "clean", tmp_path / "tmpfs"
+    job.run(_opts(model, dataset, clean))
+    os.mkdir(out)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        filler = out / "filler"
+        sizes = sorted(os.path.getsize(clean / f) for f in _samples(clean))
+        filler.write_bytes(b"\0" * (1024 * 1024 - 4 * sizes[-1] - 64 * 1024))  # room for a few samples only
+        with pytest.raises(EagleCompatError, match="No space left on device"):
+            job.run(_opts(model, dataset, out))
+        kept = _samples(out)
+        assert 0 < len(kept) < N and not [f for f in os.listdir(out) if ".tmp-" in f]
+        for name in kept:  # every file left is whole and equal to the clean run's
+            assert open(out / name, "rb").read() == open(clean / name, "rb").read()
+        filler.unlink()
+        assert job.run(_opts(model, dataset, out, resume=True))["complete"]
+        _equal_dirs(clean, out)
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+
+
+# ---- item 7: --max-len follows the model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_model(model, tmp_path_factory):
+    """The tiny Llama with max_position_embeddings=512."""
+    path = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(model, path)
+    config = json.load(open(path / "config.json"))
+    config["max_position_embeddings"] = 512
+    json.dump(config, open(path / "config.json", "w"))
+    return str(path)
+
+
+def test_max_len_default_follows_the_model_and_is_in_the_manifest(short_model, dataset, tmp_path, fake_engine):
+    summary = job.run(_opts(short_model, dataset, tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "data_config.json"))["data"]["seq_length"] == 511
+    assert summary["max_len"] == 511 and fake_engine.max_model_len == 512  # what the engine is asked for
+    note = json.load(open(tmp_path / "out" / "manifest.json"))["max_len"]
+    assert note["value"] == 511 and note["model_limit"] == 511
+    assert "max_position_embeddings=512" in note["model_limit_from"]
+    assert json.load(open(tmp_path / "out" / "data_config.json"))["data"]["seq_length"] == 511
+
+
+def test_a_max_len_the_model_cannot_take_is_refused_before_the_engine(short_model, dataset, tmp_path, no_engine):
+    with pytest.raises(InvalidInput, match=r"--max-len 2048: this model takes at most 511 tokens per sample "
+                                           r"\(max_position_embeddings=512 in config.json"):
+        job.run(_opts(short_model, dataset, tmp_path / "out", max_len=2048))
+    assert not (tmp_path / "out").exists()
+
+
+# ---- item 8: loss-mask coverage ------------------------------------------------------------------------------------
+
+# renders earlier assistant turns without their reasoning (as Qwen3's template does): the old mask dropped them
+THINK_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "<|assistant|> {{ m['content'].split('</think>')[-1] }} </s> "
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_model(model, tmp_path_factory):
+    return _with_template(model, tmp_path_factory.mktemp("think") / "model", THINK_TEMPLATE)
+
+
+def _think_data(tmp_path):
+    two_turns = {"conversations": [
+        {"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": "w12 w13 </think> w14 w15"},
+        {"role": "user", "content": "w16"}, {"role": "assistant", "content": "w17 w18"}]}
+    return _write_lines(tmp_path / "think.jsonl", [GOOD, two_turns, GOOD])
+
+
+def test_an_assistant_turn_that_cannot_be_located_is_an_error_naming_the_line(think_model, tmp_path, no_engine):
+    with pytest.raises(InvalidInput, match=r"think.jsonl:2: assistant message 1 .*--skip-uncovered"):
+        job.run(_opts(think_model, _think_data(tmp_path), tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_skip_uncovered_counts_and_reports_the_skipped_conversation(think_model, tmp_path, fake_engine):
+    summary = job.run(_opts(think_model, _think_data(tmp_path), tmp_path / "out", skip_uncovered=True))
+    assert [s["line"] for s in summary["skipped"]] == [2] and summary["samples"] == 2
+    manifest = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert manifest["skipped_uncovered"][0]["line"] == 2 and manifest["settings"]["skip_uncovered"] is True
+    assert _samples(tmp_path / "out") == ["data_0.pt", "data_2.pt"]  # names stay the lines' indices
+
+
+def _with_template(model, path, template):
+    shutil.copytree(model, path)
+    config = json.load(open(path / "tokenizer_config.json"))
+    config["chat_template"] = template
+    json.dump(config, open(path / "tokenizer_config.json", "w"))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(path / extra):
+            os.unlink(path / extra)
+    return str(path)
+
+
+def test_a_reply_the_template_trims_is_still_in_the_mask(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    trimming = _with_template(model, tmp_path / "trim", tiny_models.CHAT_TEMPLATE.replace(
+        "{{ m['content'] }}", "{{ m['content'] | trim }}"))
+    tok = AutoTokenizer.from_pretrained(trimming)
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"},
+                {"role": "user", "content": "w4"}, {"role": "assistant", "content": " w5 w6\n"}]
+    ids, mask = inputs.tokenize_conversation(tok, messages, 512)
+    assert tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["w3", "w5", "w6"]
+
+
+def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
+    real = tok.__class__.__call__
+
+    def shifted_offsets(self, *args, **kwargs):  # a tokenizer whose character offsets are off by one token
+        enc = real(self, *args, **kwargs)
+        if "offset_mapping" in enc:
+            enc["offset_mapping"] = enc["offset_mapping"][1:] + enc["offset_mapping"][-1:]
+        return enc
+
+    monkeypatch.setattr(tok.__class__, "__call__", shifted_offsets)
+    inputs.tokenize_conversation(tok, messages, 512)  # without --validate nothing notices
+    with pytest.raises(InvalidInput, match="masked tokens decode to"):
+        inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
