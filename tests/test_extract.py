@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,33 @@ def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_
     written = len(_files(out))
     assert 12 <= written < 60, f"kill came too late to test resume ({written} files)"
     assert not [f for f in os.listdir(out) if ".tmp-" in f and f.startswith("data_") and f.endswith(".pt")]
+    _run(model, dataset, out, "--resume")
+    _equal_dirs(full_run, out)
+
+
+def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_run(full_run, model, dataset,
+                                                                                      tmp_path):
+    """SIGKILL to vLLM's worker alone (the driver lives): a clear WorkerDied error within seconds, no hang."""
+    import psutil
+    out = tmp_path / "worker-killed"
+    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
+                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12) and proc.poll() is None:
+        time.sleep(0.05)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "VLLM" in p.name()]
+    assert workers and proc.poll() is None
+    killed_at = time.time()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60 and proc.returncode == 1, stderr[-3000:]
+    assert re.search(rf"WorkerDied in a vLLM worker during '\w+': vLLM worker 0 \(pid {workers[0].pid}\) killed by "
+                     "SIGKILL", stderr), stderr[-3000:]
+    assert "rerun the same command with --resume to continue" in stderr
+    written = len(_files(out))
+    assert 12 <= written < 60, f"the kill came too late to test resume ({written} files)"
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]
     _run(model, dataset, out, "--resume")
     _equal_dirs(full_run, out)
 

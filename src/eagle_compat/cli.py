@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_extract)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     args = parser.parse_args(argv)
-    from .errors import InvalidInput
+    from .errors import EagleCompatError, InvalidInput, WorkerError
     from .extract.writer import OutputWriteError
     try:
         return int(args.func(args) or 0)
@@ -251,6 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     except OutputWriteError as exc:
         print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
         return 1
+    except WorkerError as exc:  # the worker's own traceback is in the message; the driver's adds nothing
+        print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
+        if args.command == "extract":
+            print(f"eagle-compat extract: every file already in {args.out} is complete (no partial file is "
+                  "counted); rerun the same command with --resume to continue", file=sys.stderr)
+        return 1
+    except EagleCompatError as exc:  # refusals (environment, model): they name the cause and the fix
+        print(f"eagle-compat {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (the job says what is kept)
         print(f"eagle-compat {args.command}: {exc or 'interrupted'}", file=sys.stderr)
         return 130
