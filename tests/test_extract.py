@@ -107,21 +107,31 @@ def _equal_dirs(a, b):
             assert torch.equal(h, g), name
 
 
-def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_path):
-    out = tmp_path / "killed"
+def _start_until(model, dataset, out, files: int = 12) -> subprocess.Popen:
+    """Start an extract run in its own process group; return once it has written `files` samples."""
     proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
                                  ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 600
-    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12):
+    while time.time() < deadline and (not out.exists() or len(_files(out)) < files) and proc.poll() is None:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver and vLLM workers
-    proc.wait()
+    return proc
+
+
+def _resumes_to_a_clean_run(full_run, model, dataset, out) -> None:
     written = len(_files(out))
-    assert 12 <= written < 60, f"kill came too late to test resume ({written} files)"
-    assert not [f for f in os.listdir(out) if ".tmp-" in f and f.startswith("data_") and f.endswith(".pt")]
+    assert 12 <= written < 60, f"the fault came too late to test resume ({written} files)"
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]  # no partial file
     _run(model, dataset, out, "--resume")
     _equal_dirs(full_run, out)
+
+
+def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_path):
+    out = tmp_path / "killed"
+    proc = _start_until(model, dataset, out)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver and vLLM workers
+    proc.communicate()
+    _resumes_to_a_clean_run(full_run, model, dataset, out)
 
 
 def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_run(full_run, model, dataset,
@@ -129,12 +139,7 @@ def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_
     """SIGKILL to vLLM's worker alone (the driver lives): a clear WorkerDied error within seconds, no hang."""
     import psutil
     out = tmp_path / "worker-killed"
-    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
-                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12) and proc.poll() is None:
-        time.sleep(0.05)
+    proc = _start_until(model, dataset, out)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "VLLM" in p.name()]
     assert workers and proc.poll() is None
     killed_at = time.time()
@@ -144,35 +149,23 @@ def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_
     assert re.search(rf"WorkerDied in a vLLM worker during '\w+': vLLM worker 0 \(pid {workers[0].pid}\) killed by "
                      "SIGKILL", stderr), stderr[-3000:]
     assert "rerun the same command with --resume to continue" in stderr
-    written = len(_files(out))
-    assert 12 <= written < 60, f"the kill came too late to test resume ({written} files)"
-    assert not [f for f in os.listdir(out) if ".tmp-" in f]
-    _run(model, dataset, out, "--resume")
-    _equal_dirs(full_run, out)
+    _resumes_to_a_clean_run(full_run, model, dataset, out)
 
 
 def test_ctrl_c_stops_cleanly_and_resume_equals_a_clean_run(full_run, model, dataset, tmp_path):
     """Ctrl-C reaches the whole foreground process group: the driver and vLLM's workers."""
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
-                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and (not out.exists() or len(_files(out)) < 12) and proc.poll() is None:
-        time.sleep(0.05)
+    proc = _start_until(model, dataset, out)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
     written = len(_files(out))
-    assert 12 <= written < 60, f"the interrupt came too late to test resume ({written} files)"
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stdout + stderr, (stdout + stderr)[-5000:]
     assert stderr.strip().splitlines()[-1] == (
         f"eagle-compat extract: interrupted; {written} of this run's 60 files are complete in {out} (no partial file "
         "is left); rerun the same command with --resume to continue")
-    assert not [f for f in os.listdir(out) if ".tmp-" in f]
     assert json.load(open(out / "manifest.json"))["runs"][-1]["status"] == "interrupted"
-    _run(model, dataset, out, "--resume")
-    _equal_dirs(full_run, out)
+    _resumes_to_a_clean_run(full_run, model, dataset, out)
 
 
 def test_resume_with_other_settings_is_refused(full_run, model, dataset):
