@@ -108,14 +108,22 @@ def _equal_dirs(a, b):
 
 
 def _start_until(model, dataset, out, files: int = 12) -> subprocess.Popen:
-    """Start an extract run in its own process group; return once it has written `files` samples."""
+    """Start an extract run in its own process group; return once it has written `files` samples. Its output goes
+    to files (a pipe nobody reads could fill and stall it); `_finish` returns it."""
+    logs = out.parent / f"{out.name}.log"
     proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
                                  ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"), start_new_session=True)
+    proc.logs = logs
     deadline = time.time() + 600
     while time.time() < deadline and (not out.exists() or len(_files(out)) < files) and proc.poll() is None:
         time.sleep(0.05)
     return proc
+
+
+def _finish(proc, timeout: float) -> tuple[str, str]:
+    proc.wait(timeout=timeout)
+    return open(f"{proc.logs}.out").read(), open(f"{proc.logs}.err").read()
 
 
 def _resumes_to_a_clean_run(full_run, model, dataset, out) -> None:
@@ -130,7 +138,7 @@ def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_
     out = tmp_path / "killed"
     proc = _start_until(model, dataset, out)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver and vLLM workers
-    proc.communicate()
+    _finish(proc, 120)
     _resumes_to_a_clean_run(full_run, model, dataset, out)
 
 
@@ -144,7 +152,7 @@ def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_
     assert workers and proc.poll() is None
     killed_at = time.time()
     os.kill(workers[0].pid, signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = _finish(proc, 120)
     assert time.time() - killed_at < 60 and proc.returncode == 1, stderr[-3000:]
     assert re.search(rf"WorkerDied in a vLLM worker during '\w+': vLLM worker 0 \(pid {workers[0].pid}\) killed by "
                      "SIGKILL", stderr), stderr[-3000:]
@@ -157,7 +165,7 @@ def test_ctrl_c_stops_cleanly_and_resume_equals_a_clean_run(full_run, model, dat
     out = tmp_path / "interrupted"
     proc = _start_until(model, dataset, out)
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=300)
+    stdout, stderr = _finish(proc, 300)
     written = len(_files(out))
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stdout + stderr, (stdout + stderr)[-5000:]
