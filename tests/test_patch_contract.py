@@ -363,3 +363,20 @@ def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_no
     gen.unify_hybrid_kv_cache_specs(through_speculators)
     assert {s.block_size for s in through_speculators.values()} == {128}
     assert patcher.revert() == [] and gen.unify_hybrid_kv_cache_specs is original
+
+
+@pytest.mark.parametrize("workaround", __import__("eagle_compat.workarounds").workarounds.WORKAROUNDS,
+                         ids=lambda w: w.name)
+def test_every_workaround_states_its_contract_and_decides_here(workaround):
+    """The table names real code (the module and function in `where` exist) and its probe decides on this
+    installation: True, False or the condition (a string), never an exception."""
+    import importlib
+    import re
+
+    from eagle_compat import workarounds
+    assert workaround.broke and workaround.affects and workaround.delete_when
+    verdict = workarounds.status()[workaround.name]
+    assert isinstance(verdict, bool) or not verdict.startswith("unknown"), verdict
+    path, function = re.match(r"([\w/]+)\.py `(\w+)`", workaround.where).groups()
+    module = importlib.import_module("eagle_compat." + path.replace("/", "."))
+    assert callable(getattr(module, function, None)), f"{workaround.where}: no {function} in {module.__name__}"

@@ -44,7 +44,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if detect.installed_versions().vllm is not None:
         report["features"] = detect.features()
         report["patches_needed"] = installer.needed_units()
+        from . import workarounds
+        report["workarounds"] = workarounds.status()
         problems += [f"feature probe {k}: {v}" for k, v in report["features"].items() if not isinstance(v, bool)]
+        problems += [f"workaround probe {k}: {v}" for k, v in report["workarounds"].items()
+                     if str(v).startswith("unknown")]
     if args.model:
         try:
             report["model"] = describe_model(args.model, trust_remote_code=args.trust_remote_code)
@@ -70,6 +74,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
             _print_table([(k, "needed" if v is True else "not needed" if v is False else str(v))
                           for k, v in report["patches_needed"].items()], "Patch units (install())")
+            _print_table([(k, "applies" if v is True else "does not apply" if v is False else f"applies to {v}"
+                           if not str(v).startswith("unknown") else str(v)) for k, v in report["workarounds"].items()],
+                         "Workarounds in eagle_compat's own engine code and capture (docs/patches.md)")
         if "cpu_tensor_parallel" in report:
             _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
                          "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
