@@ -52,8 +52,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     from eagle_compat import check as parity
     from eagle_compat import detect
 
+    from eagle_compat import installer
     out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict(),
-                 "device": device}
+                 "device": device, "units_needed": installer.needed_units()}
     if device != "cpu":
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)

@@ -18,7 +18,8 @@ def render() -> str:
              "", "| unit | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
     for u in REGISTRY:
         where = f"`{u.target}`" if u.target else "process environment"
-        lines.append(f"| `{u.name}` | {u.broke} | `{u.affects}` | {where} ({', '.join(u.sides)}) | "
+        releases = (f"`{u.affects}`" if u.affects else "all") + (f"; where {u.condition}" if u.condition else "")
+        lines.append(f"| `{u.name}` | {u.broke} | {releases} | {where} ({', '.join(u.sides)}) | "
                      f"{'yes' if u.silent else ''} | {u.delete_when} |")
     lines += ["", "## Workarounds in eagle_compat's own engine code and capture", "",
               "Not patch units (they change no speculators name): they act in the generator, the engine adapters or",

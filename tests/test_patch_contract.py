@@ -189,7 +189,7 @@ def test_plugin_entry_point_is_registered_for_vllm():
 @pytest.mark.parametrize("unit", REGISTRY, ids=UNIT_IDS)
 def test_unit_contract(unit):
     """Every unit: states its contract, decides its need by feature detection, applies and reverts exactly."""
-    assert unit.broke and unit.affects and unit.delete_when
+    assert unit.broke and unit.delete_when  # affects "" = every release
     needed = unit.needed()  # must decide on this installation, not raise
     assert isinstance(needed, bool)
     if unit.target is None:
@@ -380,3 +380,39 @@ def test_every_workaround_states_its_contract_and_decides_here(workaround):
     path, function = re.match(r"([\w/]+)\.py `(\w+)`", workaround.where).groups()
     module = importlib.import_module("eagle_compat." + path.replace("/", "."))
     assert callable(getattr(module, function, None)), f"{workaround.where}: no {function} in {module.__name__}"
+
+
+@pytest.mark.parametrize("unit", REGISTRY, ids=UNIT_IDS)
+def test_affects_is_a_specifier_that_agrees_with_the_units_own_detection(unit):
+    """`affects` parses as a PEP 440 specifier; where nothing but the vLLM release decides (no `condition`), the
+    unit's feature probe must say 'needed' exactly on the releases `affects` names (checked on each CI release)."""
+    from packaging.specifiers import SpecifierSet
+    affects = SpecifierSet(unit.affects)  # raises on prose
+    if unit.condition:
+        pytest.skip(f"{unit.name}: the need also depends on {unit.condition}")
+    release = detect.base_version(detect.installed_versions().vllm)
+    assert unit.needed() == affects.contains(release, prereleases=True), \
+        f"{unit.name}: needed()={unit.needed()} on vLLM {release}, but affects={unit.affects!r}"
+
+
+def test_affects_agrees_with_every_recorded_release():
+    """Matrix cells record which units each release needed (`units_needed`, from 2026-12 runs on): where nothing but
+    the release decides, the record must agree with `affects`."""
+    import json
+
+    from packaging.specifiers import SpecifierSet
+    root = pathlib.Path(__file__).resolve().parents[1]
+    units = {u.name: u for u in REGISTRY if not u.condition}
+    checked = 0
+    for path in sorted((root / "compat_matrix" / "results").glob("vllm-*.json")):
+        for cell in json.loads(path.read_text())["cells"].values():
+            if not cell.get("units_needed") or not (cell.get("versions") or {}).get("vllm"):
+                continue
+            release = detect.base_version(detect.parse_version(cell["versions"]["vllm"]))
+            for name, needed in cell["units_needed"].items():
+                if name in units and isinstance(needed, bool):
+                    assert needed == SpecifierSet(units[name].affects).contains(release, prereleases=True), \
+                        (path.name, name)
+                    checked += 1
+    if not checked:
+        pytest.skip("no recorded release carries units_needed yet (recorded by cells run from now on)")
