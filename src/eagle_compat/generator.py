@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-from typing import Any, Sequence
+import queue
+import threading
+from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
 from .capture.remote_errors import WorkerErrorLog, translate
-from .capture.worker import receive
+from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput
 
 log = logging.getLogger("eagle_compat.generator")
@@ -114,7 +116,7 @@ class VllmHiddenStatesGenerator:
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", shm_limit_bytes: int | None = None):
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
@@ -129,8 +131,11 @@ class VllmHiddenStatesGenerator:
         self.max_model_len = max_model_len
         self._request_counter = 0
         self.executor = None
+        self._ring = None
+        self._busy = threading.Lock()  # one batch at a time reaches the engine
         text_config = model_text_config(model_path, trust_remote_code)
         self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
         self.layer_ids = (default_layer_ids(self.num_layers) if layer_ids is None
                           else validate_layer_ids(layer_ids, self.num_layers))
@@ -157,6 +162,7 @@ class VllmHiddenStatesGenerator:
                 self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
             engine.remember_executor(self.executor)
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
+            self._ring = HostRing(self._rpc0, limit_bytes=shm_limit_bytes)
             budget = self._translated(engine.kv_budget, "determine_available_memory")(
                 self.executor, gpu_memory_utilization)
             kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
@@ -181,18 +187,95 @@ class VllmHiddenStatesGenerator:
     def generate(self, token_ids: list[list[int]] | Any, *, truncate: bool = False) -> list[dict]:
         """Hidden states of every prompt token for each layer id. Returns, per sequence, a dict with
         `input_ids` (LongTensor [T]), `hidden_states` (list, per layer id, of [T, hidden] tensors on the CPU) and
-        `loss_mask` (None)."""
-        import torch
-
+        `loss_mask` (None). Each hidden-state tensor has its own storage (in shared host memory)."""
         if self.executor is None:
             raise InvalidInput("this generator is closed")
+        if not self._busy.acquire(blocking=False):
+            raise InvalidInput("this generator is running generate_batches(); finish or close that iteration first")
+        try:
+            return self._run_batch(token_ids, truncate)
+        finally:
+            self._busy.release()
+
+    def generate_batches(self, batches: Iterable[Any], *, truncate: bool = False,
+                         prefetch: int = 1) -> Iterator[list[dict]]:
+        """`generate()` for each batch of `batches`, pipelined: the engine computes batch k+1 while the caller
+        handles batch k (at most `prefetch` finished batches wait in between; 0 runs everything in the caller's
+        thread). Yields each batch's results, in order, equal to what `generate()` returns for it."""
+        if self.executor is None:
+            raise InvalidInput("this generator is closed")
+        if not self._busy.acquire(blocking=False):
+            raise InvalidInput("this generator is already running a batch")
+        try:
+            if prefetch <= 0:
+                for batch in batches:
+                    yield self._run_batch(batch, truncate)
+                return
+            yield from self._pipelined(batches, truncate, prefetch)
+        finally:
+            self._busy.release()
+
+    def _pipelined(self, batches: Iterable[Any], truncate: bool, prefetch: int) -> Iterator[list[dict]]:
+        handed: queue.Queue = queue.Queue(maxsize=prefetch)
+        stop = threading.Event()
+
+        def put(item: tuple) -> bool:
+            while not stop.is_set():
+                try:
+                    handed.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def engine_loop() -> None:
+            try:
+                for batch in batches:
+                    if stop.is_set() or not put(("batch", self._run_batch(batch, truncate))):
+                        return
+                put(("end", None))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                put(("error", exc))
+
+        thread = threading.Thread(target=engine_loop, name="eagle-compat-engine", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, value = handed.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+                del value  # the caller's results alone keep their buffer leased
+        finally:
+            stop.set()
+            thread.join()
+            while not handed.empty():
+                handed.get_nowait()
+
+    def _run_batch(self, token_ids: Any, truncate: bool) -> list[dict]:
+        import torch
+
         batch = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
                                    max_len=self.max_model_len - 1, truncate=truncate)
         request_ids = [f"eagle_{self._request_counter}_{i}" for i in range(len(batch))]
         self._request_counter += 1
-        self._rpc0("eagle_compat_reset")
+        dtype = self.vllm_config.model_config.dtype
+        layers, hidden = len(self.layer_ids), self.hidden_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offsets, total_bytes = {}, 0
+        for rid, ids in zip(request_ids, batch):
+            offsets[rid] = (total_bytes, len(ids))
+            total_bytes += sample_block_bytes(len(ids), layers, hidden, itemsize)
+        slot, why = self._ring.acquire(total_bytes) if hidden else (None, "hidden size unknown")
+        if slot is None:
+            self._ring.fallbacks += 1
+            log.warning("this batch goes through the RPC queue instead of shared memory: %s", why)
+        plan = None if slot is None else {"slot": slot.id, "dtype": str(dtype), "hidden": hidden, "requests": offsets}
         pending = set(request_ids)
         try:
+            self._rpc0("eagle_compat_begin", plan)
             for rid, ids in zip(request_ids, batch):
                 self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
             while (out := self.scheduler.schedule()).total_num_scheduled_tokens > 0:
@@ -202,15 +285,39 @@ class VllmHiddenStatesGenerator:
                 pending.difference_update(done)
             if pending:
                 raise RuntimeError(f"{len(pending)} requests were never scheduled (KV cache too small for them?)")
-            states = receive(self._rpc0("eagle_compat_collect"))
+            reply = self._rpc0("eagle_compat_finish")
         except BaseException:
             if pending:
                 engine.abort(self.scheduler, sorted(pending))
             try:
-                self._rpc0("eagle_compat_reset")
+                self._rpc0("eagle_compat_begin", None)
+                self._rpc0("eagle_compat_finish")
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
+            if slot is not None:
+                self._ring.release(slot.id)
             raise
+        if slot is None:
+            return self._results_from_fallback(batch, reply.get("fallback"))
+        rows = reply.get("rows") or {}
+        missing = [(rid, n) for rid, (_, n) in offsets.items() if rows.get(rid) != n]
+        if missing:
+            self._ring.release(slot.id)
+            raise RuntimeError(f"captured rows do not match the prompts for {len(missing)} requests, e.g. "
+                               f"{missing[0][0]}: {rows.get(missing[0][0])} rows for {missing[0][1]} tokens")
+        lease = self._ring.lease(slot)
+        results = []
+        for rid, ids in zip(request_ids, batch):
+            offset, n = offsets[rid]
+            results.append({"input_ids": torch.as_tensor(ids, dtype=torch.long),
+                            "hidden_states": tensors_from_lease(lease, dtype, offset, n, layers, hidden),
+                            "loss_mask": None})
+        return results
+
+    @staticmethod
+    def _results_from_fallback(batch: list[list[int]], states: list | None) -> list[dict]:
+        import torch
+
         if not states:
             raise RuntimeError("no hidden states were captured")
         total = sum(len(ids) for ids in batch)
@@ -226,12 +333,34 @@ class VllmHiddenStatesGenerator:
             offset += n
         return results
 
+    def reserve_host_buffers(self, tokens_per_batch: int, count: int = 3) -> int:
+        """Create `count` hand-over buffers for batches of up to `tokens_per_batch` tokens now (each is a /dev/shm
+        allocation and, on GPU, a pinning: ~0.1-0.3 s per GiB) rather than during the first batches. The pipeline
+        keeps up to 3 in use (4 with a writer pool); more are created on demand. Returns how many were reserved."""
+        import torch
+
+        itemsize = torch.empty((), dtype=self.vllm_config.model_config.dtype).element_size()
+        nbytes = sample_block_bytes(tokens_per_batch, len(self.layer_ids), self.hidden_size, itemsize)
+        return self._ring.reserve(nbytes, count) if self._ring is not None and self.hidden_size else 0
+
+    @property
+    def handover_stats(self) -> dict:
+        """Shared-memory ring: buffers, bytes, peak bytes, batches that fell back to the RPC queue."""
+        ring = self._ring
+        if ring is None:
+            return {}
+        return {"buffers": len(ring.slots), "bytes": ring.total_bytes, "peak_bytes": ring.peak_bytes,
+                "fallback_batches": ring.fallbacks}
+
     def describe(self) -> dict:
         """The resolved decoder contract (wrapper path, layer class, signature, output kind, capture strategy)."""
         return dict(self.contract)
 
     def close(self) -> None:
         executor, self.executor = self.executor, None
+        ring, self._ring = getattr(self, "_ring", None), None
+        if ring is not None:
+            ring.close(rpc_ok=False)  # the workers' mappings end with them
         if executor is not None:
             try:
                 executor.shutdown()

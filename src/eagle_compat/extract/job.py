@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import inputs, writer
+from . import inputs, pipeline, writer
 
 FORMATS = ("pt", "safetensors")
 
@@ -33,6 +33,7 @@ class ExtractOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     progress: bool = True
+    writer_threads: int = pipeline.DEFAULT_THREADS
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -184,18 +185,22 @@ def run(opts: ExtractOptions) -> dict:
             manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
             t_engine = time.time()
             progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
-            for batch in todo:
-                results = gen.generate([s.input_ids for s in batch])
-                for s, r in zip(batch, results):
-                    sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                              "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-                    if opts.validate:
-                        validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
-                    writer.save_sample(opts.out, s.index, sample, opts.format)
-                    done_samples += 1
-                    done_tokens += len(s.input_ids)
-                elapsed_engine = max(time.time() - t_engine, 1e-9)
-                progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
+            def write(s: Any, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
+                sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                          "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+                if opts.validate:
+                    validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+                writer.save_sample(opts.out, s.index, sample, opts.format)
+
+            with pipeline.WriterPool(opts.writer_threads) as pool:
+                for batch, results in pipeline.pipelined(gen, todo, lambda s: s.input_ids):
+                    for s, r in zip(batch, results):
+                        pool.submit(write, s, r)
+                        done_samples += 1
+                        done_tokens += len(s.input_ids)
+                    del results, r
+                    elapsed_engine = max(time.time() - t_engine, 1e-9)
+                    progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
             progress.close()
     elapsed = time.time() - started
     files = [writer.sample_path(opts.out, s.index, opts.format) for b in mine for s in b]
