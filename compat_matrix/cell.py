@@ -54,6 +54,23 @@ def _prompts():
     return [[rng.randrange(7, 512) for _ in range(rng.randint(10, 120))] for _ in range(4)]
 
 
+def _runner_class(worker) -> str:
+    runner = worker.model_runner
+    return f"{type(runner).__module__}.{type(runner).__name__}"
+
+
+def _self_consistency(a: list[dict], b: list[dict]) -> dict:
+    """Max |a - b| / max |b| per sample and layer (same engine: only batch-shape numerics may differ)."""
+    worst_abs = worst_rel = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert x["hidden_states"][0].shape == y["hidden_states"][0].shape
+        for p, q in zip(x["hidden_states"], y["hidden_states"], strict=True):
+            d = (p.float() - q.float()).abs().max().item()
+            worst_abs = max(worst_abs, d)
+            worst_rel = max(worst_rel, d / max(q.float().abs().max().item(), 1e-30))
+    return {"max_abs": worst_abs, "max_rel": worst_rel, "ok": worst_rel <= BF16_REL_TOL}
+
+
 def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") -> dict:
     from eagle_compat import detect, tiny_models
 
@@ -67,7 +84,27 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
         path, ref_path, n = tiny_models.build_family(family)
         layer_ids = list(range(n))
         batch = _prompts()
-        if check == "shim":
+        if check == "batch_order":
+            # mixed lengths in no sorted order: a runner that sorts its batch (the V2 runner does) must be undone
+            import random
+            rng = random.Random(12)
+            batch = [[rng.randrange(7, 512) for _ in range(n)] for n in (97, 12, 64, 33, 120, 5, 80, 41)]
+            from eagle_compat import VllmHiddenStatesGenerator
+            with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512,
+                                           gpu_memory_utilization=0.3, dtype=dtype) as gen:
+                results = gen.generate(batch)
+                alone = [gen.generate([ids])[0] for ids in batch]
+                piped = [r for rs in gen.generate_batches([batch[:3], batch[3:]]) for r in rs]
+                out["model_runner"] = gen.executor.collective_rpc(_runner_class)[0]
+                out["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
+            out["env"] = {k: os.environ.get(k) for k in ("VLLM_USE_V2_MODEL_RUNNER",)}
+            precision = "fp32" if "float32" in out["engine_dtype"] else "bf16"
+            out["batched_vs_alone"] = _self_consistency(results, alone)
+            out["pipelined_vs_batched"] = _self_consistency(piped, results)
+            if not (out["batched_vs_alone"]["ok"] and out["pipelined_vs_batched"]["max_abs"] == 0.0):
+                raise AssertionError(f"batched results differ from one-at-a-time or pipelined ones: "
+                                     f"{out['batched_vs_alone']} {out['pipelined_vs_batched']}")
+        elif check == "shim":
             import eagle_compat
             eagle_compat.install()
             from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator

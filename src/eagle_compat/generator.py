@@ -7,6 +7,7 @@ import numbers
 import os
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
@@ -103,6 +104,17 @@ def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncat
             ids = ids[:max_len]
         out.append(ids)
     return out
+
+
+@dataclass
+class _Batch:
+    id: str
+    token_lists: list[list[int]]
+    request_ids: list[str]
+    offsets: dict[str, tuple[int, int]]
+    slot: Any
+    pending: set
+    dtype: Any
 
 
 class VllmHiddenStatesGenerator:
@@ -208,8 +220,7 @@ class VllmHiddenStatesGenerator:
             raise InvalidInput("this generator is already running a batch")
         try:
             if prefetch <= 0:
-                for batch in batches:
-                    yield self._run_batch(batch, truncate)
+                yield from self._engine_batches(batches, truncate)
                 return
             yield from self._pipelined(batches, truncate, prefetch)
         finally:
@@ -229,13 +240,17 @@ class VllmHiddenStatesGenerator:
             return False
 
         def engine_loop() -> None:
+            engine_batches = self._engine_batches(batches, truncate)
             try:
-                for batch in batches:
-                    if stop.is_set() or not put(("batch", self._run_batch(batch, truncate))):
+                for results in engine_batches:
+                    if stop.is_set() or not put(("batch", results)):
                         return
+                    del results
                 put(("end", None))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 put(("error", exc))
+            finally:
+                engine_batches.close()
 
         thread = threading.Thread(target=engine_loop, name="eagle-compat-engine", daemon=True)
         thread.start()
@@ -254,18 +269,57 @@ class VllmHiddenStatesGenerator:
             while not handed.empty():
                 handed.get_nowait()
 
+    def _engine_batches(self, batches: Iterable[Any], truncate: bool) -> Iterator[list[dict]]:
+        """Runs the batches back to back. Batch k is collected after batch k+1's first step, so its last copies
+        overlap compute (both in the shared-memory ring; a fallback batch is collected at once)."""
+        prev = cur = None
+        try:
+            for token_ids in batches:
+                if prev is not None and prev.slot is None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                cur = self._start(token_ids, truncate)
+                if prev is not None and cur.slot is None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                self._step(cur)
+                if prev is not None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                while self._step(cur):
+                    pass
+                prev, cur = cur, None
+            if prev is not None:
+                results, prev = self._finish(prev), None
+                yield results
+        except BaseException:
+            self._fail(prev, cur)
+            raise
+
     def _run_batch(self, token_ids: Any, truncate: bool) -> list[dict]:
+        batch = self._start(token_ids, truncate)
+        try:
+            while self._step(batch):
+                pass
+            return self._finish(batch)
+        except BaseException:
+            self._fail(batch)
+            raise
+
+    def _start(self, token_ids: Any, truncate: bool) -> "_Batch":
+        """Validate, choose the batch's hand-over buffer, tell the worker, queue the requests."""
         import torch
 
-        batch = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
-                                   max_len=self.max_model_len - 1, truncate=truncate)
-        request_ids = [f"eagle_{self._request_counter}_{i}" for i in range(len(batch))]
+        token_lists = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
+                                         max_len=self.max_model_len - 1, truncate=truncate)
+        batch_id = f"eagle_{self._request_counter}"
         self._request_counter += 1
+        request_ids = [f"{batch_id}_{i}" for i in range(len(token_lists))]
         dtype = self.vllm_config.model_config.dtype
         layers, hidden = len(self.layer_ids), self.hidden_size
         itemsize = torch.empty((), dtype=dtype).element_size()
         offsets, total_bytes = {}, 0
-        for rid, ids in zip(request_ids, batch):
+        for rid, ids in zip(request_ids, token_lists):
             offsets[rid] = (total_bytes, len(ids))
             total_bytes += sample_block_bytes(len(ids), layers, hidden, itemsize)
         slot, why = self._ring.acquire(total_bytes) if hidden else (None, "hidden size unknown")
@@ -273,46 +327,68 @@ class VllmHiddenStatesGenerator:
             self._ring.fallbacks += 1
             log.warning("this batch goes through the RPC queue instead of shared memory: %s", why)
         plan = None if slot is None else {"slot": slot.id, "dtype": str(dtype), "hidden": hidden, "requests": offsets}
-        pending = set(request_ids)
+        batch = _Batch(batch_id, token_lists, request_ids, offsets, slot, set(), dtype)
         try:
-            self._rpc0("eagle_compat_begin", plan)
-            for rid, ids in zip(request_ids, batch):
+            self._rpc0("eagle_compat_begin", batch_id, plan)
+            for rid, ids in zip(request_ids, token_lists):
                 self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
-            while (out := self.scheduler.schedule()).total_num_scheduled_tokens > 0:
-                self._translated(engine.run_step, "execute_model")(self.executor, out)
-                done = list(out.num_scheduled_tokens)
-                engine.abort(self.scheduler, done)
-                pending.difference_update(done)
-            if pending:
-                raise RuntimeError(f"{len(pending)} requests were never scheduled (KV cache too small for them?)")
-            reply = self._rpc0("eagle_compat_finish")
+                batch.pending.add(rid)
         except BaseException:
-            if pending:
-                engine.abort(self.scheduler, sorted(pending))
-            try:
-                self._rpc0("eagle_compat_begin", None)
-                self._rpc0("eagle_compat_finish")
-            except Exception:  # noqa: BLE001 - the original error matters more
-                pass
-            if slot is not None:
-                self._ring.release(slot.id)
+            self._fail(batch)
             raise
-        if slot is None:
-            return self._results_from_fallback(batch, reply.get("fallback"))
+        return batch
+
+    def _step(self, batch: "_Batch") -> bool:
+        """One engine step; False when nothing was left to schedule."""
+        out = self.scheduler.schedule()
+        if out.total_num_scheduled_tokens == 0:
+            return False
+        self._translated(engine.run_step, "execute_model")(self.executor, out)
+        done = list(out.num_scheduled_tokens)
+        engine.abort(self.scheduler, done)
+        batch.pending.difference_update(done)
+        return True
+
+    def _finish(self, batch: "_Batch") -> list[dict]:
+        import torch
+
+        if batch.pending:
+            raise RuntimeError(f"{len(batch.pending)} requests were never scheduled (KV cache too small for them?)")
+        reply = self._rpc0("eagle_compat_finish", batch.id)
+        if batch.slot is None:
+            return self._results_from_fallback(batch.token_lists, reply.get("fallback"))
         rows = reply.get("rows") or {}
-        missing = [(rid, n) for rid, (_, n) in offsets.items() if rows.get(rid) != n]
+        missing = [(rid, n) for rid, (_, n) in batch.offsets.items() if rows.get(rid) != n]
         if missing:
-            self._ring.release(slot.id)
             raise RuntimeError(f"captured rows do not match the prompts for {len(missing)} requests, e.g. "
                                f"{missing[0][0]}: {rows.get(missing[0][0])} rows for {missing[0][1]} tokens")
-        lease = self._ring.lease(slot)
-        results = []
-        for rid, ids in zip(request_ids, batch):
-            offset, n = offsets[rid]
-            results.append({"input_ids": torch.as_tensor(ids, dtype=torch.long),
-                            "hidden_states": tensors_from_lease(lease, dtype, offset, n, layers, hidden),
-                            "loss_mask": None})
-        return results
+        lease = self._ring.lease(batch.slot)
+        batch.slot = None  # handed out: the results' lifetime decides when it is free again
+        layers, hidden = len(self.layer_ids), self.hidden_size
+        return [{"input_ids": torch.as_tensor(ids, dtype=torch.long),
+                 "hidden_states": tensors_from_lease(lease, batch.dtype, batch.offsets[rid][0], len(ids), layers,
+                                                     hidden),
+                 "loss_mask": None}
+                for rid, ids in zip(batch.request_ids, batch.token_lists)]
+
+    def _fail(self, *batches: "_Batch | None") -> None:
+        """After an error: abort what is still queued, forget the worker's plans, give the buffers back."""
+        for batch in batches:
+            if batch is None:
+                continue
+            if batch.pending:
+                try:
+                    engine.abort(self.scheduler, sorted(batch.pending))
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+                batch.pending.clear()
+            if batch.slot is not None and self._ring is not None:
+                self._ring.release(batch.slot.id)
+                batch.slot = None
+        try:
+            self._rpc0("eagle_compat_abandon")
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
 
     @staticmethod
     def _results_from_fallback(batch: list[list[int]], states: list | None) -> list[dict]:
@@ -349,8 +425,8 @@ class VllmHiddenStatesGenerator:
         ring = self._ring
         if ring is None:
             return {}
-        return {"buffers": len(ring.slots), "bytes": ring.total_bytes, "peak_bytes": ring.peak_bytes,
-                "fallback_batches": ring.fallbacks}
+        return {"buffers": len(ring.slots), "pinned": sum(s.pinned for s in ring.slots.values()),
+                "bytes": ring.total_bytes, "peak_bytes": ring.peak_bytes, "fallback_batches": ring.fallbacks}
 
     def describe(self) -> dict:
         """The resolved decoder contract (wrapper path, layer class, signature, output kind, capture strategy)."""

@@ -46,6 +46,7 @@ class Slot:
     id: int
     nbytes: int
     mm: Any = field(repr=False, default=None)
+    pinned: bool = False
 
 
 class HostRing:
@@ -134,14 +135,14 @@ class HostRing:
         finally:
             os.close(fd)
         try:
-            self.rpc("eagle_compat_map", sid, path, size, self.pin)
+            reply = self.rpc("eagle_compat_map", sid, path, size, self.pin) or {}
         except BaseException:
             mm.close()
             raise
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # both sides hold their mapping; the name is no longer needed
-        slot = Slot(sid, size, mm)
+        slot = Slot(sid, size, mm, pinned=bool(reply.get("registered")))
         with self._lock:
             self.slots[sid] = slot
             self.peak_bytes = max(self.peak_bytes, self.total_bytes)
@@ -212,21 +213,23 @@ def tensors_from_lease(mv: memoryview, dtype: Any, offset: int, tokens: int, lay
 # Worker side
 
 class RingStaging:
-    """Worker side: the registered buffers and the current batch's plan. `add` is CaptureSession's row_sink."""
+    """Worker side: the registered buffers and the plans of the batches whose states are not yet collected (the driver
+    starts batch k+1 before it collects batch k, so batch k's last copies overlap batch k+1's first step).
+    `add` is CaptureSession's row_sink; rows of requests in no plan go to the fallback staging."""
 
     def __init__(self, fallback: Any):
         self.buffers: dict[int, tuple[Any, bool]] = {}
-        self.plan: dict | None = None
+        self.batches: dict[Any, dict] = {}
+        self.where: dict[str, Any] = {}  # request id -> batch id
         self.fallback = fallback  # HostStaging: per-step pinned copies, returned through the RPC queue
+        self.fallback_batch: Any = None
         self._stream = None
-        self._events: list = []
-        self._seen: dict[str, int] = {}
 
     def map(self, sid: int, path: str, nbytes: int, pin: bool, capture: bool = True) -> dict:
         import torch
 
         if not capture:
-            return {"mapped": False}
+            return {"mapped": False, "registered": False}
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         registered = False
         if pin and torch.cuda.is_available():
@@ -245,64 +248,88 @@ class RingStaging:
             return
         buf, registered = entry
         if registered:
-            self._wait()
+            self._wait_all()
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
-    def begin(self, plan: dict | None) -> None:
-        """plan: {"slot", "dtype", "hidden", "requests": {request_id: (byte_offset, tokens)}}, or None: fallback."""
-        self._wait()
-        self.plan = plan
-        self._seen = {}
-        self.fallback.clear()
+    def begin(self, batch_id: Any, plan: dict | None) -> None:
+        """plan: {"slot", "dtype", "hidden", "requests": {request_id: (byte_offset, tokens)}}, or None: this batch
+        goes through the fallback."""
+        if plan is None:
+            self.fallback.clear()
+            self.fallback_batch = batch_id
+            return
+        self.batches[batch_id] = {**plan, "events": [], "seen": {}}
+        for rid in plan["requests"]:
+            self.where[rid] = batch_id
 
     def add(self, per_layer: list, rows: dict[str, tuple[int, int]], order: list[str]) -> None:
         import torch
 
-        plan = self.plan
-        if plan is None:
-            if list(rows) != order:
-                from .worker import _reorder
-                counts = {r: n for r, (_, n) in rows.items()}
-                per_layer = [_reorder(h, list(rows), order, counts) for h in per_layer]
-            self.fallback.add(per_layer)
+        mine = [r for r in order if r in self.where]
+        others = [r for r in order if r not in self.where]
+        if others:
+            layout = list(rows)
+            if layout == others:
+                self.fallback.add(per_layer)
+            else:
+                self.fallback.add([torch.cat([h[rows[r][0]: rows[r][0] + rows[r][1]] for r in others], 0)
+                                   for h in per_layer])
+        if not mine:
             return
-        buf = self.buffers[plan["slot"]][0]
         h0 = per_layer[0]
-        if str(h0.dtype) != plan["dtype"] or h0.shape[-1] != plan["hidden"]:
-            raise RuntimeError(f"captured states are {h0.dtype} x {h0.shape[-1]}, the hand-over plan expected "
-                               f"{plan['dtype']} x {plan['hidden']}")
-        hidden, itemsize = h0.shape[-1], h0.element_size()
-        cuda = h0.is_cuda
+        hidden, itemsize, cuda = h0.shape[-1], h0.element_size(), h0.is_cuda
         if cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
+        touched = set()
         with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
-            for rid in order:
+            for rid in mine:
+                batch = self.batches[self.where[rid]]
+                if str(h0.dtype) != batch["dtype"] or hidden != batch["hidden"]:
+                    raise RuntimeError(f"captured states are {h0.dtype} x {hidden}, the hand-over plan expected "
+                                       f"{batch['dtype']} x {batch['hidden']}")
                 start, n = rows[rid]
-                where = plan["requests"].get(rid)
-                if where is None or where[1] != n:
-                    raise RuntimeError(f"request {rid}: {n} rows captured, the hand-over plan has {where}")
-                offset = where[0]
+                offset, planned = batch["requests"][rid]
+                if planned != n:
+                    raise RuntimeError(f"request {rid}: {n} rows captured, the hand-over plan has {planned}")
+                buf = self.buffers[batch["slot"]][0]
                 for j, h in enumerate(per_layer):
                     o = offset + j * n * hidden * itemsize
                     buf[o: o + n * hidden * itemsize].view(h.dtype).view(n, hidden).copy_(
                         h[start: start + n], non_blocking=cuda)
-                self._seen[rid] = n
+                batch["seen"][rid] = n
+                touched.add(self.where[rid])
         if cuda:
             for h in per_layer:
                 h.record_stream(self._stream)  # the GPU rows stay allocated until the copy is done
-            self._events.append(self._stream.record_event())
+            event = self._stream.record_event()
+            for bid in touched:
+                self.batches[bid]["events"].append(event)
 
-    def _wait(self) -> None:
-        for e in self._events:
-            e.synchronize()
-        self._events.clear()
+    def _wait_all(self) -> None:
+        for batch in self.batches.values():
+            for e in batch["events"]:
+                e.synchronize()
 
-    def finish(self) -> dict:
-        if self.plan is None:
+    def finish(self, batch_id: Any) -> dict:
+        """Waits for the batch's copies: {"rows": {request_id: tokens}}, or {"fallback": per-layer tensors}."""
+        if batch_id == self.fallback_batch and batch_id not in self.batches:
+            self.fallback_batch = None
             return {"fallback": self.fallback.collect()}
-        self._wait()
-        self.plan = None
-        seen, self._seen = self._seen, {}
-        return {"rows": seen}
+        batch = self.batches.pop(batch_id, None)
+        if batch is None:
+            raise RuntimeError(f"no hand-over plan for batch {batch_id!r}")
+        for e in batch["events"]:
+            e.synchronize()
+        for rid in batch["requests"]:
+            self.where.pop(rid, None)
+        return {"rows": batch["seen"]}
+
+    def abandon(self) -> None:
+        """Forget every plan (after a failed batch): pending copies finish first."""
+        self._wait_all()
+        self.batches.clear()
+        self.where.clear()
+        self.fallback.clear()
+        self.fallback_batch = None

@@ -264,14 +264,18 @@ class CaptureWorkerExtension:
         self._eagle_compat_staging.unmap(slot)
 
     @reported("eagle_compat_begin")
-    def eagle_compat_begin(self, plan: dict | None) -> None:
-        """Where each request of the next batch goes (None: the fallback through the RPC queue)."""
-        self._eagle_compat_staging.begin(plan)
+    def eagle_compat_begin(self, batch_id: str, plan: dict | None) -> None:
+        """Where each request of a batch goes (None: the fallback through the RPC queue)."""
+        self._eagle_compat_staging.begin(batch_id, plan)
 
     @reported("eagle_compat_finish")
-    def eagle_compat_finish(self) -> dict:
+    def eagle_compat_finish(self, batch_id: str) -> dict:
         """Waits for the batch's copies; {"rows": {request_id: tokens}} (or {"fallback": per-layer tensors})."""
-        return self._eagle_compat_staging.finish()
+        return self._eagle_compat_staging.finish(batch_id)
+
+    @reported("eagle_compat_abandon")
+    def eagle_compat_abandon(self) -> None:
+        self._eagle_compat_staging.abandon()
 
     @reported("eagle_compat_describe")
     def eagle_compat_describe(self) -> dict:
