@@ -127,7 +127,7 @@ def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[
     def paths_of(outputs) -> list[str]:
         return [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
 
-    wait_for(paths_of(llm.generate([{"prompt_token_ids": batch[0]}], sp)))  # warm
+    wait_for(paths_of(llm.generate([{"prompt_token_ids": ids} for ids in warm_prompts(args, batch)], sp)))  # warm
     for f in os.listdir(store):
         os.unlink(os.path.join(store, f))
     t0 = time.perf_counter()
@@ -174,6 +174,11 @@ def prompts(n: int, t: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(7, 500) for _ in range(t)] for _ in range(n)]
 
 
+def warm_prompts(args: argparse.Namespace, batch: list[list[int]]) -> list[list[int]]:
+    """One full engine step's worth of prompts: kernels for that shape are built before the clock starts."""
+    return batch[:max(1, min(len(batch), args.batch_tokens // max(1, args.tokens)))]
+
+
 def phase(args: argparse.Namespace) -> dict:
     """One phase, in this process. Returns seconds for the timed part and the token count."""
     model, dummy = args.model_path, args.dummy
@@ -188,7 +193,7 @@ def phase(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=args.gmu, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8), **extra)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
-        llm.generate([{"prompt_token_ids": batch[0]}], sp)  # warm
+        llm.generate([{"prompt_token_ids": ids} for ids in warm_prompts(args, batch)], sp)  # warm
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": ids} for ids in batch], sp, use_tqdm=False)
         return {"seconds": time.perf_counter() - t0, "tokens": tokens, "memory": peak_memory()}
@@ -199,7 +204,7 @@ def phase(args: argparse.Namespace) -> dict:
     gen = VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=args.tokens + 8,
                                     gpu_memory_utilization=args.gmu, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8), **extra)
-    gen.generate([batch[0]])  # warm
+    gen.generate(warm_prompts(args, batch))  # warm
     # the ring's buffers are set up once, like the engine's KV cache: 3 in flight, 1 more while writers finish
     reserved = gen.reserve_host_buffers(args.batch * args.tokens, 3 if args.phase == "delivered" else 4)
     groups = [batch[k:k + args.batch] for k in range(0, len(batch), args.batch)]
@@ -236,7 +241,12 @@ def native_skip_reason(stderr: str) -> str:
     lines = [x.strip() for x in stderr.splitlines() if x.strip()]
     worker = [x for x in lines if "Worker failed with error" in x]  # the root cause, before any timeout
     errors = worker or [x for x in lines if ("Error" in x or "error" in x) and not x.startswith("File ")]
-    return (errors[-1] if errors else (lines[-1] if lines else "no output"))[:500]
+    reason = (errors[0] if worker else errors[-1]) if errors else (lines[-1] if lines else "no output")
+    frames = [x for x in lines if x.split("] ")[-1].startswith("File ") and "vllm/" in x]
+    frames = [x for x in frames if "(Worker" in x] or frames  # where the worker failed, when it did
+    where = [x.split('"')[1].split("site-packages/")[-1] + ", line " + x.split("line ")[-1].split(",")[0]
+             for x in frames]
+    return (reason.split("] ")[-1] + (f" (last vLLM frame: {where[-1]})" if where else ""))[:600]
 
 
 def main() -> int:
@@ -292,7 +302,8 @@ def main() -> int:
         if line is None:
             tail = proc.stderr[-3000:]
             if name == "native":  # vLLM's own path may not exist or run here: say why, go on
-                results["phases"][name] = {"skipped": native_skip_reason(proc.stderr), "error": tail}
+                results["phases"][name] = {"skipped": native_skip_reason(proc.stdout + "\n" + proc.stderr),
+                                           "error": tail}
                 print(f"{name}: skipped ({results['phases'][name]['skipped']})", file=sys.stderr)
             else:
                 results["phases"][name] = {"error": tail}

@@ -29,6 +29,18 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_file(path: str, write: Any) -> None:
+    """`write(tmp_path)` makes the file; then fsync and rename, as atomic_write_bytes (no copy in memory)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
 
@@ -38,15 +50,11 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
 
 
 def save_sample(out_dir: str, index: int, sample: dict, fmt: str) -> str:
-    import io
-
     import torch
 
     path = sample_path(out_dir, index, fmt)
-    if fmt == "pt":
-        buf = io.BytesIO()
-        torch.save(sample, buf)
-        atomic_write_bytes(path, buf.getvalue())
+    if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
+        atomic_write_file(path, lambda tmp: torch.save(sample, tmp))
     else:
         from safetensors.torch import save as st_save
 
