@@ -242,7 +242,7 @@ def native_skip_reason(stderr: str) -> str:
     worker = [x for x in lines if "Worker failed with error" in x]  # the root cause, before any timeout
     errors = worker or [x for x in lines if ("Error" in x or "error" in x) and not x.startswith("File ")]
     reason = (errors[0] if worker else errors[-1]) if errors else (lines[-1] if lines else "no output")
-    frames = [x for x in lines if x.split("] ")[-1].startswith("File ") and "vllm/" in x]
+    frames = [x for x in lines if x.split("] ")[-1].strip().startswith("File ") and "vllm/" in x]
     frames = [x for x in frames if "(Worker" in x] or frames  # where the worker failed, when it did
     where = [x.split('"')[1].split("site-packages/")[-1] + ", line " + x.split("line ")[-1].split(",")[0]
              for x in frames]
