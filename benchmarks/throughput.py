@@ -313,6 +313,9 @@ def main() -> int:
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         results["phases"][name] = r
         print(f"{name:>10}: {r['tokens_per_s']:>12,.0f} tok/s  ({r['seconds']:.2f} s)", flush=True)
+        if args.out:  # after every phase: a run stopped by a time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({**results, "complete": False}, f, indent=1)
     if not args.keep_files:
         import shutil
         shutil.rmtree(written_dir, ignore_errors=True)
@@ -339,6 +342,7 @@ def main() -> int:
             results["machine"]["gpu"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001
         pass
+    results["complete"] = True
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
