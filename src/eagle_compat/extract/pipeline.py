@@ -14,14 +14,24 @@ from typing import Any, Callable, Iterable, Iterator
 DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
+def _lower_priority(nice: int) -> None:
+    """Writer threads yield the CPU to the engine (on a CPU engine they would otherwise slow its compute threads);
+    the bounded queue still makes the engine wait if the writers fall behind."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
 class WriterPool:
     """Run `fn(*args)` on `threads` threads; `submit` blocks while `max_pending` calls wait. The first error is
     raised by the next `submit` or by `close`."""
 
-    def __init__(self, threads: int = DEFAULT_THREADS, max_pending: int | None = None):
+    def __init__(self, threads: int = DEFAULT_THREADS, max_pending: int | None = None, nice: int = 10):
         self.threads = max(1, int(threads))
         self._slots = threading.BoundedSemaphore(max_pending or 4 * self.threads)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="eagle-compat-writer")
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="eagle-compat-writer",
+                                        initializer=_lower_priority, initargs=(nice,))
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.done = 0
