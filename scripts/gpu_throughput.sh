@@ -10,6 +10,14 @@
 #   moe-256x1024       Qwen3-30B-A3B-shaped MoE (dummy weights), 256 x 1024
 # usage: [RUNS="llama8b-256x1024 v2-parity"] [SMOKE=1] bash scripts/gpu_throughput.sh
 # SMOKE=1 runs every step with the tiny CPU models and tiny sizes (to test this script's logic on CPU).
+# Needs, in the checkout the device tool copies: .gpu/ from `bash ../shared/tools/gpu_bundle.sh .gpu` plus
+# .gpu/extra/ with the wheels the image lacks for eagle_compat itself (wrapt):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .gpu/extra "wrapt>=1.16"
+# Calls (back to back; the machine goes back 30 s after a call): carry .gpu/part00, .gpu/part01, .gpu/part02 one
+# per call (`mkdir -p /tmp/g && cp .gpu/partNN /tmp/g/`), then carry .gpu/part03 .gpu/setup.sh .gpu/bundle.md5
+# .gpu/extra and run `cp .gpu/part03 /tmp/g/ && RUNS="llama8b-256x1024 v2-parity llama8b-32x8192" bash
+# scripts/gpu_throughput.sh` (~10 min), then `RUNS=moe-256x1024 bash scripts/gpu_throughput.sh` (set-up kept).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 started=$(date +%s)
@@ -17,7 +25,10 @@ say() { echo "[$(( $(date +%s) - started ))s] $*" | tee -a "$out/steps.log"; }
 if [ -z "${SMOKE:-}" ]; then
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
     bash .gpu/setup.sh > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
+    if ls .gpu/extra/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
+    fi
+    python3 -c "import wrapt" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import wrapt" || say "wrapt missing: see .gpu/extra above"
     say "setup done"
   fi
   # eagle_compat as an installed distribution, so vLLM's workers load its vllm.general_plugins entry point

@@ -278,7 +278,13 @@ class VllmHiddenStatesGenerator:
                 if prev is not None and prev.slot is None:
                     results, prev = self._finish(prev), None
                     yield results
-                cur = self._start(token_ids, truncate)
+                try:
+                    cur = self._start(token_ids, truncate)
+                except InvalidInput:
+                    if prev is not None:  # the batches before a bad one are still delivered
+                        results, prev = self._finish(prev), None
+                        yield results
+                    raise
                 if prev is not None and cur.slot is None:
                     results, prev = self._finish(prev), None
                     yield results

@@ -31,6 +31,7 @@ log = logging.getLogger("eagle_compat.handover")
 SHM_DIR = "/dev/shm"
 LIMIT_ENV = "EAGLE_COMPAT_SHM_LIMIT_BYTES"
 ROUND = 64 << 20  # buffers are sized in 64 MiB steps, so batches of slightly different sizes reuse them
+SMALL_ROUND = 1 << 20  # (1 MiB steps below 64 MiB)
 HEADROOM = 256 << 20  # left free in /dev/shm for everyone else
 
 
@@ -63,7 +64,7 @@ class HostRing:
         self.pin = pin
         self.slots: dict[int, Slot] = {}
         self.free: set[int] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # release() may run from a finalizer while this thread holds it
         self._ids = itertools.count()
         self.fallbacks = 0
         self.peak_bytes = 0
@@ -80,7 +81,8 @@ class HostRing:
             if fits:
                 self.free.discard(fits[0].id)
                 return fits[0], None
-        size = -(-nbytes // ROUND) * ROUND
+        step = ROUND if nbytes >= ROUND else SMALL_ROUND  # small batches do not hold 64 MiB each
+        size = -(-nbytes // step) * step
         if self.limit_bytes is not None and self.total_bytes + size > self.limit_bytes:
             size = nbytes  # no rounding up when that alone would pass the limit
         while True:  # make room: idle buffers that are too small go first

@@ -1,6 +1,7 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -192,8 +193,9 @@ def run(opts: ExtractOptions) -> dict:
                     validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
                 writer.save_sample(opts.out, s.index, sample, opts.format)
 
-            with pipeline.WriterPool(opts.writer_threads) as pool:
-                for batch, results in pipeline.pipelined(gen, todo, lambda s: s.input_ids):
+            with pipeline.WriterPool(opts.writer_threads) as pool, \
+                    contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
+                for batch, results in batches:
                     for s, r in zip(batch, results):
                         pool.submit(write, s, r)
                         done_samples += 1

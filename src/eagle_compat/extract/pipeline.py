@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 2))
 
@@ -78,6 +78,8 @@ class WriterPool:
 def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[int]],
               prefetch: int = 1) -> Iterator[tuple[list[Any], list[dict]]]:
     """(batch, results) for each batch, the engine running ahead by `prefetch` batches (see generate_batches)."""
-    results: Iterable[list[dict]] = gen.generate_batches(([ids_of(s) for s in b] for b in batches),
-                                                         prefetch=prefetch)
-    yield from zip(batches, results)
+    results = gen.generate_batches(([ids_of(s) for s in b] for b in batches), prefetch=prefetch)
+    try:
+        yield from zip(batches, results)
+    finally:
+        results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)
