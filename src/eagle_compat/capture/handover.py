@@ -60,6 +60,8 @@ class HostRing:
         self.directory = directory
         env = os.environ.get(LIMIT_ENV)
         self.limit_bytes = limit_bytes if limit_bytes is not None else (int(env) if env else None)
+        if os.environ.get("EAGLE_COMPAT_NO_SHM") == "1":  # every batch through the fallback
+            self.limit_bytes = 0
         self.keep_free = keep_free
         self.pin = pin
         self.slots: dict[int, Slot] = {}
