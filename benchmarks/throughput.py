@@ -326,6 +326,7 @@ def main() -> int:
         import shutil
         shutil.rmtree(written_dir, ignore_errors=True)
         shutil.rmtree(native_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     plain = results["phases"].get("plain", {}).get("tokens_per_s")
     if plain:
         for name in ("delivered", "written", "native"):
