@@ -231,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-uncovered", action="store_true",
                    help="leave out (count, list) conversations whose assistant tokens cannot all be located, "
                         "instead of stopping")
-    p.add_argument("--format", default="pt", choices=["pt", "safetensors"])
+    p.add_argument("--format", default="pt", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+                   help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
+                        "dataset + hidden_states/hs_{i}.safetensors (the last layer must be N-1, the final "
+                        "pre-norm state); arrow-fp8: the same, states in hs-connectors' FP8 format (docs/formats.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
