@@ -1,6 +1,7 @@
 """eagle-compat: the command line.
 
   eagle-compat extract --model PATH --data FILE.jsonl --out DIR   conversations/token ids -> EAGLE-3 training files
+  eagle-compat convert SRC DST [--to FORMAT]   data_{i}.pt <-> Arrow + hidden_states/hs_{i}.safetensors
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
   eagle-compat run SCRIPT.py ARGS... | run -m MODULE ARGS...   any script unmodified under install(), spawned
@@ -171,6 +172,16 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .extract import convert
+
+    summary = convert.convert(args.src, args.dst, to=args.to, resume=args.resume)
+    print(f"convert: {summary['samples']} samples, {summary['from']} -> {summary['to']} in {summary['dst']} "
+          f"({summary['written']} written now); layers (leaving, speculators 0.3.0) {summary['layer_ids']}; a drafter "
+          f"config trained on them carries eagle_aux_hidden_state_layer_ids {summary['eagle_aux_hidden_state_layer_ids']}")
+    return 0
+
+
 def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
     """The main job on the shipped conversations, then one written sample checked against HF."""
     import importlib.resources as res
@@ -242,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
+    p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")
+    p.add_argument("src", help="a complete directory written by eagle-compat extract (or convert)")
+    p.add_argument("dst", help="a new or empty directory")
+    p.add_argument("--to", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+                   help="default: arrow for data_{i} files, pt for an Arrow directory")
+    p.add_argument("--resume", action="store_true", help="complete an interrupted conversion into DST")
+    p.set_defaults(func=cmd_convert)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     args = parser.parse_args(argv)
     from .errors import EagleCompatError, InvalidInput, WorkerError

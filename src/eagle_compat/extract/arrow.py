@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import InvalidInput
@@ -131,15 +131,25 @@ def write_dataset(out_dir: str, rows: Iterable[tuple[list[int], list[int]]]) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        def gen() -> Iterator[dict]:
-            for ids, mask in rows:
-                yield {"input_ids": list(ids), "loss_mask": list(mask), "seq_len": len(ids)}
+        from datasets.arrow_writer import ArrowWriter
 
-        ds = datasets.Dataset.from_generator(gen, features=_features(), cache_dir=os.path.join(tmp, "cache"),
-                                             keep_in_memory=False)
+        staged = os.path.join(tmp, "rows.arrow")
+        with ArrowWriter(features=_features(), path=staged) as w:  # row by row: memory stays bounded
+            for ids, mask in rows:
+                w.write({"input_ids": list(ids), "loss_mask": list(mask), "seq_len": len(ids)})
+            w.finalize()
+        ds = datasets.Dataset.from_file(staged)
         ds.set_format(type="torch")
         final = os.path.join(tmp, "final")
-        ds.save_to_disk(final)
+        from datasets.utils import logging as ds_logging
+
+        bars = ds_logging.is_progress_bar_enabled()
+        ds_logging.disable_progress_bar()  # one line per run is printed by the caller
+        try:
+            ds.save_to_disk(final)
+        finally:
+            if bars:
+                ds_logging.enable_progress_bar()
         new = os.listdir(final)
         for name in os.listdir(out_dir):  # data files of an earlier dataset that the new one does not have
             if DATASET_FILE.match(name) and name.endswith(".arrow") and name not in new:
