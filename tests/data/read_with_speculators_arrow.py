@@ -5,6 +5,7 @@ its token-id mismatch warning, is an error here: it would return SampleUnavailab
 sample silently), runs its `check_hidden_states` on every hidden_states/hs_{i}.safetensors, and saves what the
 trainer would get. usage: python read_with_speculators_arrow.py OUT.pt DIR[:fp8] ...
 """
+import importlib.metadata
 import os
 import sys
 import warnings
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-import speculators
 from hs_connectors import FileTransfer, FP8Transfer
 from speculators.data_generation.offline import check_hidden_states
 from speculators.train.data import ArrowDataset
@@ -20,7 +20,7 @@ from speculators.train.data import ArrowDataset
 if __name__ == "__main__":
     out, dirs = sys.argv[1], sys.argv[2:]
     warnings.simplefilter("error")
-    result = {"speculators": speculators.__version__, "dirs": {}}
+    result = {"speculators": importlib.metadata.version("speculators"), "dirs": {}}
     for spec in dirs:
         path, _, kind = spec.partition(":")
         hs_dir = Path(path) / "hidden_states"
