@@ -189,6 +189,9 @@ def test_fp8_files_are_read_back_by_speculators_with_e4m3_error(runs, read_back)
     token over all layers, so small values of a token whose other layers are large lose most (subnormals)."""
     bf16, fp8 = read_back["arrow"], read_back["fp8"]
     assert fp8["count"] == fp8["hs_files"] == SAMPLES
+    sizes = {k: sum(os.path.getsize(os.path.join(runs[k], "hidden_states", f)) for f in arrow.hs_files(str(runs[k])))
+             for k in ("arrow", "pt2fp8")}
+    assert sizes["pt2fp8"] < 0.6 * sizes["arrow"], sizes  # e4m3: one byte per value, bf16 two (+ scales, ids)
     rel, per_layer = [], {}
     for x, y in zip(bf16["items"], fp8["items"], strict=True):
         assert torch.equal(x["input_ids"], y["input_ids"])
