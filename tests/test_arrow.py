@@ -86,12 +86,18 @@ def runs(model, dataset, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def read_back(runs, tmp_path_factory):
-    """What speculators 0.9.0's ArrowDataset gives the trainer, for the direct, the converted and the fp8 run."""
+def reader_py():
     py = reader_python()
-    if py is None:
+    if py is None:  # checked before the extract runs: a missing environment costs no engine start
         pytest.skip("the reader environment (speculators 0.9.0) is missing: scripts/test.sh builds it "
                     "(scripts/_env.sh ensure_reader_env), or set EAGLE_COMPAT_READER_PY")
+    return py
+
+
+@pytest.fixture(scope="module")
+def read_back(reader_py, runs, tmp_path_factory):
+    """What speculators 0.9.0's ArrowDataset gives the trainer, for the direct, the converted and the fp8 run."""
+    py = reader_py
     out = tmp_path_factory.mktemp("read") / "read.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EAGLE_COMPAT_INSTALLED")}
     proc = subprocess.run([py, os.path.join(os.path.dirname(__file__), "data", "read_with_speculators_arrow.py"),
@@ -130,7 +136,7 @@ def _hf_model(model_dir):
 
 
 def test_speculators_0_9_reads_every_sample_of_an_arrow_run_equal_to_hf_in_the_recorded_convention(
-        runs, read_back, model, dataset):
+        read_back, runs, model, dataset):
     got = read_back["arrow"]
     assert read_back["version"] == "0.9.0"
     assert got["count"] == got["hs_files"] == SAMPLES
@@ -157,7 +163,7 @@ def test_speculators_0_9_reads_every_sample_of_an_arrow_run_equal_to_hf_in_the_r
     print(f"arrow run vs HF (entering ids {entering}): worst relative error {worst:.2e}")
 
 
-def test_a_converted_0_3_0_run_equals_the_direct_arrow_run_and_speculators_reads_it(runs, read_back):
+def test_a_converted_0_3_0_run_equals_the_direct_arrow_run_and_speculators_reads_it(read_back, runs):
     assert "eagle_aux_hidden_state_layer_ids [1, 3, 5]" in runs["stdout_pt2arrow"]
     a, b = runs["arrow"], runs["pt2arrow"]
     assert arrow.read_rows(str(a)).to_dict() == arrow.read_rows(str(b)).to_dict()
@@ -183,7 +189,7 @@ def test_the_arrow_run_converted_to_0_3_0_files_equals_the_direct_pt_run(runs):
     assert cfg["hidden_states"]["layer_ids"] == LAYERS and cfg["data"]["num_samples"] == SAMPLES
 
 
-def test_fp8_files_are_read_back_by_speculators_with_e4m3_error(runs, read_back):
+def test_fp8_files_are_read_back_by_speculators_with_e4m3_error(read_back, runs):
     """hs-connectors' FP8 format through its FP8Transfer: the error against the bf16 states is that of e4m3 rounding
     (3 mantissa bits: at most 2^-4 of each value, plus bf16's 2^-8 when dequantized to bf16) with one scale per
     token over all layers, so small values of a token whose other layers are large lose most (subnormals)."""

@@ -166,7 +166,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
               "in manifest.json)")
     if not summary["complete"]:
         print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} samples "
-              "are in the directory. data_config.json is written by the run that completes the set: run the other "
+              "are in the directory. data_config.json (--format arrow: the Arrow dataset) is written by the run that "
+              "completes the set: run the other "
               "shards into this directory (or copy their files here and run once more without --shard, with "
               "--resume)")
     return 0
