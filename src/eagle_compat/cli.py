@@ -228,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", default="deepseek_v3", choices=sorted(TINY_CONFIGS))
     p.add_argument("--out", default="out/demo", help="where the demo's training files go")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")
+    p.add_argument("src", help="a complete directory written by eagle-compat extract (or convert)")
+    p.add_argument("dst", help="a new or empty directory")
+    p.add_argument("--to", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+                   help="default: arrow for data_{i} files, pt for an Arrow directory")
+    p.add_argument("--resume", action="store_true", help="complete an interrupted conversion into DST")
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSONL: {'conversations': [...]} or {'input_ids': [...]}")
@@ -254,13 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
-    p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")
-    p.add_argument("src", help="a complete directory written by eagle-compat extract (or convert)")
-    p.add_argument("dst", help="a new or empty directory")
-    p.add_argument("--to", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
-                   help="default: arrow for data_{i} files, pt for an Arrow directory")
-    p.add_argument("--resume", action="store_true", help="complete an interrupted conversion into DST")
-    p.set_defaults(func=cmd_convert)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     args = parser.parse_args(argv)
     from .errors import EagleCompatError, InvalidInput, WorkerError
