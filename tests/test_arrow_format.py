@@ -195,3 +195,31 @@ def test_convert_refuses_an_incomplete_source_and_resumes_into_its_own_dst(model
     _arrow_equal(tmp_path / "direct", tmp_path / "dst")
     with pytest.raises(InvalidInput, match="already holds another extraction"):
         convert.convert(str(tmp_path / "direct"), str(tmp_path / "dst"), resume=True)
+
+
+def test_convert_takes_speculators_0_3_0_own_output(model, dataset, tmp_path, fake_engine):
+    """What speculators 0.3.0's data_generation_offline.py leaves (e.g. under `eagle-compat run`): data_{i}.pt and
+    data_config.json, no manifest. Its ids are 0.3.0's (leaving); the layer count comes from its model directory or
+    --num-layers."""
+    kw = dict(layers=LAYERS, skip_uncovered=True)
+    own = tmp_path / "own"
+    job.run(_opts(model, dataset, own, **kw))
+    for name in ("manifest.json", ".eagle-compat.lock"):
+        os.unlink(own / name)
+    job.run(_opts(model, dataset, tmp_path / "direct", format="arrow", **kw))
+    summary = convert.convert(str(own), str(tmp_path / "dst"))
+    assert summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+    cfg = json.load(open(own / "data_config.json"))
+    cfg["model"]["target_model_path"] = "/elsewhere/model"
+    json.dump(cfg, open(own / "data_config.json", "w"))
+    with pytest.raises(InvalidInput, match="number of decoder layers is unknown .* pass --num-layers N"):
+        convert.convert(str(own), str(tmp_path / "dst2"))
+    with pytest.raises(InvalidInput, match=r"cannot become the Arrow layout: its files hold layers \[0, 2, 5\] "
+                                           r"\(leaving; entering \[1, 3, 6\]\) of a 9-layer model"):
+        convert.convert(str(own), str(tmp_path / "dst2"), num_layers=9)
+    convert.convert(str(own), str(tmp_path / "dst2"), num_layers=6)
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst2")
+    os.unlink(own / "data_1.pt")
+    with pytest.raises(InvalidInput, match="holds 8 data_{i} files, its data_config.json says 9 samples"):
+        convert.convert(str(own), str(tmp_path / "dst3"), num_layers=6)

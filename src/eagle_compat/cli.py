@@ -176,7 +176,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .extract import convert
 
-    summary = convert.convert(args.src, args.dst, to=args.to, resume=args.resume)
+    summary = convert.convert(args.src, args.dst, to=args.to, resume=args.resume, num_layers=args.num_layers)
     print(f"convert: {summary['samples']} samples, {summary['from']} -> {summary['to']} in {summary['dst']} "
           f"({summary['written']} written now); layers (leaving, speculators 0.3.0) {summary['layer_ids']}; a drafter "
           f"config trained on them carries eagle_aux_hidden_state_layer_ids {summary['eagle_aux_hidden_state_layer_ids']}")
@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
                    help="default: arrow for data_{i} files, pt for an Arrow directory")
     p.add_argument("--resume", action="store_true", help="complete an interrupted conversion into DST")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the model's decoder layers, for speculators 0.3.0's own output (data_config.json, no "
+                        "manifest.json) whose model directory is not here")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
     p.add_argument("--model", required=True)

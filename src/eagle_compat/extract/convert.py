@@ -36,15 +36,62 @@ def source_format(src: str, record: dict | None) -> str:
 
 def _indices(record: dict) -> list[int]:
     """The sample indices of a complete set, ascending (Arrow row r is the r-th)."""
+    if "sample_indices" in record:  # speculators 0.3.0's own output: the files present
+        return list(record["sample_indices"])
     skipped = {int(s["index"]) for s in record.get("skipped_uncovered") or []}
     total = int(record.get("num_samples_in_data", record.get("num_samples", 0)))
     return [i for i in range(total) if i not in skipped]
 
 
-def _read_source(src: str) -> tuple[dict, str]:
+def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
+    """speculators 0.3.0's own output (its data_generation_offline.py, e.g. under `eagle-compat run`): data_{i}.pt
+    and data_config.json, no manifest. Its layer ids are 0.3.0's (leaving); the model's layer count comes from
+    --num-layers or from the model directory data_config.json names."""
+    path = os.path.join(src, "data_config.json")
+    if not os.path.isfile(path) or not writer.sample_files(src):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        layer_ids = [int(k) for k in cfg["hidden_states"]["layer_ids"]]
+        num_samples = int(cfg["data"]["num_samples"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"convert: {path} is not speculators' data-generation config ({exc!r} missing or "
+                           "malformed)") from None
+    model = (cfg.get("model") or {}).get("target_model_path")
+    if num_layers is None and model and os.path.isfile(os.path.join(model, "config.json")):
+        from ..generator import model_text_config
+
+        num_layers = int(model_text_config(model).num_hidden_layers)
+    if num_layers is None:
+        raise InvalidInput(f"convert: {src} is speculators 0.3.0's output (data_config.json, no manifest.json) and "
+                           f"its model ({model!r}) is not a local directory here, so the number of decoder layers "
+                           "is unknown (needed to tell whether its last layer is the final pre-norm state): pass "
+                           "--num-layers N")
+    present = sorted(int(f[5:].split(".")[0]) for f in writer.sample_files(src) if f.startswith("data_"))
+    fmt = "safetensors" if any(f.endswith(".safetensors") for f in writer.sample_files(src)) else "pt"
+    if len(present) != num_samples:
+        raise InvalidInput(f"convert: {src} holds {len(present)} data_{{i}} files, its data_config.json says "
+                           f"{num_samples} samples: the run is not complete (resume it first)")
+    data = cfg.get("data") or {}
+    return {"layer_convention": writer.LAYER_CONVENTION, "layer_ids": layer_ids, "num_layers": num_layers,
+            "settings": {"model": model, "data": data.get("train_data_path"), "layer_ids": layer_ids,
+                         "max_len": data.get("seq_length"), "format": fmt,
+                         "tensor_parallel_size": (cfg.get("model") or {}).get("tensor_parallel_size", 1),
+                         "made_by": "speculators 0.3.0 data generation (data_config.json)"},
+            "model_config": {"hidden_size": (cfg.get("model") or {}).get("hidden_size")},
+            "versions": (cfg.get("reproducibility") or {}).get("package_versions") or {},
+            "num_samples": num_samples, "num_samples_in_data": num_samples, "skipped_uncovered": [],
+            "sample_indices": present, "status": "complete", "samples_present": num_samples, "runs": [],
+            "record_file": "data_config.json"}
+
+
+def _read_source(src: str, num_layers: int | None = None) -> tuple[dict, str]:
     if not os.path.isdir(src):
         raise InvalidInput(f"convert: {src!r} is not a directory")
     record = writer.read_manifest(src)
+    if record is None:
+        record = _speculators_0_3_0_record(src, num_layers)
     if record is None:
         what = ("an Arrow dataset" if arrow.is_arrow_dir(src) else
                 f"{len(writer.sample_files(src))} sample files" if writer.sample_files(src) else "no training files")
@@ -64,9 +111,9 @@ def _read_source(src: str) -> tuple[dict, str]:
     return record, fmt
 
 
-def plan(src: str, to: str | None) -> dict:
+def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
     """Everything checked before DST is touched: formats, layers, the sample list, files present."""
-    record, fmt = _read_source(src)
+    record, fmt = _read_source(src, num_layers)
     target = to or ("pt" if fmt in arrow.ARROW_FORMATS else "arrow")
     if target not in TARGETS:
         raise InvalidInput(f"convert --to {target!r}; allowed: {', '.join(TARGETS)}")
@@ -103,7 +150,7 @@ def plan(src: str, to: str | None) -> dict:
         raise InvalidInput(f"convert: {src} lacks {len(missing)} of its {len(expected)} sample files "
                            f"({', '.join(missing[:3])}, ...): finish it with eagle-compat extract ... --resume first")
     new_ids = [layer_ids[j] for j in order]
-    with open(os.path.join(src, writer.MANIFEST), "rb") as f:
+    with open(os.path.join(src, record.get("record_file", writer.MANIFEST)), "rb") as f:
         src_sha = hashlib.sha256(f.read()).hexdigest()
     return {"record": record, "from": fmt, "to": target, "indices": indices, "order": order, "layer_ids": new_ids,
             "num_layers": n, "src_manifest_sha256": src_sha}
@@ -111,6 +158,7 @@ def plan(src: str, to: str | None) -> dict:
 
 def _dst_record(src: str, p: dict) -> dict:
     rec = json.loads(json.dumps(p["record"]))  # a deep copy
+    rec.pop("record_file", None)
     rec["settings"]["format"] = p["to"]
     rec["settings"]["layer_ids"] = rec["layer_ids"] = p["layer_ids"]
     rec["layers"] = layers.record(p["layer_ids"], p["num_layers"])
@@ -130,10 +178,10 @@ def _dst_record(src: str, p: dict) -> dict:
     return rec
 
 
-def convert(src: str, dst: str, to: str | None = None, resume: bool = False) -> dict:
+def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num_layers: int | None = None) -> dict:
     import torch
 
-    p = plan(src, to)
+    p = plan(src, to, num_layers)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise InvalidInput("convert: SRC and DST are the same directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
