@@ -56,7 +56,7 @@ def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
         layer_ids = [int(k) for k in cfg["hidden_states"]["layer_ids"]]
         num_samples = int(cfg["data"]["num_samples"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidInput(f"convert: {path} is not speculators' data-generation config ({exc!r} missing or "
+        raise InvalidInput(f"{path} is not speculators' data-generation config ({exc!r} missing or "
                            "malformed)") from None
     model = (cfg.get("model") or {}).get("target_model_path")
     if num_layers is None and model and os.path.isfile(os.path.join(model, "config.json")):
@@ -64,14 +64,14 @@ def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
 
         num_layers = int(model_text_config(model).num_hidden_layers)
     if num_layers is None:
-        raise InvalidInput(f"convert: {src} is speculators 0.3.0's output (data_config.json, no manifest.json) and "
+        raise InvalidInput(f"{src} is speculators 0.3.0's output (data_config.json, no manifest.json) and "
                            f"its model ({model!r}) is not a local directory here, so the number of decoder layers "
                            "is unknown (needed to tell whether its last layer is the final pre-norm state): pass "
                            "--num-layers N")
     present = sorted(int(f[5:].split(".")[0]) for f in writer.sample_files(src) if f.startswith("data_"))
     fmt = "safetensors" if any(f.endswith(".safetensors") for f in writer.sample_files(src)) else "pt"
     if len(present) != num_samples:
-        raise InvalidInput(f"convert: {src} holds {len(present)} data_{{i}} files, its data_config.json says "
+        raise InvalidInput(f"{src} holds {len(present)} data_{{i}} files, its data_config.json says "
                            f"{num_samples} samples: the run is not complete (resume it first)")
     data = cfg.get("data") or {}
     return {"layer_convention": writer.LAYER_CONVENTION, "layer_ids": layer_ids, "num_layers": num_layers,
@@ -88,24 +88,24 @@ def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
 
 def _read_source(src: str, num_layers: int | None = None) -> tuple[dict, str]:
     if not os.path.isdir(src):
-        raise InvalidInput(f"convert: {src!r} is not a directory")
+        raise InvalidInput(f"{src!r} is not a directory")
     record = writer.read_manifest(src)
     if record is None:
         record = _speculators_0_3_0_record(src, num_layers)
     if record is None:
         what = ("an Arrow dataset" if arrow.is_arrow_dir(src) else
                 f"{len(writer.sample_files(src))} sample files" if writer.sample_files(src) else "no training files")
-        raise InvalidInput(f"convert: {src} holds {what} but no eagle_compat settings record ({writer.MANIFEST}): "
+        raise InvalidInput(f"{src} holds {what} but no eagle_compat settings record ({writer.MANIFEST}): "
                            "nothing says which layer each slot holds (speculators 0.3.0 counts the layer an id "
                            "leaves, vLLM and speculators >= 0.5 the layer it enters) or which sample each file is, "
                            "so a conversion could shift every layer by one silently. Convert directories written by "
                            "eagle-compat extract")
     fmt = source_format(src, record)
     if fmt not in TARGETS:
-        raise InvalidInput(f"convert: {src}: unknown format {fmt!r} in its manifest")
+        raise InvalidInput(f"{src}: unknown format {fmt!r} in its manifest")
     if record.get("status") != "complete" or record.get("samples_present", record.get("num_samples")) != \
             record.get("num_samples"):
-        raise InvalidInput(f"convert: {src} is not complete (manifest status {record.get('status')!r}, "
+        raise InvalidInput(f"{src} is not complete (manifest status {record.get('status')!r}, "
                            f"{record.get('samples_present')} of {record.get('num_samples')} samples): finish it with "
                            "eagle-compat extract ... --resume first")
     return record, fmt
@@ -118,16 +118,16 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
     if target not in TARGETS:
         raise InvalidInput(f"convert --to {target!r}; allowed: {', '.join(TARGETS)}")
     if target == fmt:
-        raise InvalidInput(f"convert: {src} is already in format {fmt!r}; pass --to with another format")
+        raise InvalidInput(f"{src} is already in format {fmt!r}; pass --to with another format")
     layer_ids = [int(k) for k in record["layer_ids"]]
     n = int(record.get("num_layers") or record.get("layers", {}).get("num_layers") or 0)
     if not n:
-        raise InvalidInput(f"convert: {src}/{writer.MANIFEST} does not record the model's number of layers")
+        raise InvalidInput(f"{src}/{writer.MANIFEST} does not record the model's number of layers")
     order = list(range(len(layer_ids)))  # source slot of each destination slot
     if target in arrow.ARROW_FORMATS and fmt not in arrow.ARROW_FORMATS:
         if n - 1 not in layer_ids:
             raise InvalidInput(
-                f"convert: {src} cannot become the Arrow layout: its files hold layers {layer_ids} (leaving; "
+                f"{src} cannot become the Arrow layout: its files hold layers {layer_ids} (leaving; "
                 f"entering {layers.to_entering(layer_ids)}) of a {n}-layer model, without the final pre-norm state "
                 f"(leaving {n - 1}, entering {n}), which speculators 0.8-0.9 train on as the verifier's last hidden "
                 f"state (hidden_states[:, -1]). Extract again with --format arrow --layers "
@@ -140,14 +140,14 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
         expected = [os.path.basename(arrow.hs_path(src, r)) for r in range(len(indices))]
         rows = len(arrow.read_rows(src))
         if rows != len(indices):
-            raise InvalidInput(f"convert: {src}: its Arrow dataset has {rows} rows, its manifest {len(indices)} "
+            raise InvalidInput(f"{src}: its Arrow dataset has {rows} rows, its manifest {len(indices)} "
                                "samples; the directory is not one extraction")
     else:
         found = writer.sample_files(src)
         expected = [os.path.basename(writer.sample_path(src, i, fmt)) for i in indices]
     missing = sorted(set(expected) - set(found))
     if missing:
-        raise InvalidInput(f"convert: {src} lacks {len(missing)} of its {len(expected)} sample files "
+        raise InvalidInput(f"{src} lacks {len(missing)} of its {len(expected)} sample files "
                            f"({', '.join(missing[:3])}, ...): finish it with eagle-compat extract ... --resume first")
     new_ids = [layer_ids[j] for j in order]
     with open(os.path.join(src, record.get("record_file", writer.MANIFEST)), "rb") as f:
@@ -183,22 +183,22 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
 
     p = plan(src, to, num_layers)
     if os.path.abspath(src) == os.path.abspath(dst):
-        raise InvalidInput("convert: SRC and DST are the same directory")
+        raise InvalidInput("SRC and DST are the same directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
-        raise InvalidInput(f"convert: DST {dst!r} is a file")
+        raise InvalidInput(f"DST {dst!r} is a file")
     fresh = _dst_record(src, p)
     existing = writer.read_manifest(dst)
     if existing is not None:
         same = (existing.get("converted_from", {}).get("manifest_sha256") == p["src_manifest_sha256"]
                 and existing["settings"].get("format") == p["to"])
         if not same:
-            raise InvalidInput(f"convert: DST {dst} already holds another extraction or conversion "
+            raise InvalidInput(f"DST {dst} already holds another extraction or conversion "
                                f"({writer.MANIFEST}); choose an empty DST")
         if not resume:
-            raise InvalidInput(f"convert: DST {dst} holds an earlier conversion of this SRC; pass --resume to "
+            raise InvalidInput(f"DST {dst} holds an earlier conversion of this SRC; pass --resume to "
                                "complete it (files present are whole and kept), or choose an empty DST")
     elif writer.sample_files(dst):
-        raise InvalidInput(f"convert: DST {dst} holds training files but no settings record; choose an empty DST")
+        raise InvalidInput(f"DST {dst} holds training files but no settings record; choose an empty DST")
     os.makedirs(dst, exist_ok=True)
     to_arrow = p["to"] in arrow.ARROW_FORMATS
     order, indices = p["order"], p["indices"]
@@ -218,7 +218,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
                 hs = arrow.load_hs(arrow.hs_path(src, r))
                 row = rows[r]
                 if hs["token_ids"].tolist() != list(row["input_ids"]):
-                    raise InvalidInput(f"convert: {src}: hs_{r}.safetensors' token ids differ from row {r} of the "
+                    raise InvalidInput(f"{src}: hs_{r}.safetensors' token ids differ from row {r} of the "
                                        "Arrow dataset; the directory is not one extraction")
                 ids = hs["token_ids"]
                 states = hs["hidden_states"][:, order]
