@@ -2,14 +2,19 @@
 
   plain      vLLM's own LLM.generate, prefill only (max_tokens=1): the speed to match
   delivered  eagle_compat.VllmHiddenStatesGenerator: hidden states of the chosen layers handed to the caller (host)
-  written    eagle-compat extract: the same, written to disk as training files
+  written    eagle-compat extract: the same, written to disk as training files (pipelined, writer threads)
+  native     vLLM's own `extract_hidden_states` speculative method + `ExampleHiddenStatesConnector` (one safetensors
+             file per request), same layers (vLLM's id k is the input of layer k: speculators' id i -> vLLM i+1);
+             a few of its files are compared with `written`'s at bf16 tolerance. Skipped, with the reason, where this
+             vLLM cannot run it.
 
-Each phase runs in its own process (one engine at a time). Results: JSON with tokens/s per phase and the ratios.
+Each phase runs in its own process (one engine at a time). Results: JSON with tokens/s per phase, the ratios, and
+each phase's peak memory (driver and engine processes, VmHWM; shared-memory pages count in both).
 
   python benchmarks/throughput.py --model tiny-llama --prompts 64 --tokens 256            # CPU
   python benchmarks/throughput.py --model llama-8b-dummy --prompts 256 --tokens 1024 --gmu 0.85   # H200
-`tiny-llama` builds the tests' tiny model; `llama-8b-dummy` writes an 8B-shaped Llama config and runs it with
-dummy weights (`load_format="dummy"`).
+`tiny-llama` builds the tests' tiny model; `llama-8b-dummy` (and `qwen3-30b-a3b-dummy`, a MoE) write a config of
+that shape and run it with dummy weights (`load_format="dummy"`).
 """
 from __future__ import annotations
 
@@ -40,18 +45,138 @@ def llama_8b_dummy(path: str) -> str:
     return path
 
 
+def qwen3_30b_a3b_dummy(path: str) -> str:
+    from eagle_compat import tiny_models
+
+    os.makedirs(path, exist_ok=True)
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "dtype": "bfloat16", "bos_token_id": 1,
+              "eos_token_id": 2, "attention_bias": False, "sliding_window": None, "use_sliding_window": False}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    tiny_models.save_tokenizer(path)
+    return path
+
+
 def resolve_model(name: str, work: str) -> tuple[str, bool]:
     if name == "tiny-llama":
         from eagle_compat import tiny_models
         return tiny_models.build_tiny_model("llama"), False
     if name == "llama-8b-dummy":
         return llama_8b_dummy(os.path.join(work, "llama-8b-dummy")), True
+    if name == "qwen3-30b-a3b-dummy":
+        return qwen3_30b_a3b_dummy(os.path.join(work, "qwen3-30b-a3b-dummy")), True
     return name, False
+
+
+def peak_memory() -> dict:
+    """VmHWM (peak resident set) of this process and of its child processes (the engine's), in MiB."""
+    def hwm(pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    out = {"driver_peak_rss_mib": hwm(os.getpid())}
+    try:
+        import psutil
+        kids = psutil.Process().children(recursive=True)
+        out["engine_processes_peak_rss_mib"] = {str(k.pid): hwm(k.pid) for k in kids}
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int], extra: dict) -> dict:
+    """vLLM's extract_hidden_states + ExampleHiddenStatesConnector, timed until every file is on disk."""
+    import glob
+    import shutil
+
+    from vllm import LLM, SamplingParams
+
+    store = args.native_dir or tempfile.mkdtemp(prefix="eagle-bench-native-", dir=args.write_dir)
+    os.makedirs(store, exist_ok=True)
+    vllm_ids = [i + 1 for i in layers]  # vLLM's id k = the input of layer k = the output of layer k-1
+    llm = LLM(model=args.model_path, enforce_eager=args.eager, max_model_len=args.tokens + 8,
+              gpu_memory_utilization=args.gmu, enable_prefix_caching=False, enable_chunked_prefill=False,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8),
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": store}}, **extra)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def wait_for(paths: list[str]) -> None:
+        if not paths or None in paths:
+            raise RuntimeError(f"vLLM returned no hidden_states_path for {paths.count(None)} of {len(paths)} requests")
+        deadline = time.time() + args.native_timeout
+        while time.time() < deadline:
+            if all(os.path.exists(p) for p in paths) and not glob.glob(os.path.join(store, "*.lock")):
+                return
+            time.sleep(0.002)
+        raise TimeoutError(f"native files not written within {args.native_timeout} s in {store}")
+
+    def paths_of(outputs) -> list[str]:
+        return [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
+
+    wait_for(paths_of(llm.generate([{"prompt_token_ids": ids} for ids in warm_prompts(args, batch)], sp)))  # warm
+    for f in os.listdir(store):
+        os.unlink(os.path.join(store, f))
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], sp, use_tqdm=False)
+    paths = paths_of(outputs)
+    wait_for(paths)
+    seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "tokens": sum(map(len, batch)), "files": len(paths), "dir": store,
+              "vllm_layer_ids": vllm_ids}
+    if args.compare_dir:
+        result["compared_with_written"] = compare_native(paths, batch, args.compare_dir)
+    result["memory"] = peak_memory()
+    del llm
+    if not args.keep_files:
+        shutil.rmtree(store, ignore_errors=True)
+    return result
+
+
+def compare_native(paths: list[str], batch: list[list[int]], written_dir: str, tolerance: float = 5e-2) -> dict:
+    """Max |ours - native| / max |native| per layer, for a few samples: native `hidden_states` is [T, layers, H]."""
+    import torch
+    from safetensors.torch import load_file
+
+    n = len(batch)
+    picks = sorted({0, n // 2, n - 1})
+    worst = []
+    for i in picks:
+        native = load_file(paths[i])
+        ours = torch.load(os.path.join(written_dir, f"data_{i}.pt"), weights_only=True)
+        assert native["token_ids"].tolist()[:len(batch[i])] == batch[i] == ours["input_ids"].tolist()
+        hs = native["hidden_states"]
+        per_layer = []
+        for k, h in enumerate(ours["hidden_states"]):
+            ref = hs[: h.shape[0], k].float()
+            per_layer.append((h.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
+        worst.append(per_layer)
+    rel = [max(w[k] for w in worst) for k in range(len(worst[0]))]
+    return {"samples": picks, "max_rel_error_per_layer": rel, "tolerance": tolerance,
+            "equal": all(r <= tolerance for r in rel)}
 
 
 def prompts(n: int, t: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(7, 500) for _ in range(t)] for _ in range(n)]
+
+
+def warm_prompts(args: argparse.Namespace, batch: list[list[int]]) -> list[list[int]]:
+    """One full engine step's worth of prompts: kernels for that shape are built before the clock starts."""
+    return batch[:max(1, min(len(batch), args.batch_tokens // max(1, args.tokens)))]
 
 
 def phase(args: argparse.Namespace) -> dict:
@@ -68,33 +193,62 @@ def phase(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=args.gmu, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8), **extra)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
-        llm.generate([{"prompt_token_ids": batch[0]}], sp)  # warm
+        llm.generate([{"prompt_token_ids": ids} for ids in warm_prompts(args, batch)], sp)  # warm
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": ids} for ids in batch], sp, use_tqdm=False)
-        return {"seconds": time.perf_counter() - t0, "tokens": tokens}
+        return {"seconds": time.perf_counter() - t0, "tokens": tokens, "memory": peak_memory()}
+    if args.phase == "native":
+        return native_phase(args, batch, layers, extra)
     from eagle_compat import VllmHiddenStatesGenerator
 
     gen = VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=args.tokens + 8,
                                     gpu_memory_utilization=args.gmu, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8), **extra)
-    gen.generate([batch[0]])  # warm
+    gen.generate(warm_prompts(args, batch))  # warm
+    # the ring's buffers are set up once, like the engine's KV cache: 4 in flight (caller, queue, engine: 2)
+    # (written: plus the batches whose samples wait for a writer, at most 4 per writer thread)
+    waiting = 0 if args.phase == "delivered" else -(-4 * args.writer_threads // args.batch)
+    reserved = gen.reserve_host_buffers(args.batch * args.tokens, 4 + waiting)
+    groups = [batch[k:k + args.batch] for k in range(0, len(batch), args.batch)]
     t0 = time.perf_counter()
     if args.phase == "delivered":
-        for k in range(0, len(batch), args.batch):
-            out = gen.generate(batch[k:k + args.batch])
+        for out in gen.generate_batches(groups):
             assert out[0]["hidden_states"][0].device.type == "cpu"
-    else:  # written: the extract job's own writer, same batches
-        from eagle_compat.extract import writer
+        del out
+        extra_out = {}
+    else:  # written: the extract job's writer on its writer pool, the engine running ahead
         import torch
 
-        out_dir = tempfile.mkdtemp(prefix="eagle-bench-", dir=args.write_dir)
-        for k in range(0, len(batch), args.batch):
-            for i, r in enumerate(gen.generate(batch[k:k + args.batch])):
-                writer.save_sample(out_dir, k + i, {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                                                    "loss_mask": torch.ones_like(r["input_ids"])}, "pt")
+        from eagle_compat.extract import pipeline, writer
+
+        out_dir = args.written_dir or tempfile.mkdtemp(prefix="eagle-bench-", dir=args.write_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        with pipeline.WriterPool(args.writer_threads) as pool:
+            for k, out in enumerate(gen.generate_batches(groups)):
+                for i, r in enumerate(out):
+                    pool.submit(writer.save_sample, out_dir, k * args.batch + i,
+                                {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                                 "loss_mask": torch.ones_like(r["input_ids"])}, "pt")
+                del out, r
+        extra_out = {"writer_threads": pool.threads, "dir": out_dir}
     seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "tokens": tokens, "reserved_buffers": reserved, "handover": gen.handover_stats,
+              "memory": peak_memory(), **extra_out}
     gen.close()
-    return {"seconds": seconds, "tokens": tokens}
+    return result
+
+
+def native_skip_reason(stderr: str) -> str:
+    """The last error line of a failed native phase: why vLLM's own path does not run here."""
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    worker = [x for x in lines if "Worker failed with error" in x]  # the root cause, before any timeout
+    errors = worker or [x for x in lines if ("Error" in x or "error" in x) and not x.startswith("File ")]
+    reason = (errors[0] if worker else errors[-1]) if errors else (lines[-1] if lines else "no output")
+    frames = [x for x in lines if x.split("] ")[-1].strip().startswith("File ") and "vllm/" in x]
+    frames = [x for x in frames if "(Worker" in x] or frames  # where the worker failed, when it did
+    where = [x.split('"')[1].split("site-packages/")[-1] + ", line " + x.split("line ")[-1].split(",")[0]
+             for x in frames]
+    return (reason.split("] ")[-1] + (f" (last vLLM frame: {where[-1]})" if where else ""))[:600]
 
 
 def main() -> int:
@@ -108,11 +262,18 @@ def main() -> int:
     ap.add_argument("--layers", default=None, help="default: speculators' [2, N//2, N-3, N-1]")
     ap.add_argument("--gmu", type=float, default=0.3)
     ap.add_argument("--eager", action="store_true", default=True)
-    ap.add_argument("--write-dir", default=None)
+    ap.add_argument("--write-dir", default=None, help="where written/native files go (default: the temp dir)")
+    ap.add_argument("--writer-threads", type=int, default=8)
+    ap.add_argument("--phases", default="plain,delivered,written,native")
+    ap.add_argument("--keep-files", action="store_true", help="keep the written and native files")
+    ap.add_argument("--native-timeout", type=float, default=120.0, help="seconds to wait for native files")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--written-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--native-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compare-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         print("PHASE " + json.dumps(phase(args)), flush=True)
@@ -122,31 +283,56 @@ def main() -> int:
     with open(os.path.join(model_path, "config.json")) as f:
         n = json.load(f)["num_hidden_layers"]
     layers = args.layers or ",".join(str(i) for i in sorted({2, n // 2, n - 3, n - 1}))
+    phases = [p for p in args.phases.split(",") if p]
     results = {"model": args.model, "prompts": args.prompts, "tokens_per_prompt": args.tokens, "layers": layers,
-               "batch": args.batch, "phases": {}}
-    for name in ("plain", "delivered", "written"):
+               "batch": args.batch, "writer_threads": args.writer_threads, "phases": {}}
+    written_dir = tempfile.mkdtemp(prefix="eagle-bench-written-", dir=args.write_dir)
+    native_dir = tempfile.mkdtemp(prefix="eagle-bench-native-", dir=args.write_dir)
+    for name in phases:
         cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--model-path", model_path,
                "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--batch", str(args.batch),
                "--batch-tokens", str(args.batch_tokens), "--max-num-seqs", str(args.max_num_seqs), "--layers", layers,
-               "--gmu", str(args.gmu)] + (["--dummy"] if dummy else []) + (
-               ["--write-dir", args.write_dir] if args.write_dir else [])
+               "--gmu", str(args.gmu), "--writer-threads", str(args.writer_threads),
+               "--written-dir", written_dir, "--native-dir", native_dir,
+               "--native-timeout", str(args.native_timeout)] + (["--dummy"] if dummy else []) + (
+               ["--write-dir", args.write_dir] if args.write_dir else []) + (
+               ["--keep-files"] if args.keep_files else [])
+        if name == "native" and "written" in results["phases"] and "error" not in results["phases"]["written"]:
+            cmd += ["--compare-dir", written_dir]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("PHASE ")), None)
         if line is None:
-            results["phases"][name] = {"error": proc.stderr[-3000:]}
-            print(f"{name}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+            tail = proc.stderr[-3000:]
+            if name == "native":  # vLLM's own path may not exist or run here: say why, go on
+                results["phases"][name] = {"skipped": native_skip_reason(proc.stdout + "\n" + proc.stderr),
+                                           "error": tail}
+                print(f"{name}: skipped ({results['phases'][name]['skipped']})", file=sys.stderr)
+            else:
+                results["phases"][name] = {"error": tail}
+                print(f"{name}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
             continue
         r = json.loads(line[6:])
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         results["phases"][name] = r
         print(f"{name:>10}: {r['tokens_per_s']:>12,.0f} tok/s  ({r['seconds']:.2f} s)", flush=True)
+        if args.out:  # after every phase: a run stopped by a time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({**results, "complete": False}, f, indent=1)
+    if not args.keep_files:
+        import shutil
+        shutil.rmtree(written_dir, ignore_errors=True)
+        shutil.rmtree(native_dir, ignore_errors=True)
     plain = results["phases"].get("plain", {}).get("tokens_per_s")
     if plain:
-        for name in ("delivered", "written"):
+        for name in ("delivered", "written", "native"):
             tps = results["phases"].get(name, {}).get("tokens_per_s")
             if tps:
                 results[f"{name}_over_plain"] = tps / plain
                 print(f"{name} / plain = {tps / plain:.3f}")
+    cmp = results["phases"].get("native", {}).get("compared_with_written")
+    if cmp:
+        print(f"native files vs ours: max rel. error per layer {['%.1e' % e for e in cmp['max_rel_error_per_layer']]}"
+              f" -> {'equal' if cmp['equal'] else 'DIFFERENT'} at bf16 tolerance {cmp['tolerance']}")
     import platform
 
     from eagle_compat import detect
@@ -158,6 +344,7 @@ def main() -> int:
             results["machine"]["gpu"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001
         pass
+    results["complete"] = True
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -12,7 +12,6 @@ import traceback
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
 # Errors that mean "this release cannot run this model in this mode on CPU at all", or that eagle_compat refuses it
 # with a reason (not a capture failure): status "unsupported". Everything else that goes wrong is "fail".
 # Each entry: (exact text of one known cause, what it means, shown next to the error on the generated page; "" when
@@ -48,56 +47,78 @@ def known_cause(error_text: str) -> str | None:
     return None
 
 
-def _prompts():
+def _runner_class(worker) -> str:
+    runner = worker.model_runner
+    return f"{type(runner).__module__}.{type(runner).__name__}"
+
+
+def _self_consistency(a: list[dict], b: list[dict]) -> dict:
+    """Max |a - b| / max |b| per sample and layer (same engine: only batch-shape numerics may differ)."""
+    worst_abs = worst_rel = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert x["hidden_states"][0].shape == y["hidden_states"][0].shape
+        for p, q in zip(x["hidden_states"], y["hidden_states"], strict=True):
+            d = (p.float() - q.float()).abs().max().item()
+            worst_abs = max(worst_abs, d)
+            worst_rel = max(worst_rel, d / max(q.float().abs().max().item(), 1e-30))
+    from eagle_compat.check import BF16_REL_TOL
+    return {"max_abs": worst_abs, "max_rel": worst_rel, "ok": worst_rel <= BF16_REL_TOL}
+
+
+def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.CheckResult":
+    """Mixed lengths in no sorted order: a runner that sorts its batch (the V2 runner does) must be undone. Batched
+    results must equal one-at-a-time and pipelined ones, and HF."""
     import random
-    rng = random.Random(11)
-    return [[rng.randrange(7, 512) for _ in range(rng.randint(10, 120))] for _ in range(4)]
+
+    from eagle_compat import VllmHiddenStatesGenerator, tiny_models
+    from eagle_compat import check as parity
+    path, ref_path, n = tiny_models.build_family(family)
+    layer_ids = list(range(n))
+    rng = random.Random(12)
+    batch = [[rng.randrange(7, 512) for _ in range(k)] for k in (97, 12, 64, 33, 120, 5, 80, 41)]
+    start = time.time()
+    with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3,
+                                   dtype=dtype) as gen:
+        results = gen.generate(batch)
+        alone = [gen.generate([ids])[0] for ids in batch]
+        halves = [batch[:4], batch[4:]]  # the same compositions both ways: kernels see the same shapes
+        piped = [r for rs in gen.generate_batches(halves) for r in rs]
+        apart = [r for half in halves for r in gen.generate(half)]
+        out["model_runner"] = gen.executor.collective_rpc(_runner_class)[0]
+        engine_dtype = str(gen.vllm_config.model_config.dtype)
+    out["env"] = {k: os.environ.get(k) for k in ("VLLM_USE_V2_MODEL_RUNNER",)}
+    out["batched_vs_alone"] = _self_consistency(results, alone)
+    out["pipelined_vs_generate"] = _self_consistency(piped, apart)
+    if not (out["batched_vs_alone"]["ok"] and out["pipelined_vs_generate"]["ok"]):
+        raise AssertionError(f"batched results differ from one-at-a-time or pipelined ones: "
+                             f"{out['batched_vs_alone']} {out['pipelined_vs_generate']}")
+    precision = "fp32" if "float32" in engine_dtype else "bf16"
+    reference = tiny_models.hf_reference(ref_path, batch, layer_ids, device=device)
+    return parity.CheckResult("batch_order", path, family, precision,
+                              parity.compare(results, reference, layer_ids, precision), engine_dtype, {},
+                              round(time.time() - start, 1))
 
 
 def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") -> dict:
-    from eagle_compat import detect, tiny_models
-
+    """One cell: eagle_compat.check on the tiny model of `family`, as a JSON-able record (failures included)."""
+    from eagle_compat import check as parity
+    from eagle_compat import detect, installer
     out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict(),
-                 "device": device}
+                 "device": device, "units_needed": installer.needed_units()}
     if device != "cpu":
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)
     t0 = time.time()
     try:
-        path, ref_path, n = tiny_models.build_family(family)
-        layer_ids = list(range(n))
-        batch = _prompts()
-        if check == "shim":
-            import eagle_compat
-            eagle_compat.install()
-            from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-            gen = VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3)
-            try:
-                results = gen.generate(batch)
-            finally:
-                gen.executor.shutdown()
-            precision = "bf16"
-        else:
-            from eagle_compat import VllmHiddenStatesGenerator
-            with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512,
-                                           gpu_memory_utilization=0.3, dtype=dtype,
-                                           trust_remote_code=family == "kimi_k25") as gen:
-                results = gen.generate(batch)
-                out["contract"] = gen.describe()
-                out["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
-            precision = "fp32" if "float32" in out["engine_dtype"] else "bf16"
-        out["engine_seconds"] = round(time.time() - t0, 1)
-        ref = tiny_models.hf_reference(ref_path, batch, layer_ids, device=device)
-        errors = {}
-        ok = True
-        for j, lid in enumerate(layer_ids):
-            err = max((r["hidden_states"][j].float() - rf[j]).abs().max().item() for r, rf in zip(results, ref))
-            scale = max(rf[j].abs().max().item() for rf in ref)
-            rel = err / scale
-            errors[str(lid)] = {"max_abs": err, "max_rel_to_layer_max": rel}
-            ok &= (err <= FP32_ABS_TOL) if precision == "fp32" else (rel <= BF16_REL_TOL)
-        out.update(status="pass" if ok else "fail", precision=precision, errors=errors,
-                   error=None if ok else "hidden states differ from HF beyond tolerance")
+        result = (_batch_order(out, family, dtype, device) if check == "batch_order"
+                  else parity.run(check, family, dtype=dtype, device=device))
+        if check != "shim":
+            out["contract"], out["engine_dtype"] = result.contract, result.engine_dtype
+        out["engine_seconds"] = result.engine_seconds
+        out.update(status="pass" if result.ok else "fail", precision=result.precision,
+                   errors={str(e.layer_id): {"max_abs": e.max_abs, "max_rel_to_layer_max": e.max_rel_to_layer_max}
+                           for e in result.layers},
+                   error=None if result.ok else "hidden states differ from HF beyond tolerance")
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         text = f"{type(exc).__name__}: {exc}"
         out.update(status=classify(text),

@@ -185,7 +185,7 @@ def selection(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[
     return releases, [(c, f) for c, f in CHECKS if c in kinds and f in families]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--releases", default=",".join(RELEASES))
     ap.add_argument("--families", default=None, help="comma-separated subset of families")
@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="cells run at a time (each is its own engine)")
     ap.add_argument("--reclassify", action="store_true",
                     help="only re-derive fail/unsupported of recorded cells from their error text (cell.classify)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     releases, checks = selection(ap, a)
     os.makedirs(RESULTS, exist_ok=True)

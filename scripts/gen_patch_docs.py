@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from eagle_compat.patches import REGISTRY  # noqa: E402
+from eagle_compat.workarounds import WORKAROUNDS  # noqa: E402
 
 
 def render() -> str:
@@ -17,8 +18,17 @@ def render() -> str:
              "", "| unit | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
     for u in REGISTRY:
         where = f"`{u.target}`" if u.target else "process environment"
-        lines.append(f"| `{u.name}` | {u.broke} | `{u.affects}` | {where} ({', '.join(u.sides)}) | "
+        releases = (f"`{u.affects}`" if u.affects else "all") + (f"; where {u.condition}" if u.condition else "")
+        lines.append(f"| `{u.name}` | {u.broke} | {releases} | {where} ({', '.join(u.sides)}) | "
                      f"{'yes' if u.silent else ''} | {u.delete_when} |")
+    lines += ["", "## Workarounds in eagle_compat's own engine code and capture", "",
+              "Not patch units (they change no speculators name): they act in the generator, the engine adapters or",
+              "the worker-side capture, which the shim also runs. `eagle-compat doctor` shows which apply here",
+              "(`src/eagle_compat/workarounds.py`).", "",
+              "| workaround | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
+    for w in WORKAROUNDS:
+        lines.append(f"| `{w.name}` | {w.broke} | {w.affects} | {w.where} | {'yes' if w.silent else ''} | "
+                     f"{w.delete_when} |")
     return "\n".join(lines) + "\n"
 
 

@@ -251,3 +251,35 @@ def test_cpu_ops_that_reach_cuda_kernels_by_default_run_natively():
     old._forward_method, new._forward_method = old.forward_cpu, new.forward_cpu
     assert resolver.use_native_custom_ops([nn.ModuleList([old, new])]) == 1
     assert old._forward_method() == "native" and new._forward_method.__func__ is NewDefault.forward_cpu
+
+
+def test_handover_ring_reuses_bounds_and_falls_back(tmp_path):
+    """The driver's ring without an engine (a fake worker): buffers are reused once their tensors are gone, idle ones
+    beyond keep_free are unmapped, the limit makes a batch fall back with a reason, tensors own their storage."""
+    import gc
+
+    from eagle_compat.capture.handover import HostRing, tensors_from_lease
+
+    calls = []
+    ring = HostRing(lambda method, *args: calls.append((method, args[0])) or {"registered": False},
+                    directory=str(tmp_path), keep_free=1)
+    a, why = ring.acquire(3 << 20)
+    assert a is not None and why is None and a.nbytes == 3 << 20 and not list(tmp_path.iterdir())  # unlinked
+    lease = ring.lease(a)
+    hs = tensors_from_lease(lease, torch.bfloat16, 1024, tokens=5, layers=2, hidden=8)
+    hs[1].fill_(2.0)
+    assert hs[0].shape == (5, 8) and hs[1].untyped_storage().nbytes() == 5 * 8 * 2 and float(hs[0].sum()) == 0.0
+    del lease
+    b, _ = ring.acquire(3 << 20)
+    assert b.id != a.id  # a is still leased through hs
+    del hs
+    gc.collect()
+    c, _ = ring.acquire(2 << 20)
+    assert c.id == a.id  # back in the ring
+    ring.release(b.id)
+    ring.release(c.id)
+    ring.acquire(1 << 20)  # two idle, keep_free=1: one is unmapped first
+    assert ("eagle_compat_unmap", b.id) in calls or ("eagle_compat_unmap", c.id) in calls
+    ring.limit_bytes = 4 << 20
+    slot, why = ring.acquire(8 << 20)
+    assert slot is None and "hand-over limit" in why

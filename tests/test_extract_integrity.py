@@ -59,6 +59,11 @@ class FakeEngine:
         return out
 
 
+    def generate_batches(self, batches, prefetch=1):  # the real one pipelines; the files are the same
+        for batch in batches:
+            yield self.generate(batch)
+
+
 class NoEngine:
     def __init__(self, *args, **kwargs):
         raise AssertionError("an engine was started")
@@ -281,15 +286,14 @@ def test_a_malformed_line_is_named_before_any_engine(model, tmp_path, no_engine,
 
 
 def _fail_on_write(monkeypatch, after: int):
-    """The disk fills up while the (after+1)-th sample file is written: its temporary file is already on disk."""
-    real_fsync, calls = os.fsync, {"samples": 0}
+    """The disk fills up while sample `after` (and any later one) is written: its temporary file is already on disk.
+    By index, not by count: several writer threads save a batch at once."""
+    real_fsync = os.fsync
 
     def fsync(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.startswith("data_") and ".pt.tmp-" in name:
-            calls["samples"] += 1
-            if calls["samples"] > after:
-                raise OSError(errno.ENOSPC, "No space left on device")
+        if name.startswith("data_") and ".pt.tmp-" in name and int(name[5:name.index(".")]) >= after:
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
@@ -303,7 +307,8 @@ def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, 
         with pytest.raises(EagleCompatError, match=r"could not write .*data_5.pt: No space left on device"
                                                           r".*rerun the same command with --resume"):
             job.run(_opts(model, dataset, out))
-    assert len(_samples(out)) == 5 and not [f for f in os.listdir(out) if ".tmp-" in f]
+    assert sorted(_samples(out)) == [f"data_{i}.pt" for i in range(5)]  # nothing from data_5 on was counted
+    assert not [f for f in os.listdir(out) if ".tmp-" in f]
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["status"] == "running" and manifest["runs"][-1]["status"].startswith("failed: OutputWriteError")
     assert not os.path.exists(out / "data_config.json")

@@ -3,6 +3,7 @@
   eagle-compat extract --model PATH --data FILE.jsonl --out DIR   conversations/token ids -> EAGLE-3 training files
   eagle-compat convert SRC DST [--to FORMAT]   data_{i}.pt <-> Arrow + hidden_states/hs_{i}.safetensors
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
+  eagle-compat check [--family F ...] [--json]  extraction on this vLLM vs HF (exit status for CI)
   eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
   eagle-compat run SCRIPT.py ARGS... | run -m MODULE ARGS...   any script unmodified under install(), spawned
                                                processes included (e.g. speculators' data_generation_offline.py)
@@ -44,7 +45,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if detect.installed_versions().vllm is not None:
         report["features"] = detect.features()
         report["patches_needed"] = installer.needed_units()
+        from . import workarounds
+        report["workarounds"] = workarounds.status()
         problems += [f"feature probe {k}: {v}" for k, v in report["features"].items() if not isinstance(v, bool)]
+        problems += [f"workaround probe {k}: {v}" for k, v in report["workarounds"].items()
+                     if str(v).startswith("unknown")]
     if args.model:
         try:
             report["model"] = describe_model(args.model, trust_remote_code=args.trust_remote_code)
@@ -70,6 +75,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
             _print_table([(k, "needed" if v is True else "not needed" if v is False else str(v))
                           for k, v in report["patches_needed"].items()], "Patch units (install())")
+            _print_table([(k, "applies" if v is True else "does not apply" if v is False else f"applies to {v}"
+                           if not str(v).startswith("unknown") else str(v)) for k, v in report["workarounds"].items()],
+                         "Workarounds in eagle_compat's own engine code and capture (docs/patches.md)")
         if "cpu_tensor_parallel" in report:
             _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
                          "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
@@ -143,6 +151,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok_all else 1
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Extraction vs HF on the installed vLLM, per (check, family): exit 0 only if every one passes."""
+    if args.json:  # keep stdout for the JSON: vLLM's own log handler writes to stdout
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from . import check as parity
+    from .errors import EagleCompatError, InvalidInput
+
+    checks = [c for c in args.checks.split(",") if c]
+    families = [f for f in (args.family or ["llama", "deepseek_v3"])] if not args.model else [None]
+    bad = [c for c in checks if c not in parity.CHECKS]
+    if bad or not checks:
+        raise InvalidInput(f"--checks: unknown {bad or checks}; allowed: {', '.join(parity.CHECKS)}")
+    from . import tiny_models
+    bad = [f for f in families if f is not None and f not in tiny_models.FAMILIES]
+    if bad:
+        raise InvalidInput(f"--family: unknown {bad}; allowed: {', '.join(tiny_models.FAMILIES)}")
+    rows, ok = [], True
+    for check in checks:
+        for family in families:
+            try:
+                result = parity.run(check, family, model=args.model, dtype=args.dtype,
+                                    trust_remote_code=args.trust_remote_code)
+                row = {"check": check, "family": family, "model": result.model, "status":
+                       "pass" if result.ok else "fail", "precision": result.precision,
+                       "worst_rel": max(e.max_rel_to_layer_max for e in result.layers),
+                       "failures": result.failures()}
+            except EagleCompatError as exc:
+                row = {"check": check, "family": family, "model": args.model, "status": "error",
+                       "error": f"{type(exc).__name__}: {exc}"}
+            ok &= row["status"] == "pass"
+            rows.append(row)
+            if not args.json:
+                what = f"{check:9s} {family or args.model}"
+                detail = (f"{row['precision']}, worst {row['worst_rel']:.2e} of layer max" if "precision" in row
+                          else row["error"].splitlines()[0])
+                print(f"{row['status'].upper():5s} {what}: {detail}", flush=True)
+                for line in row.get("failures", []):
+                    print(f"      {line}")
+    if args.json:
+        from . import detect
+        print(json.dumps({"versions": detect.installed_versions().as_dict(), "results": rows, "ok": ok}, indent=2))
+    return 0 if ok else 1
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     from .extract import job
 
@@ -208,11 +260,7 @@ def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
     return ok and torch.isfinite(sample["hidden_states"][0]).all().item()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
-        from . import launcher
-        return launcher.main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,8 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
+    p = sub.add_parser("check", help="extraction on this vLLM vs HF transformers (tiny models or --model); for CI")
+    p.add_argument("--family", action="append", help="tiny model family (repeatable; default llama, deepseek_v3)")
+    p.add_argument("--checks", default="shim,generator", help="shim (speculators under install()), generator")
+    p.add_argument("--model", help="a local checkpoint instead of tiny models")
+    p.add_argument("--dtype", default="float32", help="the generator's engine dtype (the shim always runs auto)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
+        from . import launcher
+        return launcher.main(argv[1:])
+    args = build_parser().parse_args(argv)
     from .errors import EagleCompatError, InvalidInput, WorkerError
     from .extract.writer import OutputWriteError
     try:

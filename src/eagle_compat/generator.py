@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-from typing import Any, Sequence
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
 from .capture import handshake
 from .capture.remote_errors import WorkerErrorLog, translate
-from .capture.worker import receive
+from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput
 
 log = logging.getLogger("eagle_compat.generator")
@@ -104,6 +107,17 @@ def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncat
     return out
 
 
+@dataclass
+class _Batch:
+    id: str
+    token_lists: list[list[int]]
+    request_ids: list[str]
+    offsets: dict[str, tuple[int, int]]
+    slot: Any
+    pending: set
+    dtype: Any
+
+
 class VllmHiddenStatesGenerator:
     """Extract the residual stream leaving chosen decoder layers during prefill (speculators 0.3.0's contract).
 
@@ -115,7 +129,7 @@ class VllmHiddenStatesGenerator:
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", shm_limit_bytes: int | None = None):
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
@@ -130,8 +144,11 @@ class VllmHiddenStatesGenerator:
         self.max_model_len = max_model_len
         self._request_counter = 0
         self.executor = None
+        self._ring = None
+        self._busy = threading.Lock()  # one batch at a time reaches the engine
         text_config = model_text_config(model_path, trust_remote_code)
         self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
         self.layer_ids = (default_layer_ids(self.num_layers) if layer_ids is None
                           else validate_layer_ids(layer_ids, self.num_layers))
@@ -160,6 +177,7 @@ class VllmHiddenStatesGenerator:
             handshake.require_patched_workers(self._translated(self.executor.collective_rpc, "collective_rpc"),
                                               "generator")
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
+            self._ring = HostRing(self._rpc0, limit_bytes=shm_limit_bytes)
             budget = self._translated(engine.kv_budget, "determine_available_memory")(
                 self.executor, gpu_memory_utilization)
             kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
@@ -184,36 +202,207 @@ class VllmHiddenStatesGenerator:
     def generate(self, token_ids: list[list[int]] | Any, *, truncate: bool = False) -> list[dict]:
         """Hidden states of every prompt token for each layer id. Returns, per sequence, a dict with
         `input_ids` (LongTensor [T]), `hidden_states` (list, per layer id, of [T, hidden] tensors on the CPU) and
-        `loss_mask` (None)."""
-        import torch
-
+        `loss_mask` (None). Each hidden-state tensor has its own storage (in shared host memory)."""
         if self.executor is None:
             raise InvalidInput("this generator is closed")
-        batch = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
-                                   max_len=self.max_model_len - 1, truncate=truncate)
-        request_ids = [f"eagle_{self._request_counter}_{i}" for i in range(len(batch))]
-        self._request_counter += 1
-        self._rpc0("eagle_compat_reset")
-        pending = set(request_ids)
+        if not self._busy.acquire(blocking=False):
+            raise InvalidInput("this generator is running generate_batches(); finish or close that iteration first")
         try:
-            for rid, ids in zip(request_ids, batch):
-                self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
-            while (out := self.scheduler.schedule()).total_num_scheduled_tokens > 0:
-                self._translated(engine.run_step, "execute_model")(self.executor, out)
-                done = list(out.num_scheduled_tokens)
-                engine.abort(self.scheduler, done)
-                pending.difference_update(done)
-            if pending:
-                raise RuntimeError(f"{len(pending)} requests were never scheduled (KV cache too small for them?)")
-            states = receive(self._rpc0("eagle_compat_collect"))
-        except BaseException:
-            if pending:
-                engine.abort(self.scheduler, sorted(pending))
+            return self._run_batch(token_ids, truncate)
+        finally:
+            self._busy.release()
+
+    def generate_batches(self, batches: Iterable[Any], *, truncate: bool = False,
+                         prefetch: int = 1) -> Iterator[list[dict]]:
+        """`generate()` for each batch of `batches`, pipelined: the engine computes batch k+1 while the caller
+        handles batch k (at most `prefetch` finished batches wait in between; 0 runs everything in the caller's
+        thread). Yields each batch's results, in order, equal to what `generate()` returns for it."""
+        if self.executor is None:
+            raise InvalidInput("this generator is closed")
+        if not self._busy.acquire(blocking=False):
+            raise InvalidInput("this generator is already running a batch")
+        try:
+            if prefetch <= 0:
+                yield from self._engine_batches(batches, truncate)
+                return
+            yield from self._pipelined(batches, truncate, prefetch)
+        finally:
+            self._busy.release()
+
+    def _pipelined(self, batches: Iterable[Any], truncate: bool, prefetch: int) -> Iterator[list[dict]]:
+        handed: queue.Queue = queue.Queue(maxsize=prefetch)
+        stop = threading.Event()
+
+        def put(item: tuple) -> bool:
+            while not stop.is_set():
+                try:
+                    handed.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def engine_loop() -> None:
+            engine_batches = self._engine_batches(batches, truncate)
             try:
-                self._rpc0("eagle_compat_reset")
-            except Exception:  # noqa: BLE001 - the original error matters more
-                pass
+                for results in engine_batches:
+                    if stop.is_set() or not put(("batch", results)):
+                        return
+                    del results
+                put(("end", None))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                put(("error", exc))
+            finally:
+                engine_batches.close()
+
+        thread = threading.Thread(target=engine_loop, name="eagle-compat-engine", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, value = handed.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+                del value  # the caller's results alone keep their buffer leased
+        finally:
+            stop.set()
+            thread.join()
+            while not handed.empty():
+                handed.get_nowait()
+
+    def _engine_batches(self, batches: Iterable[Any], truncate: bool) -> Iterator[list[dict]]:
+        """Runs the batches back to back. Batch k is collected after batch k+1's first step, so its last copies
+        overlap compute (both in the shared-memory ring; a fallback batch is collected at once)."""
+        prev = cur = None
+        try:
+            for token_ids in batches:
+                if prev is not None and prev.slot is None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                try:
+                    cur = self._start(token_ids, truncate)
+                except InvalidInput:
+                    if prev is not None:  # the batches before a bad one are still delivered
+                        results, prev = self._finish(prev), None
+                        yield results
+                    raise
+                if prev is not None and cur.slot is None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                self._step(cur)
+                if prev is not None:
+                    results, prev = self._finish(prev), None
+                    yield results
+                while self._step(cur):
+                    pass
+                prev, cur = cur, None
+            if prev is not None:
+                results, prev = self._finish(prev), None
+                yield results
+        except BaseException:
+            self._fail(prev, cur)
             raise
+
+    def _run_batch(self, token_ids: Any, truncate: bool) -> list[dict]:
+        batch = self._start(token_ids, truncate)
+        try:
+            while self._step(batch):
+                pass
+            return self._finish(batch)
+        except BaseException:
+            self._fail(batch)
+            raise
+
+    def _start(self, token_ids: Any, truncate: bool) -> "_Batch":
+        """Validate, choose the batch's hand-over buffer, tell the worker, queue the requests."""
+        import torch
+
+        token_lists = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
+                                         max_len=self.max_model_len - 1, truncate=truncate)
+        batch_id = f"eagle_{self._request_counter}"
+        self._request_counter += 1
+        request_ids = [f"{batch_id}_{i}" for i in range(len(token_lists))]
+        dtype = self.vllm_config.model_config.dtype
+        layers, hidden = len(self.layer_ids), self.hidden_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offsets, total_bytes = {}, 0
+        for rid, ids in zip(request_ids, token_lists):
+            offsets[rid] = (total_bytes, len(ids))
+            total_bytes += sample_block_bytes(len(ids), layers, hidden, itemsize)
+        slot, why = self._ring.acquire(total_bytes) if hidden else (None, "hidden size unknown")
+        if slot is None:
+            self._ring.fallbacks += 1
+            log.warning("this batch goes through the RPC queue instead of shared memory: %s", why)
+        plan = None if slot is None else {"slot": slot.id, "dtype": str(dtype), "hidden": hidden, "requests": offsets}
+        batch = _Batch(batch_id, token_lists, request_ids, offsets, slot, set(), dtype)
+        try:
+            self._rpc0("eagle_compat_begin", batch_id, plan)
+            for rid, ids in zip(request_ids, token_lists):
+                self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
+                batch.pending.add(rid)
+        except BaseException:
+            self._fail(batch)
+            raise
+        return batch
+
+    def _step(self, batch: "_Batch") -> bool:
+        """One engine step; False when nothing was left to schedule."""
+        out = self.scheduler.schedule()
+        if out.total_num_scheduled_tokens == 0:
+            return False
+        self._translated(engine.run_step, "execute_model")(self.executor, out)
+        done = list(out.num_scheduled_tokens)
+        engine.abort(self.scheduler, done)
+        batch.pending.difference_update(done)
+        return True
+
+    def _finish(self, batch: "_Batch") -> list[dict]:
+        import torch
+
+        if batch.pending:
+            raise RuntimeError(f"{len(batch.pending)} requests were never scheduled (KV cache too small for them?)")
+        reply = self._rpc0("eagle_compat_finish", batch.id)
+        if batch.slot is None:
+            return self._results_from_fallback(batch.token_lists, reply.get("fallback"))
+        rows = reply.get("rows") or {}
+        missing = [(rid, n) for rid, (_, n) in batch.offsets.items() if rows.get(rid) != n]
+        if missing:
+            raise RuntimeError(f"captured rows do not match the prompts for {len(missing)} requests, e.g. "
+                               f"{missing[0][0]}: {rows.get(missing[0][0])} rows for {missing[0][1]} tokens")
+        lease = self._ring.lease(batch.slot)
+        batch.slot = None  # handed out: the results' lifetime decides when it is free again
+        layers, hidden = len(self.layer_ids), self.hidden_size
+        return [{"input_ids": torch.as_tensor(ids, dtype=torch.long),
+                 "hidden_states": tensors_from_lease(lease, batch.dtype, batch.offsets[rid][0], len(ids), layers,
+                                                     hidden),
+                 "loss_mask": None}
+                for rid, ids in zip(batch.request_ids, batch.token_lists)]
+
+    def _fail(self, *batches: "_Batch | None") -> None:
+        """After an error: abort what is still queued, forget the worker's plans, give the buffers back."""
+        for batch in batches:
+            if batch is None:
+                continue
+            if batch.pending:
+                try:
+                    engine.abort(self.scheduler, sorted(batch.pending))
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+                batch.pending.clear()
+            if batch.slot is not None and self._ring is not None:
+                self._ring.release(batch.slot.id)
+                batch.slot = None
+        try:
+            self._rpc0("eagle_compat_abandon")
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+
+    @staticmethod
+    def _results_from_fallback(batch: list[list[int]], states: list | None) -> list[dict]:
+        import torch
+
         if not states:
             raise RuntimeError("no hidden states were captured")
         total = sum(len(ids) for ids in batch)
@@ -229,12 +418,34 @@ class VllmHiddenStatesGenerator:
             offset += n
         return results
 
+    def reserve_host_buffers(self, tokens_per_batch: int, count: int = 3) -> int:
+        """Create `count` hand-over buffers for batches of up to `tokens_per_batch` tokens now (each is a /dev/shm
+        allocation and, on GPU, a pinning: ~0.1-0.3 s per GiB) rather than during the first batches. The pipeline
+        keeps up to 3 in use (4 with a writer pool); more are created on demand. Returns how many were reserved."""
+        import torch
+
+        itemsize = torch.empty((), dtype=self.vllm_config.model_config.dtype).element_size()
+        nbytes = sample_block_bytes(tokens_per_batch, len(self.layer_ids), self.hidden_size, itemsize)
+        return self._ring.reserve(nbytes, count) if self._ring is not None and self.hidden_size else 0
+
+    @property
+    def handover_stats(self) -> dict:
+        """Shared-memory ring: buffers, bytes, peak bytes, batches that fell back to the RPC queue."""
+        ring = self._ring
+        if ring is None:
+            return {}
+        return {"buffers": len(ring.slots), "pinned": sum(s.pinned for s in ring.slots.values()),
+                "bytes": ring.total_bytes, "peak_bytes": ring.peak_bytes, "fallback_batches": ring.fallbacks}
+
     def describe(self) -> dict:
         """The resolved decoder contract (wrapper path, layer class, signature, output kind, capture strategy)."""
         return dict(self.contract)
 
     def close(self) -> None:
         executor, self.executor = self.executor, None
+        ring, self._ring = getattr(self, "_ring", None), None
+        if ring is not None:
+            ring.close(rpc_ok=False)  # the workers' mappings end with them
         if executor is not None:
             try:
                 executor.shutdown()

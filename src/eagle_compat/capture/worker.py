@@ -82,8 +82,13 @@ def _vllm_config_state() -> tuple[Any, Callable]:
 
 
 class CaptureSession:
-    def __init__(self, worker: Any, layer_ids: list[int], sink: Callable[[list], None]):
+    def __init__(self, worker: Any, layer_ids: list[int], sink: Callable[[list], None],
+                 row_sink: Callable[[list, dict, list], None] | None = None):
+        """`sink(per_layer)` gets each step's rows in the scheduler's order. With `row_sink`, each step goes to
+        `row_sink(per_layer, rows, order)` instead, unreordered: `rows[request_id] = (first_row, count)` in the
+        runner's layout, `order` the scheduler's request order (no reordering copy on the device)."""
         self.worker = worker
+        self.row_sink = row_sink
         if keep_vllm_config_current(worker):
             log.info("vLLM config made current for this worker's life (forward-time CustomOps need it)")
         self.layer_ids = list(layer_ids)
@@ -156,11 +161,25 @@ class CaptureSession:
             if sorted(runner_order) != sorted(wanted):
                 raise CaptureInvariantError(
                     f"model runner batch {runner_order} does not match the scheduled {wanted}")
-            per_layer = [_reorder(h, runner_order, wanted, scheduled) for h in per_layer]
         elif runner_order is None and len(set(scheduled.values())) > 1:
             raise UnsupportedModel(
                 f"cannot tell the batch order of {type(self.worker.model_runner).__name__}; refusing to guess")
+        layout = runner_order if runner_order is not None else wanted
+        if self.row_sink is not None:
+            self.row_sink(per_layer, row_spans(layout, scheduled), wanted)
+            return
+        if layout != wanted:
+            per_layer = [_reorder(h, layout, wanted, scheduled) for h in per_layer]
         self.sink(per_layer)
+
+
+def row_spans(layout: list[str], counts: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Where each request's rows are in a step laid out in `layout` order: {request_id: (first_row, count)}."""
+    spans, pos = {}, 0
+    for rid in layout:
+        spans[rid] = (pos, counts[rid])
+        pos += counts[rid]
+    return spans
 
 
 def _reorder(h, runner_order: list[str], wanted: list[str], counts: dict[str, int]):
@@ -174,13 +193,9 @@ def _reorder(h, runner_order: list[str], wanted: list[str], counts: dict[str, in
 
 
 class HostStaging:
-    """Moves each step's captured rows off the GPU while the next step computes, and hands a whole batch to the
-    driver through shared memory instead of pickling it through the executor's RPC queue.
-
-    Per step: an asynchronous device-to-host copy into pinned memory on a side stream. At collect: one file in
-    /dev/shm holding [layers, rows, hidden]; the driver maps it (no copy) and unlinks it at once, so the memory
-    lives exactly as long as the caller keeps the returned tensors. Peak host memory: about one batch.
-    """
+    """The fallback hand-over (a batch that does not fit the shared-memory ring, see `handover.py`): each step's rows
+    are copied to pinned host memory asynchronously on a side stream, and the batch goes back through the executor's
+    RPC queue as per-layer tensors."""
 
     def __init__(self) -> None:
         self.steps: list[list] = []
@@ -208,7 +223,7 @@ class HostStaging:
     def clear(self) -> None:
         self.steps.clear()
 
-    def collect(self) -> dict | list | None:
+    def collect(self) -> list | None:
         import torch
 
         if not self.steps:
@@ -218,57 +233,9 @@ class HostStaging:
                 if event is not None:
                     event.synchronize()
         layers = len(self.steps[0])
-        rows = sum(step[0][0].shape[0] for step in self.steps)
-        hidden = self.steps[0][0][0].shape[-1]
-        dtype = self.steps[0][0][0].dtype
-        path = _shared_memory_path()
-        if path is None:  # no shared memory: plain tensors through the RPC queue
-            out = [torch.cat([step[j][0] for step in self.steps], 0) for j in range(layers)]
-            self.steps.clear()
-            return out
-        buf = torch.from_file(path, shared=True, size=layers * rows * hidden, dtype=dtype).view(layers, rows, hidden)
-        offset = 0
-        for step in self.steps:
-            n = step[0][0].shape[0]
-            for j, (host, _) in enumerate(step):
-                buf[j, offset: offset + n].copy_(host)
-            offset += n
+        out = [torch.cat([step[j][0] for step in self.steps], 0) for j in range(layers)]
         self.steps.clear()
-        del buf
-        return {"shm_path": path, "layers": layers, "rows": rows, "hidden": hidden, "dtype": str(dtype)}
-
-
-def _shared_memory_path() -> str | None:
-    import itertools
-    import os
-
-    if os.environ.get("EAGLE_COMPAT_NO_SHM") == "1" or not os.path.isdir("/dev/shm"):
-        return None
-    counter = getattr(_shared_memory_path, "_counter", None) or itertools.count()
-    _shared_memory_path._counter = counter  # type: ignore[attr-defined]
-    return f"/dev/shm/eagle-compat-{os.getpid()}-{next(counter)}.bin"
-
-
-def receive(collected: dict | list | None) -> list | None:
-    """Driver side of HostStaging.collect: per-layer [rows, hidden] tensors."""
-    import os
-
-    import torch
-
-    if collected is None or isinstance(collected, list):
-        return collected
-    dtype = getattr(torch, collected["dtype"].replace("torch.", ""))
-    path = collected["shm_path"]
-    try:
-        buf = torch.from_file(path, shared=False, size=collected["layers"] * collected["rows"] * collected["hidden"],
-                              dtype=dtype)
-    finally:
-        try:
-            os.unlink(path)  # the mapping keeps the memory until the last tensor using it is gone
-        except OSError:
-            pass
-    buf = buf.view(collected["layers"], collected["rows"], collected["hidden"])
-    return [buf[j] for j in range(collected["layers"])]
+        return out
 
 
 class CaptureWorkerExtension:
@@ -277,21 +244,39 @@ class CaptureWorkerExtension:
 
     @reported("eagle_compat_setup")
     def eagle_compat_setup(self, layer_ids: list[int]) -> dict:
+        from .handover import RingStaging
+
         old = getattr(self, "_eagle_compat_session", None)
         if old is not None:
             old.close()
-        self._eagle_compat_staging = HostStaging()
-        self._eagle_compat_session = CaptureSession(self, layer_ids, self._eagle_compat_staging.add)
+        if getattr(self, "_eagle_compat_staging", None) is None:  # the driver's ring outlives a re-setup
+            self._eagle_compat_staging = RingStaging(HostStaging())
+        self._eagle_compat_session = CaptureSession(self, layer_ids, self._eagle_compat_staging.fallback.add,
+                                                    row_sink=self._eagle_compat_staging.add)
         return self._eagle_compat_session.contract.as_dict()
 
-    @reported("eagle_compat_reset")
-    def eagle_compat_reset(self) -> None:
-        self._eagle_compat_staging.clear()
+    @reported("eagle_compat_map")
+    def eagle_compat_map(self, slot: int, path: str, nbytes: int, pin: bool) -> dict:
+        """Map (and on GPU pin) one shared-memory buffer of the driver's ring (see handover.py)."""
+        return self._eagle_compat_staging.map(slot, path, nbytes, pin, capture=self._eagle_compat_session.capture)
 
-    @reported("eagle_compat_collect")
-    def eagle_compat_collect(self) -> dict | list | None:
-        """Every captured row since the last reset, per requested layer (see HostStaging)."""
-        return self._eagle_compat_staging.collect()
+    @reported("eagle_compat_unmap")
+    def eagle_compat_unmap(self, slot: int) -> None:
+        self._eagle_compat_staging.unmap(slot)
+
+    @reported("eagle_compat_begin")
+    def eagle_compat_begin(self, batch_id: str, plan: dict | None) -> None:
+        """Where each request of a batch goes (None: the fallback through the RPC queue)."""
+        self._eagle_compat_staging.begin(batch_id, plan)
+
+    @reported("eagle_compat_finish")
+    def eagle_compat_finish(self, batch_id: str) -> dict:
+        """Waits for the batch's copies; {"rows": {request_id: tokens}} (or {"fallback": per-layer tensors})."""
+        return self._eagle_compat_staging.finish(batch_id)
+
+    @reported("eagle_compat_abandon")
+    def eagle_compat_abandon(self) -> None:
+        self._eagle_compat_staging.abandon()
 
     @reported("eagle_compat_handshake")
     def eagle_compat_handshake(self) -> dict:

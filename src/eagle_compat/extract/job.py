@@ -1,6 +1,7 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import arrow, inputs, layers, writer
+from . import arrow, inputs, layers, pipeline, writer
 
 FORMATS = ("pt", "safetensors", *arrow.ARROW_FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -44,6 +45,7 @@ class ExtractOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     progress: bool = True
+    writer_threads: int = pipeline.DEFAULT_THREADS
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -349,6 +351,20 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
             raise
         raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
                            f"{str(exc).splitlines()[-1].strip()[:400]}") from None
+
+    def write(s: Any, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
+        sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                  "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+        if opts.validate:
+            validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+        try:
+            save_of(s, sample)
+        except OSError as exc:
+            raise writer.OutputWriteError(
+                f"could not write {path_of(s)}: {exc.strerror or exc}. The {pool.done} files written before it are "
+                "complete (each is written under a temporary name and renamed when whole); free space or fix the "
+                "directory, then rerun the same command with --resume") from exc
+
     with gen:
         if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
             gen.executor.collective_rpc(_ignore_sigint)
@@ -356,25 +372,17 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
         manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
         t_engine = time.time()
         progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
-        for batch in todo:
-            results = gen.generate([s.input_ids for s in batch])
-            for s, r in zip(batch, results):
-                sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                          "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-                if opts.validate:
-                    validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
-                try:
-                    save_of(s, sample)
-                except OSError as exc:
-                    raise writer.OutputWriteError(
-                        f"could not write {path_of(s)}: {exc.strerror or exc}. The {done_samples} files written "
-                        "before it are complete (each is written under a temporary name and renamed when whole); "
-                        "free space or fix the directory, then rerun the same command with --resume") from exc
-                done_samples += 1
-                done_tokens += len(s.input_ids)
-            elapsed_engine = max(time.time() - t_engine, 1e-9)
-            progress.update(len(batch), done_samples / elapsed_engine, done_tokens / elapsed_engine)
+        with pipeline.WriterPool(opts.writer_threads) as pool, \
+                contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
+            for batch, results in batches:
+                for s, r in zip(batch, results):
+                    pool.submit(write, s, r)
+                    done_tokens += len(s.input_ids)
+                del results
+                elapsed_engine = max(time.time() - t_engine, 1e-9)
+                progress.update(len(batch), pool.done / elapsed_engine, done_tokens / elapsed_engine)
         progress.close()
+        done_samples = pool.done  # every submitted write finished (close() raised otherwise)
     return done_samples, done_tokens
 
 

@@ -62,6 +62,44 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
+def atomic_write_file(path: str, write: Any) -> None:
+    """`write(tmp_path)` makes the file; then fsync and rename, as atomic_write_bytes (no copy in memory)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        try:
+            write(tmp)
+        except RuntimeError as exc:  # torch.save's C++ stream reports a failed write as a RuntimeError
+            raise _write_error(exc, tmp) from exc
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave no partial file behind, not even under the temporary name
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _write_error(exc: RuntimeError, tmp: str) -> BaseException:
+    """The OSError behind a failed torch.save ("basic_ios::clear: iostream error", "PytorchStreamWriter failed
+    writing file"): ENOSPC when the file system is full, EIO otherwise; any other RuntimeError as it was."""
+    import errno
+    text = f"{exc} {exc.__context__ or ''}"
+    try:
+        st = os.statvfs(os.path.dirname(tmp) or ".")
+        full = st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    if not full and not any(m in text for m in ("iostream error", "failed writing", "unexpected pos")):
+        return exc
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, os.strerror(code) if full else f"{os.strerror(code)} ({text.strip()[:200]})")
+
+
 def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
 
@@ -71,15 +109,11 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
 
 
 def save_sample(out_dir: str, index: int, sample: dict, fmt: str) -> str:
-    import io
-
     import torch
 
     path = sample_path(out_dir, index, fmt)
-    if fmt == "pt":
-        buf = io.BytesIO()
-        torch.save(sample, buf)
-        atomic_write_bytes(path, buf.getvalue())
+    if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
+        atomic_write_file(path, lambda tmp: torch.save(sample, tmp))
     else:
         from safetensors.torch import save as st_save
 

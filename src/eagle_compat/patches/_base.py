@@ -139,10 +139,13 @@ def _name(owner: Any) -> str:
 class PatchUnit:
     name: str
     broke: str
-    affects: str  # PEP 440 specifier over vLLM releases; documentation, never a dispatch key
+    affects: str  # PEP 440 specifier over vLLM releases ("" = all); documentation, never a dispatch key
     delete_when: str
     target: str | None  # module whose namespace is patched (applied when it is imported), or None
     sides: tuple[str, ...] = ("driver", "worker")
+    # what else decides the need, in words ("" = the vLLM release alone: then a test checks `needed()` against
+    # `affects` on the installed release)
+    condition: str = ""
     silent: bool = False  # True where the break gives wrong results with no error
     # True where the break shows while a process imports speculators, i.e. possibly before install() can run in
     # it: a spawned child re-imports its parent's __main__ script first. The start-up hook applies these units

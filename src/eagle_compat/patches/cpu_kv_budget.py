@@ -60,7 +60,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="cpu_kv_budget",
     broke="torch.cuda.mem_get_info() fails on a CPU-only machine",
-    affects=">=0.11 on CPU",
+    affects=">=0.11",
+    condition="a machine without CUDA",
     delete_when="speculators asks the executor for the KV budget",
     target=GENERATOR_MODULE,
     sides=("driver",),

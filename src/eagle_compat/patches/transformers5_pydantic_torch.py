@@ -25,7 +25,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="transformers5_pydantic_torch",
     broke="speculators 0.3.0 fails at import under transformers 5 (pydantic cannot resolve `torch`)",
-    affects="transformers>=5 (vLLM>=0.24 requires it)",
+    affects="",
+    condition="transformers >= 5 (vLLM >= 0.24 requires it; 0.20-0.23 allow it)",
     delete_when="the speculators floor supports transformers 5",
     target="transformers.configuration_utils",
     at_startup=True,

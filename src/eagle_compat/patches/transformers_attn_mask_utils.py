@@ -65,7 +65,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="transformers_attn_mask_utils",
     broke="speculators 0.3.0 fails at import: transformers 5.24 removed `transformers.modeling_attn_mask_utils`",
-    affects="transformers>=5.24 (vLLM 0.20-0.30 allow it; 0.31 and 0.32 pin older transformers)",
+    affects="",
+    condition="transformers >= 5.24 (vLLM 0.20-0.30 allow it; 0.31 and 0.32 pin older transformers)",
     delete_when="the speculators floor no longer imports transformers.modeling_attn_mask_utils",
     target="transformers",
     at_startup=True,

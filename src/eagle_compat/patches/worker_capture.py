@@ -46,7 +46,8 @@ UNIT = PatchUnit(
     name="worker_capture",
     broke="speculators' replacement forward: eagle3 gate, model.model, get_input_embeddings, one guessed layer "
           "signature, dropped per-family steps",
-    affects=">=0.11.1 (every family), all releases for DeepSeek/Kimi-K2.5/Gemma/Granite/gpt-oss",
+    affects="",
+    condition="every family from 0.11.1; DeepSeek/Kimi-K2.5/Gemma/Granite/gpt-oss on every release",
     delete_when="speculators captures with hooks or vLLM's native extract_hidden_states",
     target=WORKER_MODULE,
     sides=("driver", "worker"),

@@ -55,7 +55,7 @@ def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:
     return PatchUnit(
         name=f"worker_error_messages[{'generator' if target == GENERATOR_MODULE else 'worker'}]",
         broke="worker failures reach the caller as an empty message",
-        affects="all",
+        affects="",
         delete_when="vLLM forwards worker exception types and tracebacks",
         target=target,
         sides=sides,

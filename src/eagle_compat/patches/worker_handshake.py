@@ -28,7 +28,8 @@ def _apply(patcher, module) -> None:
 UNIT = PatchUnit(
     name="worker_handshake",
     broke="an unpatched worker runs speculators' own capture: wrong states or an error that names neither cause nor fix",
-    affects="all (whenever the plugin is not loaded in a worker)",
+    affects="",
+    condition="acts whenever a worker runs without the plugin",
     delete_when="never while the shim patches speculators' worker extension",
     target=GENERATOR_MODULE,
     sides=("driver",),

@@ -1,0 +1,85 @@
+"""The extract job's pipeline: the engine computes batch k+1 while writer threads save batch k.
+
+Samples reach the writers as tensors in the generator's shared-memory buffers (no copy); a buffer goes back to the
+generator's ring once its samples are written. At most `max_pending` samples wait for a writer, so host memory stays
+bounded (about `max_pending` samples plus the ring) however slow the disk is.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+DEFAULT_THREADS = max(2, min(8, os.cpu_count() or 2))
+
+
+def _lower_priority(nice: int) -> None:
+    """Writer threads yield the CPU to the engine (on a CPU engine they would otherwise slow its compute threads);
+    the bounded queue still makes the engine wait if the writers fall behind."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+class WriterPool:
+    """Run `fn(*args)` on `threads` threads; `submit` blocks while `max_pending` calls wait. The first error is
+    raised by the next `submit` or by `close`."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, max_pending: int | None = None, nice: int = 10):
+        self.threads = max(1, int(threads))
+        self._slots = threading.BoundedSemaphore(max_pending or 4 * self.threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="eagle-compat-writer",
+                                        initializer=_lower_priority, initargs=(nice,))
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.done = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._raise()
+        self._slots.acquire()
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: Future) -> None:
+        self._slots.release()
+        exc = future.exception()
+        with self._lock:
+            if exc is not None and self._error is None:
+                self._error = exc
+            elif exc is None:
+                self.done += 1
+
+    def _raise(self) -> None:
+        with self._lock:
+            exc = self._error
+        if exc is not None:
+            raise exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._raise()
+
+    def __enter__(self) -> "WriterPool":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            return
+        self.close()
+
+
+def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[int]],
+              prefetch: int = 1) -> Iterator[tuple[list[Any], list[dict]]]:
+    """(batch, results) for each batch, the engine running ahead by `prefetch` batches (see generate_batches)."""
+    results = gen.generate_batches(([ids_of(s) for s in b] for b in batches), prefetch=prefetch)
+    try:
+        yield from zip(batches, results)
+    finally:
+        results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)

