@@ -12,3 +12,23 @@ ensure_env() {
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
   ENV_PY="$venv/bin/python"
 }
+
+# `ensure_reader_env` builds (once, cached by recipe) an environment with speculators 0.9.0 and no vLLM, whose
+# ArrowDataset reads the `--format arrow` output back in the tests (tests/data/read_with_speculators_arrow.py).
+# Recipe (shared notes, "Added 2026-12-01"): torch 2.13.0 (the machine's +cpu wheel), speculators 0.9.0 from the
+# registry, then the registry's torchvision/torchaudio/torchcodec removed (they cannot load next to that torch).
+READER_SPECULATORS=0.9.0
+ensure_reader_env() {
+  local venv="$venvs/speculators-$READER_SPECULATORS"
+  local recipe="speculators==$READER_SPECULATORS torch==2.13.0 -torchvision -torchaudio -torchcodec"
+  if [ "$(cat "$venv/.eagle-compat-recipe" 2>/dev/null)" != "$recipe" ]; then
+    echo "== building the reader environment (speculators $READER_SPECULATORS, no vLLM) in $venv (first time only)"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q "speculators==$READER_SPECULATORS" "torch==2.13.0"
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$venv/bin/python" -c "from speculators.train.data import ArrowDataset" 
+    echo "$recipe" > "$venv/.eagle-compat-recipe"
+  fi
+  export EAGLE_COMPAT_READER_PY="$venv/bin/python"
+}

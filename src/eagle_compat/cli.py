@@ -1,6 +1,7 @@
 """eagle-compat: the command line.
 
   eagle-compat extract --model PATH --data FILE.jsonl --out DIR   conversations/token ids -> EAGLE-3 training files
+  eagle-compat convert SRC DST [--to FORMAT]   data_{i}.pt <-> Arrow + hidden_states/hs_{i}.safetensors
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat check [--family F ...] [--json]  extraction on this vLLM vs HF (exit status for CI)
   eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
@@ -217,9 +218,20 @@ def cmd_extract(args: argparse.Namespace) -> int:
               "in manifest.json)")
     if not summary["complete"]:
         print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} samples "
-              "are in the directory. data_config.json is written by the run that completes the set: run the other "
+              "are in the directory. data_config.json (--format arrow: the Arrow dataset) is written by the run that "
+              "completes the set: run the other "
               "shards into this directory (or copy their files here and run once more without --shard, with "
               "--resume)")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .extract import convert
+
+    summary = convert.convert(args.src, args.dst, to=args.to, resume=args.resume, num_layers=args.num_layers)
+    print(f"convert: {summary['samples']} samples, {summary['from']} -> {summary['to']} in {summary['dst']} "
+          f"({summary['written']} written now); layers (leaving, speculators 0.3.0) {summary['layer_ids']}; a drafter "
+          f"config trained on them carries eagle_aux_hidden_state_layer_ids {summary['eagle_aux_hidden_state_layer_ids']}")
     return 0
 
 
@@ -264,6 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="deepseek_v3", choices=sorted(TINY_CONFIGS))
     p.add_argument("--out", default="out/demo", help="where the demo's training files go")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")
+    p.add_argument("src", help="a complete directory written by eagle-compat extract (or convert)")
+    p.add_argument("dst", help="a new or empty directory")
+    p.add_argument("--to", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+                   help="default: arrow for data_{i} files, pt for an Arrow directory")
+    p.add_argument("--resume", action="store_true", help="complete an interrupted conversion into DST")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the model's decoder layers, for speculators 0.3.0's own output (data_config.json, no "
+                        "manifest.json) whose model directory is not here")
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSONL: {'conversations': [...]} or {'input_ids': [...]}")
@@ -279,7 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-uncovered", action="store_true",
                    help="leave out (count, list) conversations whose assistant tokens cannot all be located, "
                         "instead of stopping")
-    p.add_argument("--format", default="pt", choices=["pt", "safetensors"])
+    p.add_argument("--format", default="pt", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+                   help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
+                        "dataset + hidden_states/hs_{i}.safetensors (the last layer must be N-1, the final "
+                        "pre-norm state); arrow-fp8: the same, states in hs-connectors' FP8 format (docs/formats.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)

@@ -15,9 +15,9 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import inputs, pipeline, writer
+from . import arrow, inputs, layers, pipeline, writer
 
-FORMATS = ("pt", "safetensors")
+FORMATS = ("pt", "safetensors", *arrow.ARROW_FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
 # the config keys vLLM derives a model's length limit from (the smallest wins)
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -227,6 +227,8 @@ def run(opts: ExtractOptions) -> dict:
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
                  else generator.validate_layer_ids(opts.layers, num_layers))
+    if opts.format in arrow.ARROW_FORMATS:
+        arrow.check_layers(layer_ids, num_layers, f"--format {opts.format}")
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
@@ -242,8 +244,18 @@ def run(opts: ExtractOptions) -> dict:
     batches = [samples[k: k + opts.batch_size] for k in range(0, len(samples), opts.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
 
+    row_of = {s.index: r for r, s in enumerate(samples)}  # --format arrow: hs_{row}, rows in input order
+
     def path_of(s: inputs.Sample) -> str:
+        if opts.format in arrow.ARROW_FORMATS:
+            return arrow.hs_path(opts.out, row_of[s.index])
         return writer.sample_path(opts.out, s.index, opts.format)
+
+    def save_of(s: inputs.Sample, sample: dict) -> None:
+        if opts.format in arrow.ARROW_FORMATS:
+            arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format)
+        else:
+            writer.save_sample(opts.out, s.index, sample, opts.format)
 
     def refuse_without_resume() -> None:
         present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]
@@ -269,6 +281,11 @@ def run(opts: ExtractOptions) -> dict:
             "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
             "num_samples_in_data": len(samples) + len(data.skipped), "num_samples": len(samples),
             "skipped_uncovered": data.skipped, "versions": versions, "runs": []}
+        manifest.setdefault("layers", layers.record(layer_ids, num_layers))
+        if opts.format in arrow.ARROW_FORMATS:
+            manifest.setdefault("arrow_rows", "row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold "
+                                "the r-th smallest sample index present (indices count the input's non-blank "
+                                "lines from 0; those in skipped_uncovered have no row)")
         this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                     "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume, "versions": versions,
                     "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running"}
@@ -282,7 +299,7 @@ def run(opts: ExtractOptions) -> dict:
         try:
             if todo:
                 done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
-                                                     hidden_size, manifest, path_of, torch)
+                                                     hidden_size, manifest, path_of, torch, save_of)
         except KeyboardInterrupt:
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
             _best_effort_json(manifest_path, manifest)
@@ -305,7 +322,13 @@ def run(opts: ExtractOptions) -> dict:
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2))
         manifest.update(status="complete" if complete else "incomplete", samples_present=present)
         _write_json(manifest_path, manifest)
-        if complete:  # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
+        if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
+            try:
+                arrow.write_dataset(opts.out, ((s.input_ids, s.loss_mask) for s in samples))
+            except OSError as exc:
+                raise writer.OutputWriteError(f"could not write the Arrow dataset in {opts.out}: "
+                                              f"{exc.strerror or exc}; rerun the same command with --resume") from exc
+        elif complete:  # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
             _write_json(os.path.join(opts.out, "data_config.json"),
                         speculators_data_config(opts, layer_ids, hidden_size, len(samples), versions, max_len))
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
@@ -315,7 +338,7 @@ def run(opts: ExtractOptions) -> dict:
 
 
 def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int,
-             hidden_size: int, manifest: dict, path_of: Any, torch: Any) -> tuple[int, int]:
+             hidden_size: int, manifest: dict, path_of: Any, torch: Any, save_of: Any = None) -> tuple[int, int]:
     done_tokens = done_samples = 0
     try:
         gen = generator.VllmHiddenStatesGenerator(
@@ -335,7 +358,7 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
         if opts.validate:
             validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         try:
-            writer.save_sample(opts.out, s.index, sample, opts.format)
+            save_of(s, sample)
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"could not write {path_of(s)}: {exc.strerror or exc}. The {pool.done} files written before it are "

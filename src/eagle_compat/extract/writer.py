@@ -167,9 +167,15 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
 
 
 def sample_files(out_dir: str) -> list[str]:
+    """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted((f for f in os.listdir(out_dir) if SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
+    found = sorted((f for f in os.listdir(out_dir) if SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
+    hs_dir = os.path.join(out_dir, "hidden_states")
+    if os.path.isdir(hs_dir):
+        found += [f"hidden_states/{f}" for f in sorted((f for f in os.listdir(hs_dir) if SAMPLE_FILE.match(f)),
+                                                       key=lambda f: (len(f), f))]
+    return found + (["state.json"] if os.path.exists(os.path.join(out_dir, "state.json")) else [])
 
 
 def _load_record(path: str) -> dict:
@@ -231,13 +237,20 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
 def sweep_temp_files(out_dir: str) -> list[str]:
     """Temporary files of runs that died mid-write (only the lock holder calls this, so none is in use)."""
     swept = []
-    for name in os.listdir(out_dir):
-        if TEMP_FILE.search(name):
-            try:
-                os.unlink(os.path.join(out_dir, name))
-                swept.append(name)
-            except FileNotFoundError:
-                pass
+    hs_dir = os.path.join(out_dir, "hidden_states")  # --format arrow's sample files
+    for d in (out_dir, hs_dir) if os.path.isdir(hs_dir) else (out_dir,):
+        for name in os.listdir(d):
+            if TEMP_FILE.search(name):
+                path = os.path.join(d, name)
+                try:
+                    if os.path.isdir(path):  # --format arrow's dataset is written in a temporary directory
+                        import shutil
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+                    swept.append(os.path.relpath(path, out_dir))
+                except FileNotFoundError:
+                    pass
     return swept
 
 

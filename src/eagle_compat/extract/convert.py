@@ -1,0 +1,276 @@
+"""`eagle-compat convert SRC DST`: speculators 0.3.0's files (data_{i}.pt / .safetensors) <-> the Arrow layout of
+speculators 0.8-0.9 (arrow.py), both ways where the layers allow, one sample in memory at a time.
+
+The source must be a complete directory written by `eagle-compat extract` (or an earlier `convert`): its
+manifest.json says which layer each slot holds, in which convention, and which sample each file is. The destination
+gets the same settings record with the format changed (so `extract --resume` with the destination's format accepts
+it, and a converted directory is interchangeable with a directly extracted one: tested), plus `converted_from`.
+
+What cannot be converted is refused before anything is written, with the reason:
+* to Arrow, the files must hold the final pre-norm state (layer N-1, leaving; N entering): speculators 0.8-0.9 train
+  on hidden_states[:, -1] as the verifier's last hidden state. Where it is held but not in the last slot, it is moved
+  there (the manifest's layer lists follow);
+* an incomplete source (a run still to be resumed), or one without a settings record.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import InvalidInput
+from . import arrow, layers, writer
+
+TARGETS = ("pt", "safetensors", "arrow", "arrow-fp8")
+
+
+def source_format(src: str, record: dict | None) -> str:
+    if record is not None:
+        return record["settings"].get("format", "pt")
+    if arrow.is_arrow_dir(src):
+        return "arrow"
+    return "pt"
+
+
+def _indices(record: dict) -> list[int]:
+    """The sample indices of a complete set, ascending (Arrow row r is the r-th)."""
+    if "sample_indices" in record:  # speculators 0.3.0's own output: the files present
+        return list(record["sample_indices"])
+    skipped = {int(s["index"]) for s in record.get("skipped_uncovered") or []}
+    total = int(record.get("num_samples_in_data", record.get("num_samples", 0)))
+    return [i for i in range(total) if i not in skipped]
+
+
+def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
+    """speculators 0.3.0's own output (its data_generation_offline.py, e.g. under `eagle-compat run`): data_{i}.pt
+    and data_config.json, no manifest. Its layer ids are 0.3.0's (leaving); the model's layer count comes from
+    --num-layers or from the model directory data_config.json names."""
+    path = os.path.join(src, "data_config.json")
+    if not os.path.isfile(path) or not writer.sample_files(src):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        layer_ids = [int(k) for k in cfg["hidden_states"]["layer_ids"]]
+        num_samples = int(cfg["data"]["num_samples"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"{path} is not speculators' data-generation config ({exc!r} missing or "
+                           "malformed)") from None
+    model = (cfg.get("model") or {}).get("target_model_path")
+    if num_layers is None and model and os.path.isfile(os.path.join(model, "config.json")):
+        from ..generator import model_text_config
+
+        num_layers = int(model_text_config(model).num_hidden_layers)
+    if num_layers is None:
+        raise InvalidInput(f"{src} is speculators 0.3.0's output (data_config.json, no manifest.json) and "
+                           f"its model ({model!r}) is not a local directory here, so the number of decoder layers "
+                           "is unknown (needed to tell whether its last layer is the final pre-norm state): pass "
+                           "--num-layers N")
+    present = sorted(int(f[5:].split(".")[0]) for f in writer.sample_files(src) if f.startswith("data_"))
+    fmt = "safetensors" if any(f.endswith(".safetensors") for f in writer.sample_files(src)) else "pt"
+    if len(present) != num_samples:
+        raise InvalidInput(f"{src} holds {len(present)} data_{{i}} files, its data_config.json says "
+                           f"{num_samples} samples: the run is not complete (resume it first)")
+    data = cfg.get("data") or {}
+    return {"layer_convention": writer.LAYER_CONVENTION, "layer_ids": layer_ids, "num_layers": num_layers,
+            "settings": {"model": model, "data": data.get("train_data_path"), "layer_ids": layer_ids,
+                         "max_len": data.get("seq_length"), "format": fmt,
+                         "tensor_parallel_size": (cfg.get("model") or {}).get("tensor_parallel_size", 1),
+                         "made_by": "speculators 0.3.0 data generation (data_config.json)"},
+            "model_config": {"hidden_size": (cfg.get("model") or {}).get("hidden_size")},
+            "versions": (cfg.get("reproducibility") or {}).get("package_versions") or {},
+            "num_samples": num_samples, "num_samples_in_data": num_samples, "skipped_uncovered": [],
+            "sample_indices": present, "status": "complete", "samples_present": num_samples, "runs": [],
+            "record_file": "data_config.json"}
+
+
+def _read_source(src: str, num_layers: int | None = None) -> tuple[dict, str]:
+    if not os.path.isdir(src):
+        raise InvalidInput(f"{src!r} is not a directory")
+    record = writer.read_manifest(src)
+    if record is None:
+        record = _speculators_0_3_0_record(src, num_layers)
+    if record is None:
+        what = ("an Arrow dataset" if arrow.is_arrow_dir(src) else
+                f"{len(writer.sample_files(src))} sample files" if writer.sample_files(src) else "no training files")
+        raise InvalidInput(f"{src} holds {what} but no eagle_compat settings record ({writer.MANIFEST}): "
+                           "nothing says which layer each slot holds (speculators 0.3.0 counts the layer an id "
+                           "leaves, vLLM and speculators >= 0.5 the layer it enters) or which sample each file is, "
+                           "so a conversion could shift every layer by one silently. Convert directories written by "
+                           "eagle-compat extract")
+    fmt = source_format(src, record)
+    if fmt not in TARGETS:
+        raise InvalidInput(f"{src}: unknown format {fmt!r} in its manifest")
+    if record.get("status") != "complete" or record.get("samples_present", record.get("num_samples")) != \
+            record.get("num_samples"):
+        raise InvalidInput(f"{src} is not complete (manifest status {record.get('status')!r}, "
+                           f"{record.get('samples_present')} of {record.get('num_samples')} samples): finish it with "
+                           "eagle-compat extract ... --resume first")
+    return record, fmt
+
+
+def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
+    """Everything checked before DST is touched: formats, layers, the sample list, files present."""
+    record, fmt = _read_source(src, num_layers)
+    target = to or ("pt" if fmt in arrow.ARROW_FORMATS else "arrow")
+    if target not in TARGETS:
+        raise InvalidInput(f"convert --to {target!r}; allowed: {', '.join(TARGETS)}")
+    if target == fmt:
+        raise InvalidInput(f"{src} is already in format {fmt!r}; pass --to with another format")
+    layer_ids = [int(k) for k in record["layer_ids"]]
+    n = int(record.get("num_layers") or record.get("layers", {}).get("num_layers") or 0)
+    if not n:
+        raise InvalidInput(f"{src}/{writer.MANIFEST} does not record the model's number of layers")
+    order = list(range(len(layer_ids)))  # source slot of each destination slot
+    if target in arrow.ARROW_FORMATS and fmt not in arrow.ARROW_FORMATS:
+        if n - 1 not in layer_ids:
+            raise InvalidInput(
+                f"{src} cannot become the Arrow layout: its files hold layers {layer_ids} (leaving; "
+                f"entering {layers.to_entering(layer_ids)}) of a {n}-layer model, without the final pre-norm state "
+                f"(leaving {n - 1}, entering {n}), which speculators 0.8-0.9 train on as the verifier's last hidden "
+                f"state (hidden_states[:, -1]). Extract again with --format arrow --layers "
+                f"{','.join(map(str, [*layer_ids, n - 1]))}")
+        last = layer_ids.index(n - 1)
+        order = [j for j in order if j != last] + [last]
+    indices = _indices(record)
+    if fmt in arrow.ARROW_FORMATS:
+        found = arrow.hs_files(src)
+        expected = [os.path.basename(arrow.hs_path(src, r)) for r in range(len(indices))]
+        rows = len(arrow.read_rows(src))
+        if rows != len(indices):
+            raise InvalidInput(f"{src}: its Arrow dataset has {rows} rows, its manifest {len(indices)} "
+                               "samples; the directory is not one extraction")
+    else:
+        found = writer.sample_files(src)
+        expected = [os.path.basename(writer.sample_path(src, i, fmt)) for i in indices]
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise InvalidInput(f"{src} lacks {len(missing)} of its {len(expected)} sample files "
+                           f"({', '.join(missing[:3])}, ...): finish it with eagle-compat extract ... --resume first")
+    new_ids = [layer_ids[j] for j in order]
+    with open(os.path.join(src, record.get("record_file", writer.MANIFEST)), "rb") as f:
+        src_sha = hashlib.sha256(f.read()).hexdigest()
+    return {"record": record, "from": fmt, "to": target, "indices": indices, "order": order, "layer_ids": new_ids,
+            "num_layers": n, "src_manifest_sha256": src_sha}
+
+
+def _dst_record(src: str, p: dict) -> dict:
+    rec = json.loads(json.dumps(p["record"]))  # a deep copy
+    rec.pop("record_file", None)
+    rec["settings"]["format"] = p["to"]
+    rec["settings"]["layer_ids"] = rec["layer_ids"] = p["layer_ids"]
+    rec["layers"] = layers.record(p["layer_ids"], p["num_layers"])
+    if p["to"] in arrow.ARROW_FORMATS:
+        rec["arrow_rows"] = ("row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold the r-th smallest "
+                             "sample index present (indices count the input's non-blank lines from 0; those in "
+                             "skipped_uncovered have no row)")
+    else:
+        rec.pop("arrow_rows", None)
+    rec["converted_from"] = {"path": os.path.abspath(src), "format": p["from"],
+                             "manifest_sha256": p["src_manifest_sha256"],
+                             "slot_order": p["order"],
+                             "lossy": ("fp8 (e4m3, per-token scales) dequantized to bf16" if p["from"] == "arrow-fp8"
+                                       else "quantized to fp8 (e4m3, per-token scales)" if p["to"] == "arrow-fp8"
+                                       else False)}
+    rec["status"] = "converting"
+    return rec
+
+
+def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num_layers: int | None = None) -> dict:
+    import torch
+
+    p = plan(src, to, num_layers)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise InvalidInput("SRC and DST are the same directory")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise InvalidInput(f"DST {dst!r} is a file")
+    fresh = _dst_record(src, p)
+    existing = writer.read_manifest(dst)
+    if existing is not None:
+        same = (existing.get("converted_from", {}).get("manifest_sha256") == p["src_manifest_sha256"]
+                and existing["settings"].get("format") == p["to"])
+        if not same:
+            raise InvalidInput(f"DST {dst} already holds another extraction or conversion "
+                               f"({writer.MANIFEST}); choose an empty DST")
+        if not resume:
+            raise InvalidInput(f"DST {dst} holds an earlier conversion of this SRC; pass --resume to "
+                               "complete it (files present are whole and kept), or choose an empty DST")
+    elif writer.sample_files(dst):
+        raise InvalidInput(f"DST {dst} holds training files but no settings record; choose an empty DST")
+    os.makedirs(dst, exist_ok=True)
+    to_arrow = p["to"] in arrow.ARROW_FORMATS
+    order, indices = p["order"], p["indices"]
+    written = 0
+    with writer.DirectoryLock(dst):
+        swept = writer.sweep_temp_files(dst)
+        rec = existing or fresh
+        rec["status"] = "converting"
+        writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
+        if p["from"] in arrow.ARROW_FORMATS:
+            rows = arrow.read_rows(src)
+        for r, i in enumerate(indices):  # one sample in memory at a time
+            out_path = arrow.hs_path(dst, r) if to_arrow else writer.sample_path(dst, i, p["to"])
+            if os.path.exists(out_path):  # --resume: files are written whole or not at all
+                continue
+            if p["from"] in arrow.ARROW_FORMATS:
+                hs = arrow.load_hs(arrow.hs_path(src, r))
+                row = rows[r]
+                if hs["token_ids"].tolist() != list(row["input_ids"]):
+                    raise InvalidInput(f"{src}: hs_{r}.safetensors' token ids differ from row {r} of the "
+                                       "Arrow dataset; the directory is not one extraction")
+                ids = hs["token_ids"]
+                states = hs["hidden_states"][:, order]
+                mask = torch.tensor(row["loss_mask"], dtype=torch.long)
+            else:
+                s = writer.load_sample(writer.sample_path(src, i, p["from"]))
+                ids, mask = s["input_ids"], s["loss_mask"]
+                states = torch.stack([s["hidden_states"][j] for j in order], dim=1)
+            if to_arrow:
+                arrow.save_hs(dst, r, ids, states, p["to"])
+            else:
+                writer.save_sample(dst, i, {"input_ids": ids, "loss_mask": mask,
+                                            "hidden_states": [states[:, k].clone() for k in range(states.shape[1])]},
+                                   p["to"])
+            written += 1
+        if to_arrow:
+            def dataset_rows():
+                if p["from"] in arrow.ARROW_FORMATS:
+                    yield from ((row["input_ids"], row["loss_mask"]) for row in rows)
+                    return
+                for i in indices:  # input ids and loss masks only (memory-mapped: states are not read)
+                    ids, mask = _ids_and_mask(writer.sample_path(src, i, p["from"]))
+                    yield ids, mask
+            arrow.write_dataset(dst, dataset_rows())
+        else:
+            from . import job
+
+            st = rec["settings"]
+            opts = job.ExtractOptions(model=st["model"], data=st["data"], out=dst, format=p["to"],
+                                      tensor_parallel_size=st.get("tensor_parallel_size", 1))
+            hidden = int((rec.get("model_config") or {}).get("hidden_size") or 0)
+            cfg = job.speculators_data_config(opts, p["layer_ids"], hidden, len(indices), rec.get("versions", {}),
+                                              st.get("max_len"))
+            cfg["reproducibility"]["command"] = f"eagle-compat convert {src} {dst}"
+            writer.atomic_write_json(os.path.join(dst, "data_config.json"), cfg)
+        rec.update(status="complete", samples_present=len(indices))
+        rec.setdefault("runs", []).append({"convert": True, "at": datetime.now(timezone.utc).isoformat(),
+                                           "written": written, "temp_files_swept": len(swept)})
+        writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
+    return {"from": p["from"], "to": p["to"], "samples": len(indices), "written": written, "dst": dst,
+            "layer_ids": p["layer_ids"], "eagle_aux_hidden_state_layer_ids":
+                rec["layers"]["eagle_aux_hidden_state_layer_ids"]}
+
+
+def _ids_and_mask(path: str) -> tuple[list[int], list[int]]:
+    import torch
+
+    if path.endswith(".pt"):
+        s = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    else:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            s = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask")}
+    return s["input_ids"].tolist(), s["loss_mask"].tolist()

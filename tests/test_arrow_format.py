@@ -1,0 +1,225 @@
+"""--format arrow and `eagle-compat convert` without an engine: the deterministic stand-in of
+test_extract_integrity.py replaces vLLM (hidden states are a pure function of token, position and layer id), so these
+tests are about the layout, the layer ids, resume and refusals. test_arrow.py checks the tensors on real vLLM against
+HF and reads them back with speculators 0.9.0's own ArrowDataset."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from eagle_compat import InvalidInput, tiny_models
+from eagle_compat.extract import arrow, convert, job, writer
+
+from test_extract_integrity import THINK_TEMPLATE, FakeEngine, NoEngine, _opts, _with_template, _write_lines
+from helpers import prompts
+
+NUM_LAYERS = 6  # the tiny Llama
+LAYERS = [0, 2, 5]  # leaving; 5 = N-1, the final pre-norm state
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny Llama with a template that drops earlier turns' reasoning: a conversation can be uncovered."""
+    return _with_template(tiny_models.build_tiny_model("llama"), tmp_path_factory.mktemp("think") / "model",
+                          THINK_TEMPLATE)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    import eagle_compat.generator
+
+    FakeEngine.started, FakeEngine.block = 0, None
+    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", FakeEngine)
+    return FakeEngine
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    import eagle_compat.generator
+
+    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NoEngine)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """10 samples; line 4 is a conversation whose reply the template cannot locate (skipped with --skip-uncovered),
+    so Arrow rows (0..8) and sample indices (0..9 without 4) differ from there on."""
+    records = [{"input_ids": ids, "loss_mask": [int(k % 2 == 0) for k in range(len(ids))]}
+               for ids in prompts(10, 10, 40, seed=9)]
+    records[4] = {"conversations": [
+        {"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": "w12 w13 </think> w14 w15"},
+        {"role": "user", "content": "w16"}, {"role": "assistant", "content": "w17 w18"}]}
+    return _write_lines(tmp_path / "data.jsonl", records)
+
+
+def _arrow_equal(a, b):
+    """Same Arrow rows and the same hs files, tensor for tensor."""
+    ra, rb = arrow.read_rows(str(a)), arrow.read_rows(str(b))
+    assert ra.to_dict() == rb.to_dict() and len(ra) > 0
+    assert arrow.hs_files(str(a)) == arrow.hs_files(str(b)) == [f"hs_{r}.safetensors" for r in range(len(ra))]
+    for name in arrow.hs_files(str(a)):
+        x = arrow.load_hs(os.path.join(a, "hidden_states", name))
+        y = arrow.load_hs(os.path.join(b, "hidden_states", name))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+
+
+def _pt_equal(a, b):
+    names, other = writer.sample_files(str(a)), writer.sample_files(str(b))
+    assert [n.split(".")[0] for n in names] == [n.split(".")[0] for n in other] and names
+    for name, name_b in zip(names, other):
+        x, y = writer.load_sample(os.path.join(a, name)), writer.load_sample(os.path.join(b, name_b))
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        assert len(x["hidden_states"]) == len(y["hidden_states"])
+        assert all(torch.equal(h, g) for h, g in zip(x["hidden_states"], y["hidden_states"])), name
+
+
+def test_arrow_layout_rows_layers_and_manifest(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    summary = job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True))
+    skipped = {s["index"] for s in summary["skipped"]}
+    assert skipped == {4}
+    indices = [i for i in range(10) if i not in skipped]
+    rows = arrow.read_rows(str(out))
+    assert len(rows) == len(indices) == len(arrow.hs_files(str(out)))
+    assert rows.column_names == ["input_ids", "loss_mask", "seq_len"]
+    lines = [json.loads(x) for x in open(dataset)]
+    for r, i in enumerate(indices):  # row r is the r-th sample present
+        hs = arrow.load_hs(arrow.hs_path(str(out), r))
+        assert set(hs) == {"hidden_states", "token_ids"} and hs["token_ids"].dtype == torch.long
+        if "input_ids" in lines[i]:
+            assert rows[r]["input_ids"] == lines[i]["input_ids"] == hs["token_ids"].tolist()
+            assert rows[r]["loss_mask"] == lines[i]["loss_mask"]
+        assert rows[r]["seq_len"] == len(rows[r]["input_ids"]) == hs["hidden_states"].shape[0]
+        assert hs["hidden_states"].shape[1:] == (len(LAYERS), 256)
+        want = FakeEngine("m", LAYERS).generate([hs["token_ids"].tolist()])[0]["hidden_states"]
+        for j in range(len(LAYERS)):  # slot j is layer LAYERS[j]; the last slot is N-1
+            assert torch.equal(hs["hidden_states"][:, j], want[j])
+    m = json.load(open(out / "manifest.json"))
+    assert m["layers"]["leaving_speculators_0_3_0"] == [0, 2, 5]
+    assert m["layers"]["entering_vllm_native"] == [1, 3, 6]
+    assert m["layers"]["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    assert m["layers"]["final_pre_norm"] == {"leaving": 5, "entering": 6}
+    assert m["settings"]["format"] == "arrow" and m["status"] == "complete"
+    assert not (out / "data_config.json").exists()
+
+
+def test_arrow_needs_the_final_pre_norm_state_last(model, dataset, tmp_path, no_engine):
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"the last layer must be the final pre-norm state, layer 5 .* id 6 in "
+                                           r"vLLM's native 'entering' convention.*e\.g\. --layers 0,2,5"):
+        job.run(_opts(model, dataset, out, layers=[0, 2], format="arrow"))
+    with pytest.raises(InvalidInput, match="the last layer must be"):
+        job.run(_opts(model, dataset, out, layers=[5, 0, 2], format="arrow"))
+    assert not out.exists()
+
+
+def test_arrow_shards_and_resume_equal_a_clean_run(model, dataset, tmp_path, fake_engine):
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    job.run(_opts(model, dataset, clean, layers=LAYERS, format="arrow", skip_uncovered=True))
+    job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(0, 2)))
+    assert not (out / "state.json").exists()  # a partial set cannot be opened as a dataset
+    (out / ".arrow-dataset.tmp-999999").mkdir()  # what a run killed while writing the dataset leaves
+    (out / "hidden_states" / "hs_2.safetensors.tmp-999999").write_bytes(b"partial")
+    summary = job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(1, 2)))
+    assert sorted(summary["temp_files_swept"]) == [".arrow-dataset.tmp-999999", "hidden_states/hs_2.safetensors.tmp-999999"]
+    _arrow_equal(clean, out)
+    os.unlink(arrow.hs_path(str(out), 3))
+    with pytest.raises(writer.OutputDirectoryConflict, match="pass --resume"):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True))
+    before = FakeEngine.started
+    summary = job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, resume=True))
+    assert summary["written_this_run"] == 4 and FakeEngine.started == before + 1  # the batch of hs_3, whole
+    _arrow_equal(clean, out)
+
+
+def test_a_directory_of_hs_files_without_a_record_is_refused(model, dataset, tmp_path, no_engine):
+    out = tmp_path / "out"
+    (out / "hidden_states").mkdir(parents=True)
+    (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"x")
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"1 sample files \(hidden_states/hs_0.safetensors\) "
+                                                             "but no settings record"):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow"))
+    with pytest.raises(InvalidInput, match="no eagle_compat settings record"):
+        convert.convert(str(out), str(tmp_path / "dst"))
+
+
+def test_convert_both_ways_equals_direct_runs(model, dataset, tmp_path, fake_engine):
+    kw = dict(layers=LAYERS, skip_uncovered=True)
+    pt, arr = tmp_path / "pt", tmp_path / "arrow"
+    job.run(_opts(model, dataset, pt, **kw))
+    job.run(_opts(model, dataset, arr, format="arrow", **kw))
+    convert.convert(str(pt), str(tmp_path / "pt2arrow"))
+    _arrow_equal(arr, tmp_path / "pt2arrow")
+    convert.convert(str(arr), str(tmp_path / "arrow2pt"))
+    _pt_equal(pt, tmp_path / "arrow2pt")
+    convert.convert(str(arr), str(tmp_path / "arrow2st"), to="safetensors")
+    _pt_equal(tmp_path / "arrow2pt", tmp_path / "arrow2st")
+    m = json.load(open(tmp_path / "pt2arrow" / "manifest.json"))
+    assert m["settings"] == json.load(open(arr / "manifest.json"))["settings"]  # extract --resume accepts it
+    assert m["layers"]["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    assert json.load(open(tmp_path / "arrow2pt" / "data_config.json"))["hidden_states"]["layer_ids"] == LAYERS
+    # the converted directory is one an extract run of the same settings accepts as complete: nothing is redone
+    before = FakeEngine.started
+    job.run(_opts(model, dataset, tmp_path / "pt2arrow", format="arrow", resume=True, **kw))
+    assert FakeEngine.started == before
+
+
+def test_convert_refuses_files_without_the_final_layer_and_reorders_it_last(model, dataset, tmp_path, fake_engine):
+    job.run(_opts(model, dataset, tmp_path / "no_last", layers=[0, 2], skip_uncovered=True))
+    with pytest.raises(InvalidInput, match=r"cannot become the Arrow layout: its files hold layers \[0, 2\] \(leaving; "
+                                           r"entering \[1, 3\]\) of a 6-layer model, without the final pre-norm state "
+                                           r"\(leaving 5, entering 6\)"):
+        convert.convert(str(tmp_path / "no_last"), str(tmp_path / "dst"))
+    assert not (tmp_path / "dst").exists()
+    job.run(_opts(model, dataset, tmp_path / "last_first", layers=[5, 0, 2], skip_uncovered=True))
+    summary = convert.convert(str(tmp_path / "last_first"), str(tmp_path / "dst"))
+    assert summary["layer_ids"] == [0, 2, 5] and summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    job.run(_opts(model, dataset, tmp_path / "direct", layers=LAYERS, format="arrow", skip_uncovered=True))
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+
+
+def test_convert_refuses_an_incomplete_source_and_resumes_into_its_own_dst(model, dataset, tmp_path, fake_engine):
+    job.run(_opts(model, dataset, tmp_path / "half", layers=LAYERS, skip_uncovered=True, shard=(0, 2)))
+    with pytest.raises(InvalidInput, match="is not complete .* --resume first"):
+        convert.convert(str(tmp_path / "half"), str(tmp_path / "dst"))
+    job.run(_opts(model, dataset, tmp_path / "half", layers=LAYERS, skip_uncovered=True, shard=(1, 2)))
+    convert.convert(str(tmp_path / "half"), str(tmp_path / "dst"))
+    os.unlink(arrow.hs_path(str(tmp_path / "dst"), 2))
+    with pytest.raises(InvalidInput, match="pass --resume"):
+        convert.convert(str(tmp_path / "half"), str(tmp_path / "dst"))
+    assert convert.convert(str(tmp_path / "half"), str(tmp_path / "dst"), resume=True)["written"] == 1
+    job.run(_opts(model, dataset, tmp_path / "direct", layers=LAYERS, format="arrow", skip_uncovered=True))
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+    with pytest.raises(InvalidInput, match="already holds another extraction"):
+        convert.convert(str(tmp_path / "direct"), str(tmp_path / "dst"), resume=True)
+
+
+def test_convert_takes_speculators_0_3_0_own_output(model, dataset, tmp_path, fake_engine):
+    """What speculators 0.3.0's data_generation_offline.py leaves (e.g. under `eagle-compat run`): data_{i}.pt and
+    data_config.json, no manifest. Its ids are 0.3.0's (leaving); the layer count comes from its model directory or
+    --num-layers."""
+    kw = dict(layers=LAYERS, skip_uncovered=True)
+    own = tmp_path / "own"
+    job.run(_opts(model, dataset, own, **kw))
+    for name in ("manifest.json", ".eagle-compat.lock"):
+        os.unlink(own / name)
+    job.run(_opts(model, dataset, tmp_path / "direct", format="arrow", **kw))
+    summary = convert.convert(str(own), str(tmp_path / "dst"))
+    assert summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+    cfg = json.load(open(own / "data_config.json"))
+    cfg["model"]["target_model_path"] = "/elsewhere/model"
+    json.dump(cfg, open(own / "data_config.json", "w"))
+    with pytest.raises(InvalidInput, match="number of decoder layers is unknown .* pass --num-layers N"):
+        convert.convert(str(own), str(tmp_path / "dst2"))
+    with pytest.raises(InvalidInput, match=r"cannot become the Arrow layout: its files hold layers \[0, 2, 5\] "
+                                           r"\(leaving; entering \[1, 3, 6\]\) of a 9-layer model"):
+        convert.convert(str(own), str(tmp_path / "dst2"), num_layers=9)
+    convert.convert(str(own), str(tmp_path / "dst2"), num_layers=6)
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst2")
+    os.unlink(own / "data_1.pt")
+    with pytest.raises(InvalidInput, match="holds 8 data_{i} files, its data_config.json says 9 samples"):
+        convert.convert(str(own), str(tmp_path / "dst3"), num_layers=6)
