@@ -44,6 +44,9 @@ class ExtractOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     progress: bool = True
+    ray: str | None = None  # --ray [ADDRESS]: None runs here; "" is Ray's default (RAY_ADDRESS or a new local cluster)
+    ray_actors: int | None = None  # None: as many as the cluster's resources fit
+    ray_cpus_per_actor: int | None = None  # None: one per tensor-parallel rank on CPU, 1 on GPU
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -78,6 +81,9 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
+    if opts.ray is not None:
+        from . import ray_runner
+        ray_runner.check_options(opts)
 
 
 def _sha256(path: str) -> str:
@@ -278,7 +284,11 @@ def run(opts: ExtractOptions) -> dict:
         if threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
         try:
-            if todo:
+            if todo and opts.ray is not None:  # the same batches on a pool of Ray actors (extract/ray_runner.py)
+                from . import ray_runner
+                done_samples, done_tokens = ray_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
+                                                               hidden_size, manifest, this_run, _progress)
+            elif todo:
                 done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
                                                      hidden_size, manifest, path_of, torch)
         except KeyboardInterrupt:
