@@ -168,10 +168,15 @@ def test_a_killed_driver_is_continued_by_resume_to_a_local_runs_bytes(cluster, m
     assert not _descendants_named("ExtractActor"), "the killed driver's actors outlived it"
     written = len(_samples(out))
     assert 8 <= written < N, f"the driver was killed too late to test resume ({written} files)"
+    # files of batches the killed run completed must not be written again; a partly written batch is redone whole
+    complete = [k for k in range(N // 4) if all(os.path.exists(out / f"data_{i}.pt") for i in range(4 * k, 4 * k + 4))]
+    kept = {i: os.stat(out / f"data_{i}.pt").st_mtime_ns for k in complete for i in range(4 * k, 4 * k + 4)}
     _run(*cmd, "--resume")
     manifest = _byte_identical(local_run, out)
     assert [r["status"] for r in manifest["runs"]] == ["running", "complete"]  # the killed run could not say more
-    assert manifest["runs"][-1]["batches_to_do"] < N // 4
+    assert manifest["runs"][-1]["batches_to_do"] == N // 4 - len(complete)
+    assert manifest["runs"][-1]["samples_written"] == N - len(kept)
+    assert {i: os.stat(out / f"data_{i}.pt").st_mtime_ns for i in kept} == kept
 
 
 # -- a batch that keeps failing: real Ray actors, a stand-in engine (no vLLM start) ---------------------------------
