@@ -342,7 +342,10 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
         if progress is not None:
             progress.close()
         elapsed = time.time() - t0
-        this_run["ray"]["seconds"] = round(elapsed, 2)
+        this_run["ray"]["seconds"] = round(elapsed, 2)  # with the engines' start
+        if progress is not None:  # from the first batch's start to the last batch's end: the steady rate's clock
+            this_run["ray"]["work_seconds"] = round(time.time() - t_work, 3)
+            this_run["ray"]["tokens_per_s"] = round(done_tokens / max(time.time() - t_work, 1e-9), 1)
         try:  # engines closed in order (their workers exit); then the actors go
             ray.get([a.close.remote() for a in actors], timeout=60)
         except Exception:  # noqa: BLE001 - dead or busy actors are killed below
