@@ -231,7 +231,7 @@ def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None
 def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int, hidden_size: int,
             manifest: dict, this_run: dict, progress_cls: Any) -> tuple[int, int]:
     """Runs `todo` (the batches job.run chose) on the pool; returns (samples written, tokens)."""
-    ray, connected = connect(opts.ray if opts.ray not in ("", "local") else None)
+    ray, connected = connect(opts.ray or None)
     resources = ray.cluster_resources()
     tp = opts.tensor_parallel_size
     on_gpu = resources.get("GPU", 0) > 0
@@ -355,6 +355,9 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+        # an actor killed mid-write left its temporary file; the driver still holds the lock and the pool is gone
+        from . import writer
+        this_run["ray"]["temp_files_swept_at_end"] = len(writer.sweep_temp_files(opts.out))
         print(summary_lines(stats, elapsed), file=sys.stderr, flush=True)
     return done_samples, done_tokens
 
