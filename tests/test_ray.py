@@ -132,6 +132,9 @@ def test_two_actors_write_the_bytes_a_local_run_writes(cluster, model, dataset, 
     assert run["status"] == "complete" and run["ray"]["actors"] == 2
     per_actor = run["ray"]["per_actor"]
     assert sum(a["samples"] for a in per_actor) == N and sum(a["failures"] for a in per_actor) == 0
+    # the actors ran this eagle_compat (the driver gives them its own source directory first on PYTHONPATH)
+    here = os.path.dirname(os.path.abspath(__import__("eagle_compat").__file__))
+    assert {a["eagle_compat"] for a in per_actor if a["batches"]} == {here}
     # the per-actor summary at the end (one line per actor)
     assert "extract --ray: 2 actors" in proc.stderr and "  actor 1: " in proc.stderr
 

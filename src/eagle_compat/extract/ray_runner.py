@@ -81,7 +81,11 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
     for core in sorted(os.sched_getaffinity(0)):
         if len(got) == count:
             break
-        fd = os.open(os.path.join(CORE_LOCKS, f"core-{core}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        path = os.path.join(CORE_LOCKS, f"core-{core}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # made by another user's run: flock works on a read-only descriptor too
+            fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -140,7 +144,7 @@ class ExtractActor:
         os.environ.update(spec.env)
         if not spec.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # two engines on one node must not bind their threads to the same cores ("auto" takes the whole node)
-            deadline = time.time() + 90  # a killed actor's engine workers hold its cores until they notice
+            deadline = time.time() + 30  # a killed actor's engine workers hold its cores until they notice
             while True:
                 self.binding, cores, self.core_fds = claim_cores(spec.cpus, spec.tensor_parallel_size)
                 if self.binding is not None or time.time() > deadline:
@@ -206,7 +210,9 @@ class ExtractActor:
                 raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
                                               f"{exc.strerror or exc}") from exc
             tokens += len(ids)
+        import eagle_compat
         return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
+                "eagle_compat": os.path.dirname(os.path.abspath(eagle_compat.__file__)),
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
                 "engine_seconds": self.engine_seconds}
 
@@ -262,8 +268,9 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
-    stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "failures": 0, "deaths": 0,
-              "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0} for r in range(actors_n)]
+    stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
+              "deaths": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+             for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
     total = sum(map(len, todo))
@@ -319,9 +326,10 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                     st["samples"] += r["samples"]
                     st["tokens"] += r["tokens"]
                     st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)
-                    st["forward_s"] = round(st.get("forward_s", 0.0) + r["forward"], 3)
+                    st["forward_s"] = round(st["forward_s"] + r["forward"], 3)
                     st["engine_start_s"] = round(r["engine_seconds"], 2)
                     st["binding"] = r["binding"]
+                    st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
                     if r["pid"] not in st["pids"]:
                         st["pids"].append(r["pid"])
                     if r["host"] not in st["hosts"]:
@@ -365,7 +373,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
 def summary_lines(stats: list[dict], elapsed: float) -> str:
     lines = [f"extract --ray: {len(stats)} actors, {elapsed:.1f} s"]
     for st in stats:
-        rate = st["tokens"] / st["forward_s"] if st.get("forward_s") else 0.0
+        rate = st["tokens"] / st["forward_s"] if st["forward_s"] else 0.0
         lines.append(f"  actor {st['rank']}: {st['batches']} batches, {st['samples']} samples, {st['tokens']} tokens, "
                      f"{rate:,.0f} tok/s in forward, engine start {st['engine_start_s']:.1f} s, {st['failures']} failed "
                      f"tries ({st['deaths']} deaths), pid {','.join(map(str, st['pids'])) or '-'} on "
