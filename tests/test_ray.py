@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,10 +62,10 @@ def cluster():
         ray.shutdown()
 
 
-def _cli(model, data, out, *extra):
+def _cli(model, data, out, *extra, progress=False):
     return [sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", data, "--out", str(out),
             "--layers", LAYERS, "--batch-size", "4", "--max-len", "256", "--gpu-memory-utilization", "0.3",
-            "--no-progress", *extra]
+            *([] if progress else ["--no-progress"]), *extra]
 
 
 def _run(*cmd):
@@ -126,7 +127,7 @@ def _wait_for_files(proc, out, count, timeout=300):
 
 def test_two_actors_write_the_bytes_a_local_run_writes(cluster, model, dataset, local_run, tmp_path):
     out = tmp_path / "ray"
-    proc = _run(*_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2"))
+    proc = _run(*_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2", progress=True))
     manifest = _byte_identical(local_run, out)
     run = manifest["runs"][-1]
     assert run["status"] == "complete" and run["ray"]["actors"] == 2
@@ -135,8 +136,12 @@ def test_two_actors_write_the_bytes_a_local_run_writes(cluster, model, dataset, 
     # the actors ran this eagle_compat (the driver gives them its own source directory first on PYTHONPATH)
     here = os.path.dirname(os.path.abspath(__import__("eagle_compat").__file__))
     assert {a["eagle_compat"] for a in per_actor if a["batches"]} == {here}
-    # the per-actor summary at the end (one line per actor)
-    assert "extract --ray: 2 actors" in proc.stderr and "  actor 1: " in proc.stderr
+    # one progress bar, the driver's, for the whole pool (samples, tok/s); the per-actor summary at the end
+    bar = [line for line in re.split(r"[\r\n]", proc.stderr) if "sample/s" in line]
+    assert bar and all(line.startswith("extract: ") for line in bar), bar[:5]
+    assert re.search(rf"extract: 100%.*{N}/{N} .*samples/s, [\d,]+ tok/s", proc.stderr)
+    assert re.search(r"extract --ray: 2 actors, [\d.]+ s\n  actor 0: \d+ batches.*\n  actor 1: \d+ batches",
+                     proc.stderr), proc.stderr[-3000:]
 
 
 def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, model, dataset, local_run, tmp_path):
