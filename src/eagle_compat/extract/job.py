@@ -258,6 +258,9 @@ def run(opts: ExtractOptions) -> dict:
                 "redone), or choose another --out")
 
     refuse_without_resume()
+    if opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
+        from . import ray_runner
+        ray_runner.connect(opts.ray or None)
     os.makedirs(opts.out, exist_ok=True)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()

@@ -58,9 +58,10 @@ def check_options(opts: Any) -> None:
 def connect(address: str | None) -> tuple[Any, str]:
     """`address` None: Ray's default (RAY_ADDRESS if set, else a new local cluster); 'auto': a running cluster on
     this node; 'host:port' / 'ray://…': that cluster. Returns (ray, what was connected to)."""
+    global _connected
     ray = require_ray()
     if ray.is_initialized():
-        return ray, "the Ray session this process holds"
+        return ray, _connected or ray.get_runtime_context().gcs_address
     kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
     if address is None and not os.environ.get("RAY_ADDRESS"):
         kwargs["include_dashboard"] = False
@@ -69,7 +70,13 @@ def connect(address: str | None) -> tuple[Any, str]:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"--ray {address or ''}: could not connect to a Ray cluster: {exc}".replace("  ", " ")
                            ) from None
-    return ray, ray.get_runtime_context().gcs_address
+    _connected = ray.get_runtime_context().gcs_address
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        _connected += " (a local cluster started by this run)"
+    return ray, _connected
+
+
+_connected: str | None = None
 
 
 def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
