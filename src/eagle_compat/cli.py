@@ -204,7 +204,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization or _default_gmu(),
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress, skip_uncovered=args.skip_uncovered)
+        progress=not args.no_progress, skip_uncovered=args.skip_uncovered, ray=args.ray, ray_actors=args.ray_actors,
+        ray_cpus_per_actor=args.ray_cpus_per_actor)
     summary = job.run(opts)
     print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
           f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
@@ -311,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the batches on a pool of Ray actors: ADDRESS (host:port or ray://...), 'auto' (the "
+                        "cluster on this node), or nothing (RAY_ADDRESS, else a new local cluster); needs the [ray] "
+                        "extra")
+    p.add_argument("--ray-actors", type=int, default=None,
+                   help="actors in the pool, one engine each (default: as many as the cluster fits)")
+    p.add_argument("--ray-cpus-per-actor", type=int, default=None,
+                   help="CPUs reserved per actor (default: --tensor-parallel-size on CPU, 1 on GPU; GPUs per actor "
+                        "are --tensor-parallel-size)")
     p.set_defaults(func=cmd_extract)
     p = sub.add_parser("check", help="extraction on this vLLM vs HF transformers (tiny models or --model); for CI")
     p.add_argument("--family", action="append", help="tiny model family (repeatable; default llama, deepseek_v3)")
@@ -348,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except EagleCompatError as exc:  # refusals (environment, model): they name the cause and the fix
         print(f"eagle-compat {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if getattr(exc, "run_failed", False):  # a run that failed part-way (extract --ray): not a refusal
+            print(f"eagle-compat extract: every file already in {args.out} is complete (no partial file is "
+                  "counted); rerun the same command with --resume to continue", file=sys.stderr)
+            return 1
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (the job says what is kept)
         print(f"eagle-compat {args.command}: {exc or 'interrupted'}", file=sys.stderr)

@@ -46,6 +46,9 @@ class ExtractOptions:
     trust_remote_code: bool = False
     progress: bool = True
     writer_threads: int = pipeline.DEFAULT_THREADS
+    ray: str | None = None  # --ray [ADDRESS]: None runs here; "" is Ray's default (RAY_ADDRESS or a new local cluster)
+    ray_actors: int | None = None  # None: as many as the cluster's resources fit
+    ray_cpus_per_actor: int | None = None  # None: one per tensor-parallel rank on CPU, 1 on GPU
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -70,6 +73,9 @@ def parse_layers(text: str | None) -> list[int] | None:
 def _check(opts: ExtractOptions) -> None:
     if opts.format not in FORMATS:
         raise InvalidInput(f"--format {opts.format!r}; allowed: {', '.join(FORMATS)}")
+    if opts.ray is not None and opts.format in arrow.ARROW_FORMATS:
+        raise InvalidInput(f"--ray with --format {opts.format}: Ray actors write pt or safetensors files; extract with "
+                           "--format pt on the cluster, then `eagle-compat convert SRC DST` to the Arrow layout")
     if opts.batch_size < 1:
         raise InvalidInput(f"--batch-size {opts.batch_size}; must be >= 1")
     if opts.max_len is not None and opts.max_len < 1:
@@ -80,6 +86,9 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
+    if opts.ray is not None:
+        from . import ray_runner
+        ray_runner.check_options(opts)
 
 
 def _sha256(path: str) -> str:
@@ -266,6 +275,9 @@ def run(opts: ExtractOptions) -> dict:
                 "redone), or choose another --out")
 
     refuse_without_resume()
+    if opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
+        from . import ray_runner
+        ray_runner.connect(opts.ray or None)
     os.makedirs(opts.out, exist_ok=True)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
@@ -297,7 +309,11 @@ def run(opts: ExtractOptions) -> dict:
         if threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
         try:
-            if todo:
+            if todo and opts.ray is not None:  # the same batches on a pool of Ray actors (extract/ray_runner.py)
+                from . import ray_runner
+                done_samples, done_tokens = ray_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
+                                                               hidden_size, manifest, this_run, _progress)
+            elif todo:
                 done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
                                                      hidden_size, manifest, path_of, torch, save_of)
         except KeyboardInterrupt:

@@ -1,0 +1,388 @@
+"""`eagle-compat extract --ray [ADDRESS]`: the extract job's batches run on a pool of Ray actors.
+
+The driver (`job.run`) keeps everything that makes a directory consistent: the settings record, the lock, the sweep
+of temporary files, which batches are to do (`--resume`), and the manifest. This module only replaces the loop that
+turns those batches into files: each actor owns one `VllmHiddenStatesGenerator` for its life, receives whole
+batches (the same batches, with the same composition, as a local run), and writes the batch's sample files itself,
+atomically (temporary name in the same directory, then rename), to the shared output path. The driver receives
+only counts, so it is never the data path.
+
+Faults: actors are created with `max_restarts` (Ray restarts a dead actor; the engine starts again lazily) and
+`max_task_retries=0`: the driver itself requeues a batch whose actor died or whose call raised, and stops the run
+with the worker's error after `MAX_TRIES` failures of one batch. Files are written by whole batches: a batch that
+failed may have left some of its files (complete ones: every write is atomic); its retry rewrites them with the
+same bytes.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EagleCompatError, InvalidInput
+
+MAX_TRIES = 3  # a batch that fails this many times stops the run
+MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
+CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
+
+
+class RayExtractError(EagleCompatError, RuntimeError):
+    """A batch failed MAX_TRIES times, or every actor died; the message carries the worker's error."""
+    run_failed = True  # the CLI exits 1 and says how to continue (refusals exit 2)
+
+
+def require_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise InvalidInput("--ray needs Ray: pip install 'eagle-compat[ray]' (ray 2.60.0)") from None
+    return ray
+
+
+def check_options(opts: Any) -> None:
+    """Before anything is read or written: Ray is importable and the pool options make sense."""
+    require_ray()
+    for name in ("ray_actors", "ray_cpus_per_actor"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            raise InvalidInput(f"--{name.replace('_', '-')} {value}; must be >= 1")
+
+
+def connect(address: str | None) -> tuple[Any, str]:
+    """`address` None: Ray's default (RAY_ADDRESS if set, else a new local cluster); 'auto': a running cluster on
+    this node; 'host:port' / 'ray://…': that cluster. Returns (ray, what was connected to)."""
+    global _connected
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray, _connected or ray.get_runtime_context().gcs_address
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        kwargs["include_dashboard"] = False
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise InvalidInput(f"--ray {address or ''}: could not connect to a Ray cluster: {exc}".replace("  ", " ")
+                           ) from None
+    _connected = ray.get_runtime_context().gcs_address
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        _connected += " (a local cluster started by this run)"
+    return ray, _connected
+
+
+_connected: str | None = None
+
+
+def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
+    """On CPU, `count` cores of this node that no other actor's engine uses: flock'ed lock files (one per core,
+    released by the kernel when the actor dies). Returns vLLM's VLLM_CPU_OMP_THREADS_BIND for `tp` ranks, the cores,
+    and the open lock fds (kept for the actor's life)."""
+    os.makedirs(CORE_LOCKS, exist_ok=True)
+    got, fds = [], []
+    for core in sorted(os.sched_getaffinity(0)):
+        if len(got) == count:
+            break
+        path = os.path.join(CORE_LOCKS, f"core-{core}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # made by another user's run: flock works on a read-only descriptor too
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            continue
+        got.append(core)
+        fds.append(fd)
+    if len(got) < max(tp, 1):
+        for fd in fds:
+            os.close(fd)
+        return None, [], []
+    per = len(got) // tp
+    groups = [got[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups), got, fds
+
+
+@dataclass
+class ActorSpec:
+    model: str
+    out: str
+    layer_ids: list[int]
+    max_len: int
+    format: str
+    validate: bool
+    vocab_size: int
+    hidden_size: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    dtype: str
+    trust_remote_code: bool
+    cpus: int
+    on_gpu: bool
+    env: dict = field(default_factory=dict)
+
+
+class ExtractActor:
+    """One engine for the actor's life (started on the first batch, again after a restart)."""
+
+    def __init__(self, spec: ActorSpec, rank: int):
+        self.spec, self.rank = spec, rank
+        self.gen = None
+        self.core_fds: list[int] = []
+        self.binding: str | None = None
+        self.engine_seconds = 0.0
+
+    def where(self) -> dict:
+        import ray
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "node": ray.get_runtime_context().get_node_id(), "binding": self.binding}
+
+    def _start(self) -> None:
+        spec = self.spec
+        os.environ.update(spec.env)
+        if not spec.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # two engines on one node must not bind their threads to the same cores ("auto" takes the whole node)
+            deadline = time.time() + 30  # a killed actor's engine workers hold its cores until they notice
+            while True:
+                self.binding, cores, self.core_fds = claim_cores(spec.cpus, spec.tensor_parallel_size)
+                if self.binding is not None or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            if self.binding is None:
+                raise InvalidInput(f"actor {self.rank}: no {spec.cpus} free cores on {socket.gethostname()} for its "
+                                   "engine (others hold them); lower --ray-actors or --ray-cpus-per-actor, or set "
+                                   "VLLM_CPU_OMP_THREADS_BIND")
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.binding
+            os.sched_setaffinity(0, cores)
+        from .. import generator
+        t = time.time()
+        self.gen = generator.VllmHiddenStatesGenerator(
+            spec.model, layer_ids=spec.layer_ids, max_model_len=spec.max_len + 1,
+            gpu_memory_utilization=spec.gpu_memory_utilization, tensor_parallel_size=spec.tensor_parallel_size,
+            dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
+            kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
+        self.engine_seconds += time.time() - t
+
+    def describe(self) -> dict:
+        if self.gen is None:
+            self._start()
+        return {"decoder_contract": self.gen.describe(),
+                "engine_dtype": str(self.gen.vllm_config.model_config.dtype)}
+
+    def close(self) -> None:
+        if self.gen is not None:
+            gen, self.gen = self.gen, None
+            gen.close()
+
+    def run_batch(self, batch: list[tuple[int, list[int], list[int]]]) -> dict:
+        """Extract and write one batch: [(sample index, input ids, loss mask)]. Returns counts and timings."""
+        import torch
+
+        from . import job, writer
+        started = time.time()
+        if self.gen is None:
+            self._start()
+        spec = self.spec
+        t = time.time()
+        try:
+            results = self.gen.generate([ids for _, ids, _ in batch])
+        except BaseException:
+            # an engine that failed mid-batch (a dead vLLM worker) is not reused: the next batch starts a new one
+            gen, self.gen = self.gen, None
+            try:
+                gen.close()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        forward = time.time() - t
+        tokens = 0
+        for (index, ids, mask), r in zip(batch, results, strict=True):
+            sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                      "loss_mask": torch.as_tensor(mask, dtype=torch.long)}
+            if spec.validate:
+                job.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
+            path = writer.sample_path(spec.out, index, spec.format)
+            try:
+                writer.save_sample(spec.out, index, sample, spec.format)  # temp file + rename, same directory
+            except OSError as exc:
+                raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
+                                              f"{exc.strerror or exc}") from exc
+            tokens += len(ids)
+        import eagle_compat
+        return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
+                "eagle_compat": os.path.dirname(os.path.abspath(eagle_compat.__file__)),
+                "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
+                "engine_seconds": self.engine_seconds}
+
+
+@dataclass
+class _Item:
+    number: int
+    batch: list
+    tries: int = 0
+    errors: list = field(default_factory=list)
+
+
+def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None]:
+    """What the worker raised (its type, message and traceback), and the exception itself where Ray kept it."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}", cause
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}", None
+
+
+def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int, hidden_size: int,
+            manifest: dict, this_run: dict, progress_cls: Any) -> tuple[int, int]:
+    """Runs `todo` (the batches job.run chose) on the pool; returns (samples written, tokens)."""
+    ray, connected = connect(opts.ray or None)
+    resources = ray.cluster_resources()
+    tp = opts.tensor_parallel_size
+    on_gpu = resources.get("GPU", 0) > 0
+    cpus = opts.ray_cpus_per_actor or (1 if on_gpu else tp)
+    if on_gpu:
+        fit = int(resources.get("GPU", 0)) // tp
+    else:
+        fit = int(resources.get("CPU", 0)) // cpus
+    actors_n = opts.ray_actors or max(fit, 1)
+    actors_n = max(1, min(actors_n, len(todo)))
+    if fit < 1:
+        raise InvalidInput(f"--ray: the cluster ({connected}) has {resources.get('GPU', 0) if on_gpu else resources.get('CPU', 0)} "
+                           f"{'GPUs' if on_gpu else 'CPUs'}; one actor needs {tp if on_gpu else cpus}")
+    # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
+    spec = ActorSpec(model=os.path.abspath(opts.model), out=os.path.abspath(opts.out), layer_ids=layer_ids,
+                     max_len=max_len, format=opts.format, validate=opts.validate, vocab_size=vocab_size,
+                     hidden_size=hidden_size, tensor_parallel_size=tp,
+                     gpu_memory_utilization=opts.gpu_memory_utilization,
+                     kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
+                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env)
+    # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
+    import eagle_compat
+    src = os.path.dirname(os.path.dirname(os.path.abspath(eagle_compat.__file__)))
+    pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    remote = ray.remote(ExtractActor).options(
+        num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    actors = [remote.remote(spec, rank) for rank in range(actors_n)]
+    stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
+              "deaths": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+             for r in range(actors_n)]
+    this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
+                       "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
+    total = sum(map(len, todo))
+    pending = collections.deque(_Item(k, [(s.index, list(s.input_ids), list(s.loss_mask)) for s in b])
+                                for k, b in enumerate(todo))
+    alive = set(range(actors_n))
+    idle = collections.deque(range(actors_n))
+    in_flight: dict[Any, tuple[int, _Item]] = {}
+    done_samples = done_tokens = 0
+    progress = None
+    t0 = time.time()
+    described = False
+    try:
+        while pending or in_flight:
+            while idle and pending:
+                rank = idle.popleft()
+                if rank not in alive:
+                    continue
+                item = pending.popleft()
+                in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+            if not in_flight:
+                raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
+                                      f"{len(pending)} batches not done")
+            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            for ref in ready:
+                rank, item = in_flight.pop(ref)
+                try:
+                    r = ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                    died = isinstance(exc, ray.exceptions.RayActorError)
+                    text, cause = _error_text(ray, exc)
+                    item.tries += 1
+                    item.errors.append(f"actor {rank}: {text}")
+                    st = stats[rank]
+                    st["failures"] += 1
+                    st["deaths"] += died
+                    print(f"extract: batch {item.number} failed on actor {rank} (try {item.tries} of {MAX_TRIES}): "
+                          f"{text.splitlines()[0][:300] if text else type(exc).__name__}"
+                          f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
+                    if item.tries >= MAX_TRIES:
+                        raise RayExtractError(
+                            f"batch {item.number} (samples {item.batch[0][0]}..{item.batch[-1][0]}) failed "
+                            f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
+                    if died and st["deaths"] > MAX_RESTARTS:
+                        alive.discard(rank)
+                    pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
+                else:
+                    if progress is None:  # rates count from the first engine's first batch, as a local run's
+                        progress = progress_cls(total, opts.progress)
+                        t_work = time.time() - r["forward"]
+                    st = stats[rank]
+                    st["batches"] += 1
+                    st["samples"] += r["samples"]
+                    st["tokens"] += r["tokens"]
+                    st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)
+                    st["forward_s"] = round(st["forward_s"] + r["forward"], 3)
+                    st["engine_start_s"] = round(r["engine_seconds"], 2)
+                    st["binding"] = r["binding"]
+                    st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
+                    if r["pid"] not in st["pids"]:
+                        st["pids"].append(r["pid"])
+                    if r["host"] not in st["hosts"]:
+                        st["hosts"].append(r["host"])
+                    done_samples += r["samples"]
+                    done_tokens += r["tokens"]
+                    elapsed = max(time.time() - t_work, 1e-9)
+                    progress.update(r["samples"], done_samples / elapsed, done_tokens / elapsed)
+                    if not described:  # the engine's own description, as a local run records it
+                        described = True
+                        try:
+                            manifest.update(ray.get(actors[rank].describe.remote(), timeout=120))
+                        except Exception:  # noqa: BLE001 - a description must not stop the run
+                            pass
+                if rank in alive:
+                    idle.append(rank)
+    finally:
+        if progress is not None:
+            progress.close()
+        elapsed = time.time() - t0
+        this_run["ray"]["seconds"] = round(elapsed, 2)  # with the engines' start
+        if progress is not None:  # from the first batch's start to the last batch's end: the steady rate's clock
+            this_run["ray"]["work_seconds"] = round(time.time() - t_work, 3)
+            this_run["ray"]["tokens_per_s"] = round(done_tokens / max(time.time() - t_work, 1e-9), 1)
+        try:  # engines closed in order (their workers exit); then the actors go
+            ray.get([a.close.remote() for a in actors], timeout=60)
+        except Exception:  # noqa: BLE001 - dead or busy actors are killed below
+            pass
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        # an actor killed mid-write left its temporary file; the driver still holds the lock and the pool is gone
+        from . import writer
+        this_run["ray"]["temp_files_swept_at_end"] = len(writer.sweep_temp_files(opts.out))
+        print(summary_lines(stats, elapsed), file=sys.stderr, flush=True)
+    return done_samples, done_tokens
+
+
+def summary_lines(stats: list[dict], elapsed: float) -> str:
+    lines = [f"extract --ray: {len(stats)} actors, {elapsed:.1f} s"]
+    for st in stats:
+        rate = st["tokens"] / st["forward_s"] if st["forward_s"] else 0.0
+        lines.append(f"  actor {st['rank']}: {st['batches']} batches, {st['samples']} samples, {st['tokens']} tokens, "
+                     f"{rate:,.0f} tok/s in forward, engine start {st['engine_start_s']:.1f} s, {st['failures']} failed "
+                     f"tries ({st['deaths']} deaths), pid {','.join(map(str, st['pids'])) or '-'} on "
+                     f"{','.join(st['hosts']) or '-'}, cores {st['binding'] or 'vLLM default'}")
+    return "\n".join(lines)

