@@ -190,7 +190,7 @@ class VllmHiddenStatesGenerator:
 
     # ------------------------------------------------------------------------------------------------------------
     def _translated(self, fn: Any, method: str) -> Any:
-        return translate(fn, method, log=getattr(self, "_worker_errors", None))
+        return translate(fn, method, log=getattr(self, "_worker_errors", None), executor=self.executor)
 
     def _rpc0(self, method: str, *args: Any) -> Any:
         return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)

@@ -66,9 +66,10 @@ def decode(exc: BaseException) -> WorkerError | None:
     return None
 
 
-def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = None) -> Callable:
+def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = None, executor: Any = None) -> Callable:
     """Driver side: re-raise a worker failure as WorkerError (type, message, worker traceback). With `log`, a
-    failure inside vLLM's own worker code (no payload of ours) is recovered from what the worker logged."""
+    failure inside vLLM's own worker code (no payload of ours) is recovered from what the worker logged. A worker of
+    the call's executor (`executor`, else the one `fn` is bound to or gets first) that has died is named instead."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -76,7 +77,7 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
         except WorkerError:
             raise
         except Exception as exc:
-            died = dead_workers()
+            died = dead_workers(executor or _executor_of(fn, args))
             if died:  # the root cause; vLLM says only "cancelled" or that the engine shut down
                 raise WorkerError("WorkerDied", "; ".join(died) + ". Nothing of the interrupted batch was "
                                   "returned; start a new engine (extract: rerun with --resume)", "",
@@ -92,14 +93,20 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
     return wrapper
 
 
-def dead_workers() -> list[str]:
-    """Worker processes of our live executors that have exited, described (pid, signal or exit status)."""
+def _executor_of(fn: Callable, args: tuple) -> Any:
+    for candidate in (getattr(fn, "__self__", None), args[0] if args else None):
+        if getattr(candidate, "workers", None) is not None:
+            return candidate
+    return None
+
+
+def dead_workers(executor: Any) -> list[str]:
+    """The executor's worker processes that have exited, described (rank, pid, signal or exit status). Only the
+    executor of the failing call: an earlier engine's workers have exited normally."""
     import signal
 
-    from .. import engine
-
     out = []
-    for executor in list(engine._executors_by_config.values()):
+    if executor is not None:
         for rank, handle in enumerate(getattr(executor, "workers", None) or []):
             proc = getattr(handle, "proc", None)
             code = getattr(proc, "exitcode", None)

@@ -44,7 +44,8 @@ def _apply(patcher, module) -> None:
         if log is None and built:
             log = logs[executor] = built.pop()
             weakref.finalize(executor, log.close)
-        return remote_errors.translate(call, getattr(call, "__name__", ""), log=log)(*args, **kwargs)
+        return remote_errors.translate(call, getattr(call, "__name__", ""), log=log,
+                                       executor=executor)(*args, **kwargs)
 
     methods = [m for m in _RPC_METHODS if hasattr(module.MultiprocExecutor, m)]  # sample_tokens: 0.11.1+
     patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in methods},
