@@ -307,7 +307,8 @@ def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, 
         with pytest.raises(EagleCompatError, match=r"could not write .*data_5.pt: No space left on device"
                                                           r".*rerun the same command with --resume"):
             job.run(_opts(model, dataset, out))
-    assert sorted(_samples(out)) == [f"data_{i}.pt" for i in range(5)]  # nothing from data_5 on was counted
+    # nothing from data_5 on; data_4, the same batch's, may or may not have been written when the pool stopped
+    assert {f"data_{i}.pt" for i in range(4)} <= set(_samples(out)) <= {f"data_{i}.pt" for i in range(5)}
     assert not [f for f in os.listdir(out) if ".tmp-" in f]
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["status"] == "running" and manifest["runs"][-1]["status"].startswith("failed: OutputWriteError")
