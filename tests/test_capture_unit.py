@@ -283,3 +283,17 @@ def test_handover_ring_reuses_bounds_and_falls_back(tmp_path):
     ring.limit_bytes = 4 << 20
     slot, why = ring.acquire(8 << 20)
     assert slot is None and "hand-over limit" in why
+
+
+def test_hand_over_files_of_dead_drivers_are_swept_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+
+    from eagle_compat.capture import handover
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    (tmp_path / f"eagle-compat-{dead.pid}-0.bin").write_bytes(b"x")
+    (tmp_path / f"eagle-compat-{os.getpid()}-3.bin").write_bytes(b"x")  # ours: in use
+    (tmp_path / "other-file.bin").write_bytes(b"x")
+    handover.HostRing(lambda *a: {}, directory=str(tmp_path))  # a new ring sweeps first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"eagle-compat-{os.getpid()}-3.bin", "other-file.bin"])

@@ -50,6 +50,26 @@ class Slot:
     pinned: bool = False
 
 
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove hand-over files whose driver process is gone. A buffer's name lives only while the worker maps it
+    (one RPC), but a driver killed in that window leaves the file, and /dev/shm is memory. Returns what went."""
+    import re
+    gone = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return gone
+    for name in names:
+        m = re.fullmatch(r"eagle-compat-(\d+)-\d+\.bin", name)
+        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                gone.append(name)
+    if gone:
+        log.info("removed %d hand-over files left in %s by processes that no longer run", len(gone), directory)
+    return gone
+
+
 class HostRing:
     """Driver side of the ring. `rpc(method, *args)` calls the capture worker (rank 0); it is only called from the
     thread that runs the engine (acquire / close), never from a finalizer."""
@@ -70,6 +90,7 @@ class HostRing:
         self._ids = itertools.count()
         self.fallbacks = 0
         self.peak_bytes = 0
+        sweep_stale(directory)
 
     @property
     def total_bytes(self) -> int:
