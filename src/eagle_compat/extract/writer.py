@@ -47,23 +47,15 @@ class OutputWriteError(EagleCompatError, OSError):
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # disk full, Ctrl-C: leave no partial file behind, not even under the temporary name
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_file(path, write)
 
 
 def atomic_write_file(path: str, write: Any) -> None:
-    """`write(tmp_path)` makes the file; then fsync and rename, as atomic_write_bytes (no copy in memory)."""
+    """`write(tmp_path)` makes the file under a temporary name; then fsync and rename: a reader sees the whole file
+    or none. Nothing is left behind on failure (disk full, Ctrl-C), not even under the temporary name."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         try:
