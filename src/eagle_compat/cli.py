@@ -334,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume_hint(args: argparse.Namespace) -> None:
+    if args.command == "extract":
+        print(f"eagle-compat extract: every file already in {args.out} is complete (no partial file is counted); "
+              "rerun the same command with --resume to continue", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
@@ -352,15 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except WorkerError as exc:  # the worker's own traceback is in the message; the driver's adds nothing
         print(f"eagle-compat {args.command}: {exc}", file=sys.stderr)
-        if args.command == "extract":
-            print(f"eagle-compat extract: every file already in {args.out} is complete (no partial file is "
-                  "counted); rerun the same command with --resume to continue", file=sys.stderr)
+        _resume_hint(args)
         return 1
     except EagleCompatError as exc:  # refusals (environment, model): they name the cause and the fix
         print(f"eagle-compat {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         if getattr(exc, "run_failed", False):  # a run that failed part-way (extract --ray): not a refusal
-            print(f"eagle-compat extract: every file already in {args.out} is complete (no partial file is "
-                  "counted); rerun the same command with --resume to continue", file=sys.stderr)
+            _resume_hint(args)
             return 1
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback (the job says what is kept)
