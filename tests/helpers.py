@@ -21,6 +21,21 @@ def prompts(n: int, lo: int, hi: int, vocab: int = 512, seed: int = 0, prefix: l
     return out
 
 
+def write_dataset(path, n: int, lo: int, hi: int, seed: int, conversations_every: int = 4) -> str:
+    """A JSONL input for extract: pre-tokenized samples with loss masks, and every `conversations_every`-th line a
+    conversation (0: none)."""
+    import json
+    with open(path, "w") as f:
+        for k, ids in enumerate(prompts(n, lo, hi, seed=seed)):
+            if conversations_every and k % conversations_every == 0:
+                f.write(json.dumps({"conversations": [
+                    {"role": "user", "content": " ".join(f"w{t}" for t in ids[:10])},
+                    {"role": "assistant", "content": " ".join(f"w{t}" for t in ids[10:30])}]}) + "\n")
+            else:
+                f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
+    return str(path)
+
+
 def max_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[tuple[float, float]]:
     """Per layer: (max abs error, the reference layer's max |value|)."""
     out = []

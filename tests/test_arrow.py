@@ -19,7 +19,7 @@ import torch
 from eagle_compat import detect, tiny_models
 from eagle_compat.extract import arrow, writer
 
-from helpers import BF16_REL_TOL, prompts
+from helpers import BF16_REL_TOL, write_dataset
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
@@ -44,16 +44,7 @@ def model(tiny_llama):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "data.jsonl"
-    with open(path, "w") as f:
-        for n, ids in enumerate(prompts(SAMPLES, 20, 120, seed=14)):
-            if n % 4 == 0:
-                f.write(json.dumps({"conversations": [
-                    {"role": "user", "content": " ".join(f"w{t}" for t in ids[:10])},
-                    {"role": "assistant", "content": " ".join(f"w{t}" for t in ids[10:30])}]}) + "\n")
-            else:
-                f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
-    return str(path)
+    return write_dataset(tmp_path_factory.mktemp("data") / "data.jsonl", SAMPLES, 20, 120, seed=14)
 
 
 def _extract(model, data, out, fmt):

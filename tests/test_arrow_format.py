@@ -13,7 +13,8 @@ import torch
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import arrow, convert, job, writer
 
-from test_extract_integrity import THINK_TEMPLATE, FakeEngine, NoEngine, _opts, _with_template, _write_lines
+from test_extract_integrity import (THINK_TEMPLATE, FakeEngine, _opts, _with_template, _write_lines,  # noqa: F401
+                                    fake_engine, no_engine)  # the stand-in engine's fixtures
 from helpers import prompts
 
 NUM_LAYERS = 6  # the tiny Llama
@@ -25,22 +26,6 @@ def model(tmp_path_factory):
     """The tiny Llama with a template that drops earlier turns' reasoning: a conversation can be uncovered."""
     return _with_template(tiny_models.build_tiny_model("llama"), tmp_path_factory.mktemp("think") / "model",
                           THINK_TEMPLATE)
-
-
-@pytest.fixture
-def fake_engine(monkeypatch):
-    import eagle_compat.generator
-
-    FakeEngine.started, FakeEngine.block = 0, None
-    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", FakeEngine)
-    return FakeEngine
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    import eagle_compat.generator
-
-    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NoEngine)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import job, writer
 
-from helpers import BF16_REL_TOL, prompts
+from helpers import BF16_REL_TOL, write_dataset
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(__import__("eagle_compat").detect.base_version(__import__("eagle_compat").detect.installed_versions().vllm))
@@ -37,16 +37,7 @@ def model():
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """Pre-tokenized samples (with loss masks) and conversations mixed, as a JSONL file."""
-    path = tmp_path_factory.mktemp("data") / "data.jsonl"
-    with open(path, "w") as f:
-        for n, ids in enumerate(prompts(60, 20, 200, seed=21)):
-            if n % 4 == 0:
-                f.write(json.dumps({"conversations": [
-                    {"role": "user", "content": " ".join(f"w{t}" for t in ids[:10])},
-                    {"role": "assistant", "content": " ".join(f"w{t}" for t in ids[10:30])}]}) + "\n")
-            else:
-                f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
-    return str(path)
+    return write_dataset(tmp_path_factory.mktemp("data") / "data.jsonl", 60, 20, 200, seed=21)
 
 
 def _cli(*args):

@@ -339,7 +339,7 @@ def test_a_full_disk_leaves_no_partial_file_and_resume_completes(model, dataset,
         assert job.run(_opts(model, dataset, out, resume=True))["complete"]
         _equal_dirs(clean, out)
     finally:
-        subprocess.run(["umount", str(out)], check=False)
+        subprocess.run(["umount", "--lazy", str(out)], check=False)  # a writer thread may still hold a file
 
 
 # ---- item 7: --max-len follows the model ---------------------------------------------------------------------------

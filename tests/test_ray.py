@@ -18,7 +18,7 @@ import pytest
 from eagle_compat import detect, tiny_models
 from eagle_compat.extract import writer
 
-from helpers import prompts
+from helpers import write_dataset
 
 try:
     import ray
@@ -45,11 +45,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "data.jsonl"
-    with open(path, "w") as f:
-        for ids in prompts(N, 64, 250, seed=15):
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [int(i % 3 == 0) for i in range(len(ids))]}) + "\n")
-    return str(path)
+    return write_dataset(tmp_path_factory.mktemp("data") / "data.jsonl", N, 64, 250, seed=15, conversations_every=0)
 
 
 @pytest.fixture(scope="module")

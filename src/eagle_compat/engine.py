@@ -380,8 +380,13 @@ def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
         raise InvalidInput(
             f"tensor_parallel_size={tensor_parallel_size} on CPU needs one core per worker at least; this process may "
             f"use {len(cores)} ({cores}). Lower it, or set VLLM_CPU_OMP_THREADS_BIND yourself (e.g. '0|1').")
-    per = len(cores) // tensor_parallel_size
-    groups = [cores[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    return thread_binding(cores, tensor_parallel_size)
+
+
+def thread_binding(cores: list[int], workers: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `workers` an equal, contiguous share of `cores` ("0-7|8-15")."""
+    per = len(cores) // workers
+    groups = [cores[i * per:(i + 1) * per] for i in range(workers)]
     return "|".join(f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g))
                     for g in groups)
 

@@ -16,8 +16,6 @@ same bytes.
 from __future__ import annotations
 
 import collections
-import errno
-import fcntl
 import os
 import socket
 import sys
@@ -26,7 +24,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import engine
 from ..errors import EagleCompatError, InvalidInput
+from . import writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -88,17 +88,8 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
     for core in sorted(os.sched_getaffinity(0)):
         if len(got) == count:
             break
-        path = os.path.join(CORE_LOCKS, f"core-{core}.lock")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # made by another user's run: flock works on a read-only descriptor too
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        fd = writer.try_flock(os.path.join(CORE_LOCKS, f"core-{core}.lock"), 0o666, read_only_ok=True)
+        if fd is None:  # another actor's engine runs there
             continue
         got.append(core)
         fds.append(fd)
@@ -106,9 +97,7 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
         for fd in fds:
             os.close(fd)
         return None, [], []
-    per = len(got) // tp
-    groups = [got[i * per:(i + 1) * per] for i in range(tp)]
-    return "|".join(",".join(map(str, g)) for g in groups), got, fds
+    return engine.thread_binding(got, tp), got, fds
 
 
 @dataclass
@@ -187,7 +176,7 @@ class ExtractActor:
         """Extract and write one batch: [(sample index, input ids, loss mask)]. Returns counts and timings."""
         import torch
 
-        from . import job, writer
+        from . import job
         started = time.time()
         if self.gen is None:
             self._start()
@@ -371,7 +360,6 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
             except Exception:  # noqa: BLE001
                 pass
         # an actor killed mid-write left its temporary file; the driver still holds the lock and the pool is gone
-        from . import writer
         this_run["ray"]["temp_files_swept_at_end"] = len(writer.sweep_temp_files(opts.out))
         print(summary_lines(stats, elapsed), file=sys.stderr, flush=True)
     return done_samples, done_tokens

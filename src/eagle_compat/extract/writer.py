@@ -246,6 +246,26 @@ def sweep_temp_files(out_dir: str) -> list[str]:
     return swept
 
 
+def try_flock(path: str, mode: int = 0o644, read_only_ok: bool = False) -> int | None:
+    """A descriptor holding an exclusive flock on `path` (created if missing), or None while another process holds
+    it. The kernel releases the lock when its holder dies. `read_only_ok`: a file another user made is locked through
+    a read-only descriptor (flock allows it)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    except PermissionError:
+        if not read_only_ok:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return None
+    return fd
+
+
 class DirectoryLock:
     """One writer per output directory: flock on `.eagle-compat.lock`, released by the kernel if the run dies."""
 
@@ -254,13 +274,8 @@ class DirectoryLock:
         self.fd: int | None = None
 
     def __enter__(self) -> "DirectoryLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        fd = try_flock(self.path)
+        if fd is None:
             raise OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
                                       f"({self.holder()}); two runs writing one directory could mix their files. "
                                       "Wait for it to finish, or choose another --out") from None
