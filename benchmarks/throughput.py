@@ -204,15 +204,17 @@ def phase(args: argparse.Namespace) -> dict:
     if args.phase == "native":
         return native_phase(args, batch, layers, extra)
     from eagle_compat import VllmHiddenStatesGenerator
+    from eagle_compat.generator import QUEUED_BATCHES
 
     gen = VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=args.tokens + 8,
                                     gpu_memory_utilization=args.gmu, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=max(args.batch_tokens, args.tokens + 8), **extra)
     gen.generate(warm_prompts(args, batch))  # warm
-    # the ring's buffers are set up once, like the engine's KV cache: 4 in flight (caller, queue, engine: 2)
-    # (written: plus the batches whose samples wait for a writer, at most 4 per writer thread)
+    # the ring's buffers are set up once, like the engine's KV cache: the batches queued in the engine, the one
+    # collected, the prefetched one, the caller's (written: plus the batches whose samples wait for a writer, at most
+    # 4 per writer thread)
     waiting = 0 if args.phase == "delivered" else -(-4 * args.writer_threads // args.batch)
-    reserved = gen.reserve_host_buffers(args.batch * args.tokens, 4 + waiting)
+    reserved = gen.reserve_host_buffers(args.batch * args.tokens, QUEUED_BATCHES + 3 + waiting)
     groups = [batch[k:k + args.batch] for k in range(0, len(batch), args.batch)]
     t0 = time.perf_counter()
     if args.phase == "delivered":

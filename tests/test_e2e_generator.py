@@ -185,3 +185,29 @@ def test_pipelined_batches_equal_generate_and_fallback_is_taken(fp32_generator, 
             assert all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
     finally:
         ring.limit_bytes = limit
+
+
+def test_batches_of_many_steps_queue_without_filling_vllms_message_rings():
+    """Here each batch takes several engine steps (~12 calls) and the driver keeps 3 batches in flight: more calls
+    than vLLM's shared-memory message rings hold (10 each way). The driver bounds its unanswered calls
+    (CALLS_IN_FLIGHT); without that bound driver and worker each wait for the other, forever. Results equal HF."""
+    import threading
+
+    from eagle_compat import engine
+
+    path = tiny_models.build_tiny_model("llama")
+    batches = [prompts(12, 20, 60, seed=40 + k) for k in range(4)]
+    with VllmHiddenStatesGenerator(path, layer_ids=[1, 3], max_model_len=128, max_num_batched_tokens=128,
+                                   gpu_memory_utilization=0.3, dtype="float32") as gen:
+        assert engine.can_queue_calls(gen.executor)
+        got: list = []
+        runner = threading.Thread(target=lambda: got.extend(gen.generate_batches(iter(batches), prefetch=0)),
+                                  daemon=True)
+        runner.start()
+        runner.join(timeout=180)
+        if runner.is_alive():
+            pytest.fail("generate_batches hung: the driver filled vLLM's message rings")
+        assert len(got) == len(batches)
+        for batch, results in zip(batches[::3], got[::3]):
+            assert_close_to_reference(results, tiny_models.hf_reference(path, batch, [1, 3]), precision="fp32",
+                                      layer_ids=[1, 3])

@@ -11,6 +11,7 @@ import inspect
 import os
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from . import detect
@@ -166,13 +167,40 @@ def last_executor() -> Any | None:
     return ref() if ref is not None else None
 
 
-def run_step(executor: Any, scheduler_output: Any) -> Any:
-    """One engine step. From 0.11.1 a step is execute_model() then sample_tokens() when the former returns None;
-    skipping sample_tokens makes the *next* step fail with a worker state error."""
+def can_queue_calls(executor: Any) -> bool:
+    """Whether calls to the workers can be queued without waiting for their replies: MultiprocExecutor's
+    `futures_queue` (vLLM 0.12+ at least) serves `non_block=True` in every scheduling mode; before it, only with
+    async scheduling or pipeline parallelism, which we turn off."""
+    return hasattr(executor, "futures_queue")
+
+
+def submit(executor: Any, method: str, *args: Any) -> Future:
+    """`collective_rpc` whose per-rank replies arrive in a Future. Workers run calls in the order they are sent;
+    where calls cannot be queued (`can_queue_calls`), this one has completed when it returns."""
+    if can_queue_calls(executor):
+        return executor.collective_rpc(method, args=args, non_block=True)
+    return _done(executor.collective_rpc(method, args=args))
+
+
+def submit_step(executor: Any, scheduler_output: Any) -> list[Future]:
+    """One engine step. From 0.11.1 a step is execute_model() then sample_tokens() when the former returns None
+    (skipping sample_tokens makes the *next* step fail with a worker state error). Queued, both are sent at once, as
+    vLLM's own batch queue does: a worker whose execute_model returned its output answers sample_tokens with None."""
+    if can_queue_calls(executor):
+        futures = [executor.execute_model(scheduler_output, non_block=True)]
+        if detect.feature("two_phase_step"):
+            futures.append(executor.sample_tokens(None, non_block=True))
+        return futures
     out = executor.execute_model(scheduler_output)
     if out is None and detect.feature("two_phase_step"):
         out = executor.sample_tokens(None)
-    return out
+    return [_done(out)]
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def rpc_all(executor: Any, method: str, *args: Any) -> list:

@@ -2,12 +2,14 @@
 and its one capture implementation (hooks resolved per model family inside the workers)."""
 from __future__ import annotations
 
+import collections
 import logging
 import numbers
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
@@ -19,6 +21,16 @@ from .errors import InvalidInput
 log = logging.getLogger("eagle_compat.generator")
 
 WORKER_EXTENSION = "eagle_compat.capture.worker.CaptureWorkerExtension"
+QUEUED_BATCHES = 2  # sent but not yet collected, besides the one being sent: the GPU's work queue
+# vLLM's shared-memory message rings hold 10 messages each way: with more calls unanswered, the worker would wait for
+# the driver to read replies while the driver waits for room to send, forever.
+CALLS_IN_FLIGHT = 8
+
+
+def _result_of_rank0(future: Future) -> Any:
+    """A submitted call's reply: rank 0's for collective calls (a list per rank), the step's output otherwise."""
+    value = future.result()
+    return value[0] if isinstance(value, list) else value
 
 
 def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
@@ -116,6 +128,7 @@ class _Batch:
     slot: Any
     pending: set
     dtype: Any
+    calls: list = field(default_factory=list)  # (method, Future) in the order sent
 
 
 class VllmHiddenStatesGenerator:
@@ -146,6 +159,7 @@ class VllmHiddenStatesGenerator:
         self.executor = None
         self._ring = None
         self._busy = threading.Lock()  # one batch at a time reaches the engine
+        self._sent: collections.deque[Future] = collections.deque()  # calls whose replies may not be read yet
         text_config = model_text_config(model_path, trust_remote_code)
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
@@ -273,50 +287,45 @@ class VllmHiddenStatesGenerator:
                 handed.get_nowait()
 
     def _engine_batches(self, batches: Iterable[Any], truncate: bool) -> Iterator[list[dict]]:
-        """Runs the batches back to back. Batch k is collected after batch k+1's first step, so its last copies
-        overlap compute (both in the shared-memory ring; a fallback batch is collected at once)."""
-        prev = cur = None
+        """Runs the batches back to back and yields each one's results, in order. Every call of a batch (plan, steps,
+        collect) is sent at once where vLLM can queue calls (`engine.can_queue_calls`): the driver schedules and sends
+        batch k+1 while the worker still computes batch k, as vLLM's own batch queue does, so the GPU never waits
+        for the driver. Up to QUEUED_BATCHES batches are in flight; a batch's results are read when its reply is in."""
+        inflight: collections.deque[_Batch] = collections.deque()
+
+        def oldest() -> list[dict]:
+            results = self._collect(inflight[0])  # still in `inflight` if this fails: _fail gives its buffer back
+            inflight.popleft()
+            return results
+
         try:
             for token_ids in batches:
-                if prev is not None and prev.slot is None:
-                    results, prev = self._finish(prev), None
-                    yield results
                 try:
-                    cur = self._start(token_ids, truncate)
+                    inflight.append(self._send(token_ids, truncate))
                 except InvalidInput:
-                    if prev is not None:  # the batches before a bad one are still delivered
-                        results, prev = self._finish(prev), None
-                        yield results
+                    while inflight:  # the batches before a bad one are still delivered
+                        yield oldest()
                     raise
-                if prev is not None and cur.slot is None:
-                    results, prev = self._finish(prev), None
-                    yield results
-                self._step(cur)
-                if prev is not None:
-                    results, prev = self._finish(prev), None
-                    yield results
-                while self._step(cur):
-                    pass
-                prev, cur = cur, None
-            if prev is not None:
-                results, prev = self._finish(prev), None
-                yield results
+                while len(inflight) > QUEUED_BATCHES:
+                    yield oldest()
+            while inflight:
+                yield oldest()
         except BaseException:
-            self._fail(prev, cur)
+            self._fail(*inflight)
             raise
 
     def _run_batch(self, token_ids: Any, truncate: bool) -> list[dict]:
-        batch = self._start(token_ids, truncate)
+        batch = self._send(token_ids, truncate)
         try:
-            while self._step(batch):
-                pass
-            return self._finish(batch)
+            return self._collect(batch)
         except BaseException:
             self._fail(batch)
             raise
 
-    def _start(self, token_ids: Any, truncate: bool) -> "_Batch":
-        """Validate, choose the batch's hand-over buffer, tell the worker, queue the requests."""
+    def _send(self, token_ids: Any, truncate: bool) -> "_Batch":
+        """Validate, choose the batch's hand-over buffer, then send the worker its plan, every step the scheduler
+        makes of it, and the call that collects it. A step's requests are finished as soon as it is sent: prefill
+        is all we want, and the worker runs calls in order, so their KV blocks are free for the next step."""
         import torch
 
         token_lists = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
@@ -338,32 +347,55 @@ class VllmHiddenStatesGenerator:
         plan = None if slot is None else {"slot": slot.id, "dtype": str(dtype), "hidden": hidden, "requests": offsets}
         batch = _Batch(batch_id, token_lists, request_ids, offsets, slot, set(), dtype)
         try:
-            self._rpc0("eagle_compat_begin", batch_id, plan)
+            batch.calls.append(("eagle_compat_begin", self._submit("eagle_compat_begin", batch_id, plan)))
             for rid, ids in zip(request_ids, token_lists):
                 self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
                 batch.pending.add(rid)
+            while True:
+                out = self.scheduler.schedule()
+                if out.total_num_scheduled_tokens == 0:
+                    break
+                self._room_for(2)
+                futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
+                self._sent.extend(futures)
+                batch.calls.extend(("execute_model", f) for f in futures)
+                done = list(out.num_scheduled_tokens)
+                engine.abort(self.scheduler, done)
+                batch.pending.difference_update(done)
+            if batch.pending:
+                raise RuntimeError(f"{len(batch.pending)} requests were never scheduled (KV cache too small for "
+                                   "them?)")
+            batch.calls.append(("eagle_compat_finish", self._submit("eagle_compat_finish", batch_id)))
         except BaseException:
             self._fail(batch)
             raise
         return batch
 
-    def _step(self, batch: "_Batch") -> bool:
-        """One engine step; False when nothing was left to schedule."""
-        out = self.scheduler.schedule()
-        if out.total_num_scheduled_tokens == 0:
-            return False
-        self._translated(engine.run_step, "execute_model")(self.executor, out)
-        done = list(out.num_scheduled_tokens)
-        engine.abort(self.scheduler, done)
-        batch.pending.difference_update(done)
-        return True
+    def _submit(self, method: str, *args: Any) -> Future:
+        self._room_for(1)
+        future = self._translated(engine.submit, method)(self.executor, method, *args)
+        self._sent.append(future)
+        return future
 
-    def _finish(self, batch: "_Batch") -> list[dict]:
+    def _room_for(self, calls: int) -> None:
+        """Wait for the oldest replies until `calls` more fit under CALLS_IN_FLIGHT. A failure stays on its future,
+        reported when its batch is collected."""
+        while self._sent and len(self._sent) + calls > CALLS_IN_FLIGHT:
+            try:
+                self._sent.popleft().result()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _collect(self, batch: "_Batch") -> list[dict]:
+        """Wait for a sent batch's calls (in the order sent, so the first failure is the one reported) and return
+        its results."""
         import torch
 
-        if batch.pending:
-            raise RuntimeError(f"{len(batch.pending)} requests were never scheduled (KV cache too small for them?)")
-        reply = self._rpc0("eagle_compat_finish", batch.id)
+        reply = None
+        for method, future in batch.calls:
+            reply = self._translated(_result_of_rank0, method)(future)
+        batch.calls.clear()
+        reply = reply or {}
         if batch.slot is None:
             return self._results_from_fallback(batch.token_lists, reply.get("fallback"))
         rows = reply.get("rows") or {}
@@ -381,23 +413,26 @@ class VllmHiddenStatesGenerator:
                 for rid, ids in zip(batch.request_ids, batch.token_lists)]
 
     def _fail(self, *batches: "_Batch | None") -> None:
-        """After an error: abort what is still queued, forget the worker's plans, give the buffers back."""
+        """After an error: abort what is still queued, forget the worker's plans (after every call sent before),
+        give the buffers back."""
+        batches = tuple(b for b in batches if b is not None)
         for batch in batches:
-            if batch is None:
-                continue
             if batch.pending:
                 try:
                     engine.abort(self.scheduler, sorted(batch.pending))
                 except Exception:  # noqa: BLE001 - the original error matters more
                     pass
                 batch.pending.clear()
-            if batch.slot is not None and self._ring is not None:
-                self._ring.release(batch.slot.id)
-                batch.slot = None
         try:
             self._rpc0("eagle_compat_abandon")
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
+        self._sent.clear()
+        for batch in batches:
+            batch.calls.clear()
+            if batch.slot is not None and self._ring is not None:
+                self._ring.release(batch.slot.id)
+                batch.slot = None
 
     @staticmethod
     def _results_from_fallback(batch: list[list[int]], states: list | None) -> list[dict]:
@@ -418,10 +453,11 @@ class VllmHiddenStatesGenerator:
             offset += n
         return results
 
-    def reserve_host_buffers(self, tokens_per_batch: int, count: int = 3) -> int:
+    def reserve_host_buffers(self, tokens_per_batch: int, count: int = 5) -> int:
         """Create `count` hand-over buffers for batches of up to `tokens_per_batch` tokens now (each is a /dev/shm
         allocation and, on GPU, a pinning: ~0.1-0.3 s per GiB) rather than during the first batches. The pipeline
-        keeps up to 3 in use (4 with a writer pool); more are created on demand. Returns how many were reserved."""
+        keeps up to QUEUED_BATCHES + 3 in use (in flight, prefetched, the caller's), more with a writer pool; more are
+        created on demand. Returns how many were reserved."""
         import torch
 
         itemsize = torch.empty((), dtype=self.vllm_config.model_config.dtype).element_size()
