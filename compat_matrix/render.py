@@ -11,9 +11,9 @@ DOC = os.path.join(os.path.dirname(HERE), "docs", "compatibility.md")
 MARK = {"pass": "pass", "fail": "FAIL", "unsupported": "unsupported"}
 
 
-def load() -> list[dict]:
+def load(directory: str = os.path.join(HERE, "results")) -> list[dict]:
     out = []
-    for path in glob.glob(os.path.join(HERE, "results", "*.json")):
+    for path in glob.glob(os.path.join(directory, "*.json")):
         with open(path) as f:
             out.append(json.load(f))
 
@@ -93,9 +93,9 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary(releases: list[str] | None = None) -> str:
+def summary(releases: list[str] | None = None, directory: str = os.path.join(HERE, "results")) -> str:
     rows = []
-    for r in load():
+    for r in load(directory):
         if releases and r["release"] not in releases:
             continue
         counts = {}

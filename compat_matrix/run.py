@@ -199,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
                                                    "with vLLM and eagle_compat installed; one release)")
     ap.add_argument("--rerun", action="store_true", help="repeat the selected cells even if already recorded")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at a time (each is its own engine)")
+    ap.add_argument("--results", default=RESULTS, help="folder for the result files (default compat_matrix/results; "
+                                                      "docs/compatibility.md is regenerated only from that one)")
     ap.add_argument("--reclassify", action="store_true",
                     help="only re-derive fail/unsupported of recorded cells from their error text (cell.classify)")
     return ap
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     releases, checks = selection(ap, a)
+    global RESULTS
+    published, RESULTS = os.path.abspath(a.results) == os.path.abspath(RESULTS), a.results
     os.makedirs(RESULTS, exist_ok=True)
     if a.reclassify:
         return reclassify()
@@ -221,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep_env and a.python is None:  # only what we built; --python runs in an environment left alone
             shutil.rmtree(venv, ignore_errors=True)
     import render
-    render.main()
-    print(render.summary(releases))
+    if published:
+        render.main()
+    print(render.summary(releases, RESULTS))
     return 0
 
 

@@ -188,15 +188,15 @@ def test_pipelined_batches_equal_generate_and_fallback_is_taken(fp32_generator, 
 
 
 def test_batches_of_many_steps_queue_without_filling_vllms_message_rings():
-    """Here each batch takes several engine steps (~12 calls) and the driver keeps 3 batches in flight: more calls
-    than vLLM's shared-memory message rings hold (10 each way). The driver bounds its unanswered calls
-    (CALLS_IN_FLIGHT); without that bound driver and worker each wait for the other, forever. Results equal HF."""
+    """Here one batch takes ~15 engine steps (~32 calls): more calls than vLLM's shared-memory message rings hold
+    (10 each way). The driver bounds its unanswered calls (CALLS_IN_FLIGHT); without that bound driver and worker
+    each wait for the other, forever (seen: the first batch never returns). Results equal HF."""
     import threading
 
     from eagle_compat import engine
 
     path = tiny_models.build_tiny_model("llama")
-    batches = [prompts(12, 20, 60, seed=40 + k) for k in range(4)]
+    batches = [prompts(40, 20, 60, seed=40 + k) for k in range(4)]
     with VllmHiddenStatesGenerator(path, layer_ids=[1, 3], max_model_len=128, max_num_batched_tokens=128,
                                    gpu_memory_utilization=0.3, dtype="float32") as gen:
         assert engine.can_queue_calls(gen.executor)
