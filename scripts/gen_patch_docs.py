@@ -15,6 +15,11 @@ def render() -> str:
              "Generated from `src/eagle_compat/patches/` by `scripts/gen_patch_docs.py`; do not edit by hand.",
              "`install()` applies a unit only where its feature probe says the installed vLLM needs it",
              "(`eagle-compat doctor` shows which). *Silent* units fix breaks that give wrong hidden states with no error.",
+             "",
+             "A name several units need (`SchedulerConfig`, `CacheConfig`, the `MultiprocExecutor` speculators builds) gets",
+             "one wrapper, its adapter (`patches/_adapters.py`); units contribute to it (a keyword rewrite; an executor's",
+             "spawning context, set-up, method hooks, ready check) and the adapter fixes how they combine, whatever the",
+             "registry order: keyword rewrites must not disagree, executor hooks run in phases, in unit-name order.",
              "", "| unit | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
     for u in REGISTRY:
         where = f"`{u.target}`" if u.target else "process environment"

@@ -90,6 +90,19 @@ def test_resolver_finds_wrapped_language_model_and_refuses_unknown_layers():
         resolver.resolve(Top(Base(layer_cls=MysteryLayer)), platform="cpu")
 
 
+def test_resolver_refuses_an_unverified_family_unless_allowed(monkeypatch):
+    from eagle_compat.capture import families
+    unverified = next(f for f in families.FAMILIES if f.unverified)
+    layer_cls = type(unverified.layer_classes[0], (LlamaDecoderLayer,), {})
+    monkeypatch.delenv(families.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(UnsupportedModel, match=f"family '{unverified.name}' is unverified: .*"
+                                               f"{families.ALLOW_UNVERIFIED_ENV}={unverified.name}"):
+        resolver.resolve(Top(Base(layer_cls=layer_cls)), platform="cpu")
+    monkeypatch.setenv(families.ALLOW_UNVERIFIED_ENV, f"other,{unverified.name}")
+    contract = resolver.resolve(Top(Base(layer_cls=layer_cls)), platform="cpu")
+    assert contract.family == unverified.name and any("unverified" in w for w in contract.workarounds)
+
+
 def test_stream_value_refuses_three_tensor_outputs():
     t = torch.ones(2, 2)
     with pytest.raises(UnsupportedModel, match="tuple of 3"):

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from eagle_compat import VllmHiddenStatesGenerator, detect, tiny_models
+from eagle_compat.capture import families
 
 from helpers import assert_close_to_reference, prompts
-
-pytestmark = pytest.mark.engine
 
 ALL_RELEASES_FAMILIES = {"llama", "deepseek_v3", "kimi_k25"}
 FAMILIES = list(tiny_models.FAMILIES)
@@ -23,6 +22,7 @@ def _on_default_release() -> bool:
     return v is not None and str(v) == "0.32.0"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_fp32_parity_every_layer(family):
     if family not in ALL_RELEASES_FAMILIES and not _on_default_release():
@@ -39,6 +39,30 @@ def test_family_fp32_parity_every_layer(family):
     worst = assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids),
                                       precision="fp32", layer_ids=layer_ids)
     print(f"\n{family}: {contract['layer_class']} via {contract['base_path']}, worst abs error {max(worst.values()):.2e}")
+    row, tiny = families.TINY[family]  # vLLM loaded this family's layers for the tiny model's architecture
+    assert (contract["family"], contract["top_class"]) == (row.name, tiny.architecture)
     if family == "kimi_k25":
         assert contract["top_class"] == "KimiK25ForConditionalGeneration"
         assert contract["base_path"] in ("language_model.model", "language_model")
+
+
+def test_every_family_has_a_parity_model_or_is_refused_as_unverified():
+    """The family table is the one source: a family the resolver accepts by default has a tiny model with a parity
+    run (this file, `eagle-compat check`, the matrix); the others say why not, and the resolver refuses them."""
+    for row in families.FAMILIES:
+        parity = [t.name for t in row.tiny if t.matrix]
+        assert bool(parity) != bool(row.unverified), (row.name, parity, row.unverified)
+        assert set(parity) <= set(FAMILIES)
+    assert set(FAMILIES) == {t.name for row in families.FAMILIES for t in row.tiny if t.matrix}
+
+
+def test_every_tiny_model_architecture_is_its_familys_and_known_to_vllm():
+    """Each tiny checkpoint declares one of its family's architectures, one this vLLM registers (the engine run above
+    checks that vLLM then loads that family's layers)."""
+    from vllm import ModelRegistry
+    supported = set(ModelRegistry.get_supported_archs())
+    for row in families.FAMILIES:
+        for tiny in row.tiny:
+            assert tiny.architecture in row.architectures, (row.name, tiny.name)
+            assert tiny.architecture in supported, f"{tiny.name}: vLLM does not know {tiny.architecture}"
+            assert tiny.num_layers >= 2 and (tiny.config_class or tiny.wraps in families.TINY)

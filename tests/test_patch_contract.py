@@ -77,13 +77,108 @@ def test_second_install_is_a_noop_and_nothing_is_wrapped_twice():
     report = eagle_compat.install()
     assert report.already_installed
     assert all(vars(gen)[k] is v for k, v in first.items())
-    # each unit wraps a name at most once
-    for name in ("SchedulerConfig", "CacheConfig", "MultiprocExecutor", "Scheduler", "Request"):
-        units, obj = [], vars(gen)[name]
+    # one eagle_compat wrapper per name, however many units need it (they contribute to its adapter)
+    from eagle_compat.patches._adapters import adapter_of, wrapped_by_us
+    for name in ("SchedulerConfig", "CacheConfig", "ModelConfig", "VllmConfig", "MultiprocExecutor", "Scheduler",
+                 "Request", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs"):
+        ours, obj = [], vars(gen)[name]
         while hasattr(obj, "__wrapped__"):
-            units.append(getattr(obj, "_self_eagle_compat_unit", None))
+            if wrapped_by_us(obj):
+                ours.append(adapter_of(obj).describe() if adapter_of(obj) else obj._self_eagle_compat_unit)
             obj = obj.__wrapped__
-        assert len(units) == len(set(units)), f"{name} wrapped twice by {units}"
+        assert len(ours) <= 1, f"{name} wrapped {len(ours)} times: {ours}"
+    executor = adapter_of(vars(gen)["MultiprocExecutor"])
+    assert executor is not None and len(executor.contributions) >= 2  # quiet_shutdown, worker_error_messages, ...
+
+
+class _FakeExecutor:
+    """Stands in for vLLM's MultiprocExecutor: records every call that reaches it."""
+
+    def __init__(self, vllm_config=None):
+        self.vllm_config, self.workers, self.trace = vllm_config, [], []
+
+    def collective_rpc(self, method, *args, **kwargs):
+        from eagle_compat.capture.handshake import worker_report
+        self.trace.append(("collective_rpc", method, kwargs.get("unique_reply_rank")))
+        return [worker_report("shim")] if method == "eagle_compat_handshake" else {"reply": method}
+
+    def execute_model(self, *args, **kwargs):
+        self.trace.append(("execute_model",))
+
+    def sample_tokens(self, *args, **kwargs):
+        self.trace.append(("sample_tokens",))
+        return "sampled"
+
+    def initialize_from_config(self, *args, **kwargs):
+        self.trace.append(("initialize_from_config",))
+
+    def compile_or_warm_up_model(self):
+        self.trace.append(("compile_or_warm_up_model",))
+
+    def shutdown(self):
+        self.trace.append(("shutdown",))
+
+
+def _behaviour(gen) -> dict:
+    """What install() made of every name it wrapped in speculators' module: each adapter's composition, what the
+    keyword adapters make of speculators' own calls, and what an executor built through the adapter does."""
+    from eagle_compat.patches._adapters import ExecutorAdapter, KeywordsAdapter, adapter_of
+    out = {}
+    calls = {"SchedulerConfig": dict(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=4096),
+             "CacheConfig": dict(block_size=16, gpu_memory_utilization=0.3, swap_space=0, cache_dtype="auto"),
+             "ModelConfig": dict(model="m", tokenizer="m", dtype="auto", seed=0, max_model_len=512)}
+    for name, value in sorted(vars(gen).items()):
+        adapter = adapter_of(value)
+        if adapter is None:
+            continue
+        out[name] = adapter.describe()
+        if isinstance(adapter, KeywordsAdapter) and name in calls:
+            out[name + "(...)"] = repr(sorted(adapter.transform(calls[name]).items()))
+        if isinstance(adapter, ExecutorAdapter):
+            executor = adapter(_FakeExecutor, None, (), {"vllm_config": None})
+            executor.initialize_from_config(None)
+            stepped = executor.execute_model(None)
+            reply = executor.collective_rpc("_get_captured_states", unique_reply_rank=0)
+            executor.shutdown()
+            executor.shutdown()
+            out[name + "(...)"] = (executor.trace, stepped, reply)
+    return out
+
+
+def test_what_install_does_does_not_depend_on_registry_order(monkeypatch):
+    """Units needing one name contribute to its adapter, whose composition is fixed: install() with the registry
+    reversed or shuffled wraps the same names the same way and behaves identically."""
+    import random
+    eagle_compat.install()
+    gen, _ = _import_speculators()
+    expected = _behaviour(gen)
+    eagle_compat.uninstall()
+    assert "MultiprocExecutor" in expected and "SchedulerConfig" in expected
+    orders = [tuple(reversed(REGISTRY))] + [tuple(random.Random(seed).sample(REGISTRY, len(REGISTRY)))
+                                            for seed in range(3)]
+    for order in orders:
+        monkeypatch.setattr(installer, "REGISTRY", order)
+        eagle_compat.install()
+        assert _behaviour(gen) == expected, [u.name for u in order]
+        eagle_compat.uninstall()
+        assert not any(hasattr(v, "_self_eagle_compat_adapter") for v in vars(gen).values())
+
+
+def test_keyword_contributions_that_disagree_are_refused():
+    import types
+
+    from eagle_compat.errors import IncompatibleEnvironment
+    owner = types.SimpleNamespace(Config=lambda **kw: kw)
+    original = owner.Config
+    a, b, c = Patcher("a"), Patcher("b"), Patcher("c")
+    a.rewrite_kwargs(owner, "Config", lambda kw: {**kw, "x": False})
+    b.rewrite_kwargs(owner, "Config", lambda kw: {k: v for k, v in kw.items() if k != "y"})
+    assert owner.Config(x=True, y=1, z=2) == {"x": False, "z": 2}
+    c.rewrite_kwargs(owner, "Config", lambda kw: {**kw, "x": 1})
+    with pytest.raises(IncompatibleEnvironment, match="'a' and 'c' set .*Config\\(x=\\) differently"):
+        owner.Config(x=True)
+    assert a.revert() == [] and owner.Config(x=True, y=1) == {"x": 1}  # b and c still contribute
+    assert b.revert() == [] and c.revert() == [] and owner.Config is original
 
 
 # Run in a fresh interpreter per import order: snapshot every vLLM name speculators imports (and, for classes,

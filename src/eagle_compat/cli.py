@@ -118,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import tiny_models
 
     path = tiny_models.build_tiny_model(args.family)
-    n = tiny_models.TINY_CONFIGS[args.family][2]["num_hidden_layers"]
+    n = tiny_models.num_layers(args.family)
     layer_ids = sorted({0, (n - 1) // 2, n - 2, n - 1})
     print(f"tiny {args.family} model ({n} layers) at {path}")
     import eagle_compat
@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uninstall torchvision/torchaudio/torchcodec builds that cannot load next to this torch")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("demo", help="tiny model + speculators 0.3.0 under install(), compared with HF")
-    from .tiny_models import TINY_CONFIGS
-    p.add_argument("--family", default="deepseek_v3", choices=sorted(TINY_CONFIGS))
+    from .capture.families import TINY
+    p.add_argument("--family", default="deepseek_v3", choices=sorted(n for n, (_, t) in TINY.items() if not t.wraps))
     p.add_argument("--out", default="out/demo", help="where the demo's training files go")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")

@@ -1,94 +1,35 @@
 """Tiny random-weight models, built locally from transformers config classes (no hub downloads), and the
 independent reference: HF transformers `output_hidden_states` on the same weights.
 
-Used by the tests, the demo and the compatibility matrix. Each family's tiny config is data (`TINY_CONFIGS`).
-Sizes respect CPU vLLM's limits (head_dim 64; CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576).
+Used by the tests, the demo and the compatibility matrix. Which tiny models exist and their configurations are rows
+of the family table (`capture/families.py`, `Family.tiny`); this module only builds them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Any, Callable
+from typing import Any
 
-VOCAB_SIZE = 512
+from .capture.families import FAMILIES as _FAMILY_TABLE
+from .capture.families import TINY, VOCAB_SIZE, Tiny
+
 BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
-               eos_token_id=2, pad_token_id=0)
-
-# YaRN with factor 1.0 is mathematically plain RoPE; it keeps CPU vLLM off a C++ rotary path that mishandles
-# DeepSeek attention's strided q/k views (cpu-vllm-setup.md). Real DeepSeek-V3 / Kimi-K2 configs use YaRN too.
-_YARN_1 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 1024,
-           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-_DEEPSEEK_V3 = dict(
-    _COMMON, num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=96,
-    qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-    moe_intermediate_size=128, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
-    n_group=1, topk_group=1,
-    norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
-    rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
-
-# Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
-# states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
-_DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
-_DEEPSEEK_V3_PLAIN_ROPE["rope_theta"] = 10000.0
-
-_MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
-
-# family -> (transformers config class, HF architecture, config kwargs)
-TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_hidden_layers=6)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
-    "deepseek_v3_plain_rope": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_PLAIN_ROPE),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_hidden_layers=4, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_hidden_layers=4, use_sliding_window=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
-                                                      use_sliding_window=False)),
-    # every token takes all 4 experts (weights from the router's softmax): no top-k choice for bf16 rounding to flip,
-    # so bf16 runs (GPU) can be judged against fp32 HF; top-k selection is covered by Mixtral, GLM-4-MoE, gpt-oss
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=4, num_experts_per_tok=4,
-                       moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
-                                                   sliding_window=None, pad_token_id=0)),
-    # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
-    # (both activation names: older vLLM reads `hidden_act`, which transformers 4's Gemma2Config lacks)
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
-                                                         sliding_window=512, query_pre_attn_scalar=64,
-                                                         tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
-                                                         hidden_activation="gelu_pytorch_tanh")),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, head_dim=64,
-                                                             sliding_window=512, query_pre_attn_scalar=64,
-                                                             tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
-                                                             hidden_activation="gelu_pytorch_tanh")),
-    "granite": ("GraniteConfig", "GraniteForCausalLM",
-                dict(_COMMON, num_hidden_layers=4, embedding_multiplier=4.0, residual_multiplier=0.5,
-                     attention_multiplier=0.125, logits_scaling=2.0)),
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 dict(_COMMON, num_hidden_layers=4, head_dim=64, n_routed_experts=8, n_shared_experts=1,
-                      num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1, n_group=1,
-                      topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=False)),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(_COMMON, num_hidden_layers=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
-                     intermediate_size=256, sliding_window=128, layer_types=["sliding_attention",
-                                                                             "full_attention"] * 2)),
-}
+def _tiny(name: str) -> Tiny:
+    if name not in TINY:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(TINY)}")
+    return TINY[name][1]
 
 
-def _config(family: str):
+def _config(tiny: Tiny):
     import transformers
 
-    cls_name, arch, kwargs = TINY_CONFIGS[family]
-    cfg = getattr(transformers, cls_name)(**kwargs)
-    cfg.architectures = [arch]
+    cfg = getattr(transformers, tiny.config_class)(**tiny.config)
+    cfg.architectures = [tiny.architecture]
     return cfg
 
 
@@ -114,12 +55,6 @@ def _fix_deepseek_checkpoint(model_dir: str, config: Any) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-_POST_SAVE: dict[str, Callable[[str, Any], None]] = {"deepseek_v3": _fix_deepseek_checkpoint,
-                                                     "deepseek_v3_plain_rope": _fix_deepseek_checkpoint}
-
-
-# gpt-oss's reasoning parser, which vLLM 0.17+ builds with the engine, looks these up in the vocabulary
-HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"]
 
 
 def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE, extra_specials: list[str] | None = None) -> None:
@@ -160,21 +95,23 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
     import transformers
     from transformers import AutoModelForCausalLM
 
-    if family not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny family {family!r}; known: {sorted(TINY_CONFIGS)}")
-    key = hashlib.sha256(json.dumps([TINY_CONFIGS[family], seed, transformers.__version__, BUILD_REVISION],
+    tiny = _tiny(family)
+    if tiny.wraps:
+        raise ValueError(f"{family} is a wrapper checkpoint: use build_family({family!r})")
+    key = hashlib.sha256(json.dumps([[tiny.config_class, tiny.architecture, tiny.config], seed,
+                                     transformers.__version__, BUILD_REVISION],
                                     sort_keys=True, default=str).encode()).hexdigest()[:12]
     out_dir = out_dir or os.path.join(cache_dir(), f"{family}-{key}")
     if os.path.exists(os.path.join(out_dir, ".complete")):
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
-    config = _config(family)
+    config = _config(tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
     model.save_pretrained(out_dir, safe_serialization=True)
-    if family in _POST_SAVE:
-        _POST_SAVE[family](out_dir, config)
-    save_tokenizer(out_dir, config.vocab_size, HARMONY_TOKENS if family == "gpt_oss" else None)
+    if tiny.config.get("topk_method") == "noaux_tc":
+        _fix_deepseek_checkpoint(out_dir, config)
+    save_tokenizer(out_dir, config.vocab_size, list(tiny.extra_tokens))
     open(os.path.join(out_dir, ".complete"), "w").close()
     return out_dir
 
@@ -251,13 +188,13 @@ def _kimi_vision_shapes(v: dict, text_hidden: int) -> dict[str, tuple[int, ...]]
     return shapes
 
 
-def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
+def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0, text_model: str = "deepseek_v3") -> str:
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    text_dir = build_tiny_model("deepseek_v3", seed=seed)
+    text_dir = build_tiny_model(text_model, seed=seed)
     out_dir = out_dir or text_dir + "-kimi_k25"
     if os.path.exists(os.path.join(out_dir, ".complete")):
         return out_dir
@@ -297,16 +234,25 @@ def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0) -> str:
     return out_dir
 
 
-FAMILIES = (*(f for f in TINY_CONFIGS if f != "deepseek_v3_plain_rope"), "kimi_k25")
+# the tiny models with a parity run (tests, `eagle-compat check`, the matrix), in the family table's order
+FAMILIES = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.matrix)
+
+# wrapper checkpoints around another tiny model's weights, by architecture
+_WRAPPERS = {"KimiK25ForConditionalGeneration": build_tiny_kimi_k25}
+
+
+def num_layers(family: str) -> int:
+    return _tiny(family).num_layers
 
 
 def build_family(family: str) -> tuple[str, str, int]:
     """(checkpoint to run in vLLM, checkpoint with the same language-model weights for the HF reference,
-    number of decoder layers) for any family, including the Kimi-K2.5 wrapper."""
-    if family == "kimi_k25":
-        return build_tiny_kimi_k25(), build_tiny_model("deepseek_v3"), TINY_CONFIGS["deepseek_v3"][2]["num_hidden_layers"]
+    number of decoder layers) for any tiny model of the family table, wrappers (Kimi-K2.5) included."""
+    tiny = _tiny(family)
+    if tiny.wraps:
+        return _WRAPPERS[tiny.architecture](text_model=tiny.wraps), build_tiny_model(tiny.wraps), tiny.num_layers
     path = build_tiny_model(family)
-    return path, path, TINY_CONFIGS[family][2]["num_hidden_layers"]
+    return path, path, tiny.num_layers
 
 
 def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int],

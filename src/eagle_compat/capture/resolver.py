@@ -125,6 +125,12 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
     if len(kinds) != 1:
         raise UnsupportedModel(f"{type(model).__name__}: layers of mixed output kinds {sorted(kinds)}.")
     family = next(iter(families.values()))
+    allowed_unverified = family.unverified and family.name in fam.allowed_unverified()
+    if family.unverified and not allowed_unverified:
+        raise UnsupportedModel(
+            f"{type(model).__name__}: model family {family.name!r} is unverified: eagle_compat has no tiny model of it "
+            f"checked against HF transformers ({family.unverified}). Refused rather than risk wrong hidden states; "
+            f"set {fam.ALLOW_UNVERIFIED_ENV}={family.name} to capture it anyway, and compare with HF yourself.")
     check_engine_mode(vllm_config, base)
     check_known_wrong_kernels(own)
     from vllm.model_executor.models.interfaces import supports_eagle3
@@ -134,6 +140,8 @@ def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None)
         layer_class=classes[0] if len(classes) == 1 else ",".join(classes), layer_signature=_signature(own[0]),
         output_kind=family.output, num_layers=len(layers), start_layer=start, end_layer=end,
         native_eagle3=bool(supports_eagle3(model)))
+    if allowed_unverified:
+        contract.workarounds.append(f"unverified family {family.name} allowed by {fam.ALLOW_UNVERIFIED_ENV}")
     on_cpu = (platform or _platform()) == "cpu"
     if on_cpu and request_amx_permission():
         contract.workarounds.append(

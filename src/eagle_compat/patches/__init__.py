@@ -1,6 +1,7 @@
 """The registry of patch units that install() walks, in application order (uninstall() reverts in reverse).
 
-Each module holds one unit (one break, one contract); see `_base.PatchUnit`.
+Each module holds one unit (one break, one contract); see `_base.PatchUnit`. Units that need the same speculators
+name contribute to its one adapter (`_adapters`), whose composition does not depend on this order.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     worker_capture.UNIT,
     *worker_error_messages.UNITS,
     quiet_shutdown.UNIT,
-    worker_handshake.UNIT,  # last: its wrapper asks the executor that the units above built
+    worker_handshake.UNIT,
 )
 
 __all__ = ["REGISTRY", "PatchUnit", "Patcher", "GENERATOR_MODULE", "WORKER_MODULE"]

@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 import wrapt
 
+from . import _adapters
+from ..errors import IncompatibleEnvironment
+
 GENERATOR_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_MODULE = "speculators.data_generation.custom_worker"
 
@@ -25,6 +28,36 @@ class Change:
     original: Any
     replacement: Any
     existed: bool
+
+    def revert(self, unit_name: str) -> list[str]:
+        problems = []
+        namespace = isinstance(self.owner, (type, ModuleType))
+        current = vars(self.owner).get(self.attribute) if namespace else getattr(self.owner, self.attribute, None)
+        if current is not self.replacement and (namespace or current != self.replacement):
+            problems.append(f"{unit_name}: {_name(self.owner)}.{self.attribute} was replaced by someone else after "
+                            "install(); restoring the original anyway")
+        if self.existed:
+            setattr(self.owner, self.attribute, self.original)
+        else:
+            try:
+                delattr(self.owner, self.attribute)
+            except AttributeError:
+                pass
+        return problems
+
+
+@dataclass
+class Contribution:
+    """A unit's part in the one adapter of `owner.attribute`; the Change that installed the adapter is reverted
+    with the last contribution, whichever unit withdraws it."""
+    owner: Any
+    attribute: str
+    replacement: Any  # the adapter's wrapper
+
+    def revert(self, unit_name: str) -> list[str]:
+        adapter = _adapters.adapter_of(self.replacement)
+        adapter.contributions.pop(unit_name, None)
+        return [] if adapter.contributions else adapter.installed.revert(unit_name)
 
 
 class MappingAttributes:
@@ -72,63 +105,58 @@ class Patcher:
 
     def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
         """wrapt-style wrapper `(wrapped, instance, args, kwargs)` around `owner.attribute` (looked up where the
-        caller looks it up: the speculators module namespace)."""
-        current = vars(owner)[attribute] if isinstance(owner, (type, ModuleType)) else getattr(owner, attribute)
+        caller looks it up: the speculators module namespace), for a name only this unit wraps; a name several
+        units need takes contributions to its one adapter (`rewrite_kwargs`, `hook_executor`)."""
+        current = _current(owner, attribute)
+        if _adapters.wrapped_by_us(current):
+            raise IncompatibleEnvironment(f"{_name(owner)}.{attribute} is already wrapped by eagle_compat; a second "
+                                          f"unit ({self.unit_name}) must contribute to its adapter instead")
         replacement = wrapt.FunctionWrapper(current, wrapper)
         # `_self_` attributes stay on the wrapt wrapper (others would be set on the wrapped vLLM object)
         replacement._self_eagle_compat_unit = self.unit_name  # type: ignore[attr-defined]
         self.set(owner, attribute, replacement)
 
     def rewrite_kwargs(self, owner: Any, attribute: str, rewrite: Callable[[dict], dict]) -> None:
-        """Call `owner.attribute` with its keyword arguments passed through `rewrite` (speculators calls these
-        constructors with keywords only; rewriting by name, never by position)."""
-        self.wrap(owner, attribute, lambda wrapped, instance, args, kwargs: wrapped(*args, **rewrite(kwargs)))
+        """Contribute a keyword rewrite to the call of `owner.attribute` (speculators calls these constructors with
+        keywords only; rewriting by name, never by position). `rewrite` gets the caller's keywords and returns
+        them changed; see `_adapters.KeywordsAdapter` for how several units' rewrites combine."""
+        self._contribute(owner, attribute, _adapters.KeywordsAdapter, rewrite)
 
-    def wrap_instances(self, owner: Any, factory: str,
-                       method_wrappers: dict[str, Callable[[Any, Callable, tuple, dict], Any]],
-                       construct_within: Callable[[], Any] | None = None) -> None:
-        """Wrap methods on each instance built through `owner.factory` (e.g. the MultiprocExecutor name in
-        speculators' module): vLLM's class itself is untouched, so vLLM's own engine is unaffected.
-        A wrapper gets (instance, the method as it was, args, kwargs). `construct_within` is a context-manager
-        factory entered around the construction itself."""
-        import contextlib
+    def hook_executor(self, owner: Any, factory: str, hooks: "_adapters.ExecutorHooks") -> None:
+        """Contribute to each executor built through `owner.factory` (the MultiprocExecutor name in speculators'
+        module): vLLM's class itself is untouched. Phases and order: `_adapters.ExecutorAdapter`."""
+        self._contribute(owner, factory, _adapters.ExecutorAdapter, hooks)
 
-        from .. import engine
-
-        def factory_wrapper(wrapped, instance, args, kwargs):
-            with (construct_within or contextlib.nullcontext)():
-                obj = wrapped(*args, **kwargs)
-            engine.remember_executor(obj)
-            for method, method_wrapper in method_wrappers.items():
-                setattr(obj, method, _instance_method(obj, getattr(obj, method), method_wrapper))
-            return obj
-        self.wrap(owner, factory, factory_wrapper)
+    def _contribute(self, owner: Any, attribute: str, kind: type, contribution: Any) -> None:
+        current = _current(owner, attribute)
+        adapter = _adapters.adapter_of(current)
+        if adapter is None:
+            if _adapters.wrapped_by_us(current):
+                raise IncompatibleEnvironment(f"{_name(owner)}.{attribute} is wrapped by eagle_compat unit "
+                                              f"{current._self_eagle_compat_unit!r}, not by an adapter")
+            adapter = kind(f"{_name(owner)}.{attribute}")
+            wrapper = wrapt.FunctionWrapper(current, adapter)
+            wrapper._self_eagle_compat_adapter = adapter  # type: ignore[attr-defined]
+            self.set(owner, attribute, wrapper)
+            adapter.installed = self.changes.pop()
+        else:
+            if not isinstance(adapter, kind) or self.unit_name in adapter.contributions:
+                raise IncompatibleEnvironment(f"{self.unit_name}: cannot contribute to {adapter.name} twice or as "
+                                              f"another kind ({type(adapter).__name__})")
+            wrapper = current
+        adapter.contributions[self.unit_name] = contribution
+        self.changes.append(Contribution(owner, attribute, wrapper))
 
     def revert(self) -> list[str]:
         problems = []
         for change in reversed(self.changes):
-            namespace = isinstance(change.owner, (type, ModuleType))
-            current = vars(change.owner).get(change.attribute) if namespace else getattr(
-                change.owner, change.attribute, None)
-            if current is not change.replacement and (namespace or current != change.replacement):
-                problems.append(f"{self.unit_name}: {_name(change.owner)}.{change.attribute} was replaced by "
-                                "someone else after install(); restoring the original anyway")
-            if change.existed:
-                setattr(change.owner, change.attribute, change.original)
-            else:
-                try:
-                    delattr(change.owner, change.attribute)
-                except AttributeError:
-                    pass
+            problems += change.revert(self.unit_name)
         self.changes.clear()
         return problems
 
 
-def _instance_method(obj: Any, current: Callable, method_wrapper: Callable) -> Callable:
-    def instance_method(*args, **kwargs):
-        return method_wrapper(obj, current, args, kwargs)
-    instance_method.__wrapped__ = current  # type: ignore[attr-defined]
-    return instance_method
+def _current(owner: Any, attribute: str) -> Any:
+    return vars(owner)[attribute] if isinstance(owner, (type, ModuleType)) else getattr(owner, attribute)
 
 
 def _name(owner: Any) -> str:

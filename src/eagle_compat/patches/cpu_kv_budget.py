@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -54,7 +55,12 @@ class _TorchForGenerator(types.ModuleType):
 def _apply(patcher, module) -> None:
     import torch
 
+    from .. import engine
+
     patcher.set(module, "torch", _TorchForGenerator(torch, module))
+    # the executor speculators builds is the one to ask
+    patcher.hook_executor(module, "MultiprocExecutor",
+                          ExecutorHooks(built=lambda executor, _: engine.remember_executor(executor)))
 
 
 UNIT = PatchUnit(

@@ -7,6 +7,9 @@ an equal, contiguous share of the allowed cores per worker (`engine.cpu_thread_b
 """
 from __future__ import annotations
 
+import contextlib
+
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -20,18 +23,19 @@ def _apply(patcher, module) -> None:
 
     from .. import engine
 
-    def spawned_with_binding(wrapped, instance, args, kwargs):
+    @contextlib.contextmanager
+    def spawning_with_binding(args, kwargs):
         config = kwargs.get("vllm_config", args[0] if args else None)
         tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1)
         binding = engine.cpu_thread_binding(tp)
         saved = engine.apply_env({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {})
         try:
-            return wrapped(*args, **kwargs)
+            yield
         finally:
             for key in saved:
                 os.environ.pop(key, None)
 
-    patcher.wrap(module, "MultiprocExecutor", spawned_with_binding)
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(spawning=spawning_with_binding))
 
 
 UNIT = PatchUnit(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -27,7 +28,7 @@ def _apply(patcher, module) -> None:
                 return None
             raise
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {"shutdown": shutdown_once})
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"shutdown": shutdown_once}))
 
 
 UNIT = PatchUnit(

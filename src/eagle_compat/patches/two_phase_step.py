@@ -7,6 +7,7 @@ exactly as EngineCore does.
 """
 from __future__ import annotations
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -22,7 +23,7 @@ def _apply(patcher, module) -> None:
             out = executor.sample_tokens(None)
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {"execute_model": execute_model})
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"execute_model": execute_model}))
 
 
 UNIT = PatchUnit(

@@ -5,6 +5,7 @@ rows of the wrong object. Silent. At speculators' call site the single reply is 
 """
 from __future__ import annotations
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
 
 
@@ -13,26 +14,26 @@ def _needed() -> bool:
     return detect.feature("unique_reply_returns_single")
 
 
-def _speculators_rpc_names() -> frozenset[str]:
+def _is_speculators_rpc(method) -> bool:
+    """A method of speculators' worker extension (eagle_compat's own `eagle_compat_*` RPCs expect vLLM's shape)."""
     import importlib
 
     ext = importlib.import_module(WORKER_MODULE).HiddenStatesWorkerExtension
-    return frozenset(n for n in vars(ext) if not n.startswith("__"))
+    return (isinstance(method, str) and method in vars(ext) and not method.startswith("__")
+            and not method.startswith("eagle_compat_"))
 
 
 def _apply(patcher, module) -> None:
-    speculators_rpcs = _speculators_rpc_names()
-
     def collective_rpc(executor, call, args, kwargs):
         out = call(*args, **kwargs)
         method = args[0] if args else kwargs.get("method")
         # only speculators' own RPCs: the executor's internal calls (execute_model …) expect the new shape
-        if (method in speculators_rpcs and kwargs.get("unique_reply_rank") is not None
-                and not kwargs.get("non_block")):
+        if (kwargs.get("unique_reply_rank") is not None and not kwargs.get("non_block")
+                and _is_speculators_rpc(method)):
             return [out]
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {"collective_rpc": collective_rpc})
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"collective_rpc": collective_rpc}))
 
 
 UNIT = PatchUnit(

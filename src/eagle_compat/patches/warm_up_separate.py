@@ -4,6 +4,7 @@ for it, and on GPU kernels are not pre-tuned). At speculators' call site we call
 """
 from __future__ import annotations
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -20,7 +21,8 @@ def _apply(patcher, module) -> None:
         engine.warm_up_if_separate(executor)
         return out
 
-    patcher.wrap_instances(module, "MultiprocExecutor", {"initialize_from_config": initialize_from_config})
+    patcher.hook_executor(module, "MultiprocExecutor",
+                          ExecutorHooks(methods={"initialize_from_config": initialize_from_config}))
 
 
 UNIT = PatchUnit(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
 
 _RPC_METHODS = ("collective_rpc", "execute_model", "sample_tokens", "initialize_from_config")
@@ -25,31 +26,30 @@ def _apply(patcher, module) -> None:
             patcher.set(ext, name, remote_errors.reported(name)(vars(ext)[name]))
         return
 
-    built: list = []  # the log of the executor being built; claimed by its first call
-    logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # executor -> its workers' error log
 
     @contextlib.contextmanager
-    def spawning_with_log():
+    def spawning_with_log(args, kwargs):
         log = remote_errors.WorkerErrorLog()
         try:
             with log.spawning():
-                yield
+                yield log
         except BaseException:
             log.close()
             raise
-        built.append(log)
 
-    def translated(executor, call, args, kwargs):
-        log = logs.get(executor)
-        if log is None and built:
-            log = logs[executor] = built.pop()
-            weakref.finalize(executor, log.close)
-        return remote_errors.translate(call, getattr(call, "__name__", ""), log=log,
-                                       executor=executor)(*args, **kwargs)
+    def built(executor, log):
+        logs[executor] = log
+        weakref.finalize(executor, log.close)
+
+    def translated(method):
+        def hook(executor, call, args, kwargs):
+            return remote_errors.translate(call, method, log=logs.get(executor), executor=executor)(*args, **kwargs)
+        return hook
 
     methods = [m for m in _RPC_METHODS if hasattr(module.MultiprocExecutor, m)]  # sample_tokens: 0.11.1+
-    patcher.wrap_instances(module, "MultiprocExecutor", {method: translated for method in methods},
-                           construct_within=spawning_with_log)
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(
+        spawning=spawning_with_log, built=built, methods={method: translated(method) for method in methods}))
 
 
 def _make(target: str, sides: tuple[str, ...]) -> PatchUnit:

@@ -2,27 +2,21 @@
 allow-list without it, a worker started another way), speculators' unpatched capture runs there, and whether that
 fails loudly, and how, is luck of the release.
 
-Driver side, at speculators' call site: the executor speculators builds is asked, before speculators uses it, which
-capture every worker runs (`capture/handshake.py`); an unpatched worker is refused with the cause and the fix.
+Driver side, at speculators' call site: the executor speculators builds is asked, before speculators uses it (and
+through every other unit's hooks), which capture every worker runs (`capture/handshake.py`); an unpatched worker is refused with the cause and the fix.
 """
 from __future__ import annotations
 
+from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
 def _apply(patcher, module) -> None:
     from ..capture import handshake
 
-    def built_then_asked(wrapped, instance, args, kwargs):
-        executor = wrapped(*args, **kwargs)
-        try:
-            handshake.require_patched_workers(executor.collective_rpc, "shim")
-        except BaseException:
-            executor.shutdown()
-            raise
-        return executor
-
-    patcher.wrap(module, "MultiprocExecutor", built_then_asked)
+    # a ready check: runs once every unit's hooks are on the executor; the adapter shuts the executor down if it raises
+    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(
+        ready=lambda executor: handshake.require_patched_workers(executor.collective_rpc, "shim")))
 
 
 UNIT = PatchUnit(

@@ -1,0 +1,130 @@
+"""One wrapper per wrapped name: the adapters units contribute to.
+
+Several units need the same speculators name (three rewrite `SchedulerConfig`'s keywords; seven need something of
+the `MultiprocExecutor` speculators builds). Stacked one wrapper per unit, the result depended on registry order.
+Instead the first unit that needs a name installs its one adapter, every unit adds a contribution, and the original
+comes back when the last contribution is withdrawn (`Patcher.revert`). The composition is defined by the adapter,
+never by the order in which units contributed:
+
+* `KeywordsAdapter` (a constructor speculators calls with keywords): every transform sees the caller's keywords,
+  never another unit's result; the changes are merged, and two contributions changing one keyword differently
+  are refused at the call. Contributions commute by construction.
+* `ExecutorAdapter` (the executor speculators builds; vLLM's class is untouched): in phases, each phase's
+  contributions in unit-name order:
+    1. `spawning(args, kwargs)`: context managers entered around the construction (each restores only what it set);
+    2. `built(executor, what spawning yielded)`: per-executor set-up, before any call goes through a hook;
+    3. `methods`: {name: hook(executor, call, args, kwargs)} put on the instance; hooks on one method nest in
+       unit-name order, the first name outermost, vLLM's own method innermost;
+    4. `ready(executor)`: checks that may call the executor (through every hook); one that raises shuts it down.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Mapping
+
+import wrapt
+
+from ..errors import IncompatibleEnvironment
+
+_MISSING = object()
+
+
+class Adapter:
+    """The one eagle_compat wrapper of one name. Contributions are keyed by unit name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.contributions: dict[str, Any] = {}
+        self.installed: Any = None  # the Patcher Change that put this adapter in place
+
+    def ordered(self) -> list[tuple[str, Any]]:
+        return sorted(self.contributions.items())
+
+    def describe(self) -> dict[str, Any]:
+        """What the adapter does, in the order it does it (for doctor and the order-independence test)."""
+        return {"target": self.name, "units": [unit for unit, _ in self.ordered()]}
+
+    def __call__(self, wrapped, instance, args, kwargs):  # wrapt wrapper
+        raise NotImplementedError
+
+
+class KeywordsAdapter(Adapter):
+    def __call__(self, wrapped, instance, args, kwargs):
+        return wrapped(*args, **self.transform(kwargs))
+
+    def transform(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out, changed_by = dict(kwargs), {}
+        for unit, rewrite in self.ordered():
+            new = rewrite(dict(kwargs))
+            for key in set(kwargs) | set(new):
+                value = new.get(key, _MISSING)
+                if value is kwargs.get(key, _MISSING):
+                    continue
+                if key in changed_by and out.get(key, _MISSING) is not value:
+                    raise IncompatibleEnvironment(
+                        f"patch units {changed_by[key]!r} and {unit!r} set {self.name}({key}=) differently")
+                changed_by[key] = unit
+                if value is _MISSING:
+                    out.pop(key, None)
+                else:
+                    out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class ExecutorHooks:
+    spawning: Callable[[tuple, dict], ContextManager[Any]] | None = None
+    built: Callable[[Any, Any], None] | None = None
+    methods: Mapping[str, Callable[[Any, Callable, tuple, dict], Any]] = field(default_factory=dict)
+    ready: Callable[[Any], None] | None = None
+
+
+class ExecutorAdapter(Adapter):
+    def describe(self) -> dict[str, Any]:
+        hooks = self.ordered()
+        methods = sorted({m for _, h in hooks for m in h.methods})
+        return {"target": self.name,
+                "spawning": [u for u, h in hooks if h.spawning], "built": [u for u, h in hooks if h.built],
+                "methods": {m: [u for u, h in hooks if m in h.methods] for m in methods},
+                "ready": [u for u, h in hooks if h.ready]}
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        hooks = self.ordered()
+        with contextlib.ExitStack() as stack:
+            spawned = {u: stack.enter_context(h.spawning(args, kwargs)) for u, h in hooks if h.spawning}
+            executor = wrapped(*args, **kwargs)
+        for unit, h in hooks:
+            if h.built:
+                h.built(executor, spawned.get(unit))
+        for method in sorted({m for _, h in hooks for m in h.methods}):
+            call = getattr(executor, method)
+            for _, h in reversed(hooks):  # innermost first: the first unit name ends up outermost
+                if method in h.methods:
+                    call = _instance_method(executor, call, h.methods[method])
+            setattr(executor, method, call)
+        try:
+            for _, h in hooks:
+                if h.ready:
+                    h.ready(executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor
+
+
+def _instance_method(obj: Any, current: Callable, hook: Callable) -> Callable:
+    def instance_method(*args, **kwargs):
+        return hook(obj, current, args, kwargs)
+    instance_method.__wrapped__ = current  # type: ignore[attr-defined]
+    return instance_method
+
+
+def adapter_of(obj: Any) -> Adapter | None:
+    return getattr(obj, "_self_eagle_compat_adapter", None) if isinstance(obj, wrapt.FunctionWrapper) else None
+
+
+def wrapped_by_us(obj: Any) -> bool:
+    return isinstance(obj, wrapt.FunctionWrapper) and (
+        getattr(obj, "_self_eagle_compat_adapter", None) is not None
+        or getattr(obj, "_self_eagle_compat_unit", None) is not None)
