@@ -2,7 +2,9 @@
 
   plain      vLLM's own LLM.generate, prefill only (max_tokens=1): the speed to match
   delivered  eagle_compat.VllmHiddenStatesGenerator: hidden states of the chosen layers handed to the caller (host)
-  written    eagle-compat extract: the same, written to disk as training files (pipelined, writer threads)
+  written    eagle-compat extract: the same, written to disk as training files (pipelined, writer threads; each
+             file fsynced, as extract does)
+  written_shm  the same writer into /dev/shm (memory): the software's speed where the disk is no limit
   native     vLLM's own `extract_hidden_states` speculative method + `ExampleHiddenStatesConnector` (one safetensors
              file per request), same layers (vLLM's id k is the input of layer k: speculators' id i -> vLLM i+1);
              a few of its files are compared with `written`'s at bf16 tolerance. Skipped, with the reason, where this
@@ -223,11 +225,16 @@ def phase(args: argparse.Namespace) -> dict:
         del out
         extra_out = {}
     else:  # written: the extract job's writer on its writer pool, the engine running ahead
+        import shutil
+
         import torch
 
         from eagle_compat.extract import pipeline, writer
 
-        out_dir = args.written_dir or tempfile.mkdtemp(prefix="eagle-bench-", dir=args.write_dir)
+        if args.phase == "written_shm":  # the same writer, to memory: what the software does without the disk
+            out_dir = tempfile.mkdtemp(prefix="eagle-bench-written-", dir="/dev/shm")
+        else:
+            out_dir = args.written_dir or tempfile.mkdtemp(prefix="eagle-bench-", dir=args.write_dir)
         os.makedirs(out_dir, exist_ok=True)
         with pipeline.WriterPool(args.writer_threads) as pool:
             for k, out in enumerate(gen.generate_batches(groups)):
@@ -236,7 +243,11 @@ def phase(args: argparse.Namespace) -> dict:
                                 {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
                                  "loss_mask": torch.ones_like(r["input_ids"])}, "pt")
                 del out, r
-        extra_out = {"writer_threads": pool.threads, "dir": out_dir}
+            # the last batch's files can only be written after its compute: the tail no overlap can hide
+            engine_done = time.perf_counter() - t0
+        extra_out = {"writer_threads": pool.threads, "dir": out_dir, "engine_done_seconds": engine_done}
+        if args.phase == "written_shm":
+            shutil.rmtree(out_dir, ignore_errors=True)
     seconds = time.perf_counter() - t0
     result = {"seconds": seconds, "tokens": tokens, "reserved_buffers": reserved, "handover": gen.handover_stats,
               "memory": peak_memory(), **extra_out}
@@ -331,7 +342,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     plain = results["phases"].get("plain", {}).get("tokens_per_s")
     if plain:
-        for name in ("delivered", "written", "native"):
+        for name in ("delivered", "written", "written_shm", "native"):
             tps = results["phases"].get(name, {}).get("tokens_per_s")
             if tps:
                 results[f"{name}_over_plain"] = tps / plain

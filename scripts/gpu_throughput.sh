@@ -2,8 +2,8 @@
 # On the lent H200 (device tool), in the call that carries the bundle's last part (shared/notes/gpu-vllm-recipe.md):
 # sets vLLM 0.20.0 up (once per machine), then runs the issue-12 measurements, each writing to $OUT as it ends:
 #   llama8b-256x1024   benchmarks/throughput.py, 8B-shaped Llama (dummy weights), 256 x 1024, 8 prompts per batch
-#                      (extract's default batch size): plain, delivered,
-#                      written, native (+ native files compared with ours)
+#                      (extract's default batch size): plain, delivered, written (local disk, fsynced),
+#                      written_shm (the same writer into /dev/shm), native (+ native files compared with ours)
 #   v2-parity          compat_matrix/cell.py batch_order under VLLM_USE_V2_MODEL_RUNNER=1 (llama, qwen3_moe):
 #                      mixed-length batch == one at a time == pipelined, and == HF (fp32 on the same GPU)
 #   llama8b-32x8192    the same benchmark, 32 x 8192 (2 prompts per batch)
@@ -48,6 +48,7 @@ else
   n1=16; t1=128; n2=4; t2=512; dev=cpu
 fi
 mkdir -p /tmp/bench
+phases=${PHASES:-plain,delivered,written,written_shm,native}
 bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2
   say "start $name"
@@ -58,8 +59,8 @@ bench() {  # name timeout args...
 }
 for run in ${RUNS:-llama8b-256x1024 v2-parity llama8b-32x8192 moe-256x1024}; do
   case $run in
-    llama8b-256x1024) bench "$run" 420 $big --prompts $n1 --tokens $t1 --batch 8 ;;
-    llama8b-32x8192) bench "$run" 420 $big --prompts $n2 --tokens $t2 --batch 2 --batch-tokens $t2 ;;
+    llama8b-256x1024) bench "$run" 420 $big --prompts $n1 --tokens $t1 --batch 8 --phases $phases ;;
+    llama8b-32x8192) bench "$run" 420 $big --prompts $n2 --tokens $t2 --batch 2 --batch-tokens $t2 --phases $phases ;;
     moe-256x1024) bench "$run" 480 $moe --prompts $n1 --tokens $t1 --batch 8 ;;
     v2-parity)
       for fam in llama qwen3_moe; do
