@@ -211,3 +211,19 @@ def test_batches_of_many_steps_queue_without_filling_vllms_message_rings():
         for batch, results in zip(batches[::3], got[::3]):
             assert_close_to_reference(results, tiny_models.hf_reference(path, batch, [1, 3]), precision="fp32",
                                       layer_ids=[1, 3])
+
+
+def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results(fp32_generator, monkeypatch):
+    """Releases without MultiprocExecutor.futures_queue (0.11.x) take the path where each call completes before the
+    next is sent: same results, in order, also through generate_batches' engine thread."""
+    from eagle_compat import engine
+
+    _, _, layer_ids, gen = fp32_generator
+    batches = [prompts(3, 5, 120, seed=60 + k) for k in range(4)]
+    queued = list(gen.generate_batches(iter(batches), prefetch=0))
+    monkeypatch.setattr(engine, "can_queue_calls", lambda executor: False)
+    one_by_one = list(gen.generate_batches(iter(batches), prefetch=1))
+    assert gen._sent and all(f.done() for f in gen._sent)  # nothing was left outstanding
+    for want, got in zip(queued, one_by_one):
+        for x, y in zip(want, got):
+            assert all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
