@@ -511,3 +511,33 @@ def test_affects_agrees_with_every_recorded_release():
                     checked += 1
     if not checked:
         pytest.skip("no recorded release carries units_needed yet (recorded by cells run from now on)")
+
+
+def test_a_probe_that_cannot_read_its_source_refuses_rather_than_answering_not_needed(tmp_path, monkeypatch):
+    """Several probes read vLLM's source text. Installed without .py files, they used to answer "not needed" and
+    skip a needed workaround in silence; now they refuse, naming what they could not read."""
+    import py_compile
+
+    from eagle_compat import workarounds
+    from eagle_compat.errors import IncompatibleEnvironment, UndecidableProbe
+
+    src = tmp_path / "eagle_compat_compiled_only.py"
+    src.write_text("def forward_cpu():\n    return 'forward_cuda'\n")
+    py_compile.compile(str(src), cfile=str(tmp_path / "eagle_compat_compiled_only.pyc"))
+    src.unlink()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UndecidableProbe, match="eagle_compat_compiled_only is installed without its Python source"):
+        detect.module_source("eagle_compat_compiled_only")
+    assert detect.module_source("eagle_compat_no_such_module") is None  # absent is an answer
+    namespace: dict = {}
+    exec("def forward_cpu():\n    return 1\n", namespace)  # noqa: S102 - a function without source
+    with pytest.raises(UndecidableProbe, match="cannot read the source of .*forward_cpu"):
+        detect.function_source(namespace["forward_cpu"])
+    assert issubclass(UndecidableProbe, IncompatibleEnvironment)
+
+    def unreadable(fn):
+        raise UndecidableProbe("cannot read the source of X")
+    monkeypatch.setattr(detect, "function_source", unreadable)
+    monkeypatch.setattr(workarounds, "_cpu", lambda: True)
+    status = workarounds.status()  # doctor says the probe could not decide; it does not guess
+    assert status["cpu_custom_ops_native"].startswith("unknown (UndecidableProbe")

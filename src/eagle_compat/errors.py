@@ -14,6 +14,11 @@ class IncompatibleEnvironment(EagleCompatError):
     """
 
 
+class UndecidableProbe(IncompatibleEnvironment):
+    """A feature probe could not read what it decides from (e.g. vLLM installed without .py sources): refused rather
+    than answer "not needed" and skip a workaround in silence."""
+
+
 class UnsupportedModel(EagleCompatError):
     """The loaded model (or engine mode) cannot be captured correctly; the message says why and what would work."""
 

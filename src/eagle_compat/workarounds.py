@@ -26,10 +26,10 @@ def _cpu() -> bool:
 
 
 def _custom_ops_default_to_kernels() -> bool:
-    import inspect
-
     from vllm.model_executor.custom_op import CustomOp
-    return _cpu() and "forward_cuda" in inspect.getsource(CustomOp.forward_cpu)
+
+    from . import detect
+    return _cpu() and "forward_cuda" in detect.function_source(CustomOp.forward_cpu)
 
 
 def _cpu_moe_builds_ops_in_forward() -> bool:

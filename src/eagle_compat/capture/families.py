@@ -1,6 +1,6 @@
 """Model-family facts, as data: the one table the resolver, the tiny models and the compatibility matrix read.
 
-Sources: shared/notes/vllm-model-drift.md §1-§6 (file:line for every release 0.11-0.32).
+Each fact is shown by a parity run against HF (tests/test_families.py, compat_matrix/results, docs/compatibility.md).
 `output` is what a decoder layer returns, which decides the residual-stream value captured after it:
   "pair":   (hidden_states, residual)   → hidden_states + residual
   "tensor": one tensor (the stream)     → a copy of it
@@ -42,7 +42,8 @@ class Family:
     architectures: tuple[str, ...]
     output: str = "pair"
     # CPU vLLM's C++ rotary kernel mishandles this family's strided q/k views unless rope scaling is set
-    # (cpu-vllm-setup.md): run the rotary embedding's native implementation instead.
+    # (tests/test_e2e_generator.py::test_cpu_rotary_kernel_bug_is_worked_around_for_deepseek_without_rope_scaling):
+    # run the rotary embedding's native implementation instead.
     cpu_native_rotary: bool = False
     tiny: tuple[Tiny, ...] = ()
     unverified: str = ""  # why no tiny model verifies it (then the resolver refuses it by default)
@@ -58,7 +59,8 @@ _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, nu
                eos_token_id=2, pad_token_id=0)
 
 # YaRN with factor 1.0 is mathematically plain RoPE; it keeps CPU vLLM off a C++ rotary path that mishandles
-# DeepSeek attention's strided q/k views (cpu-vllm-setup.md). Real DeepSeek-V3 / Kimi-K2 configs use YaRN too.
+# DeepSeek attention's strided q/k views (see cpu_native_rotary above). Real DeepSeek-V3 / Kimi-K2 configs use
+# YaRN too.
 _YARN_1 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 1024,
            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 

@@ -10,6 +10,7 @@ import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .. import detect
 from ..errors import UnsupportedModel
 from . import families as fam
 
@@ -211,10 +212,7 @@ def _default_cpu_reaches_kernel(module: Any) -> bool:
     current = _current_function(module)
     if getattr(current, "__qualname__", "") != "CustomOp.forward_cpu":
         return False
-    try:
-        return "forward_cuda" in inspect.getsource(current)
-    except (OSError, TypeError):
-        return False
+    return "forward_cuda" in detect.function_source(current)
 
 
 def _reaches_kernel(module: Any) -> bool:
