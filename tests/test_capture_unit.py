@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from eagle_compat.capture import remote_errors, resolver
+from eagle_compat import remote_errors
+from eagle_compat.capture import resolver
 from eagle_compat.capture.worker import _reorder
 from eagle_compat.errors import UnsupportedModel, WorkerError
 

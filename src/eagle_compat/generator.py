@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
 from .capture import handshake
-from .capture.remote_errors import WorkerErrorLog, translate
+from .remote_errors import WorkerErrorLog, translate
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput
 

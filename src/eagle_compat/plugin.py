@@ -9,7 +9,7 @@ import os
 
 
 def register() -> None:
-    from .capture.remote_errors import record_worker_errors
+    from .remote_errors import record_worker_errors
     from .installer import INSTALLED_ENV, install, is_installed
 
     record_worker_errors()  # only if a driver of ours asked (environment variable)

@@ -111,7 +111,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "vLLM splits one NUMA node among several workers itself", False, _numa_short_for_tp),
     Workaround(
         "dead_worker_named", "a worker that dies mid-batch reaches the caller as `cancelled` (or a hang)", "all",
-        "capture/remote_errors.py `dead_workers` (WorkerError WorkerDied)", "vLLM reports dead workers itself",
+        "remote_errors.py `dead_workers` (WorkerError WorkerDied)", "vLLM reports dead workers itself",
         False, lambda: True),
 )
 

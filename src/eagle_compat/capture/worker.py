@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ..errors import CaptureInvariantError, UnsupportedModel
 from . import resolver
-from .remote_errors import reported
+from ..remote_errors import reported
 
 log = logging.getLogger("eagle_compat.capture")
 

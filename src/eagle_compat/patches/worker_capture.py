@@ -18,7 +18,7 @@ from ._base import WORKER_MODULE, PatchUnit
 
 
 def _apply(patcher, module) -> None:
-    from ..capture.remote_errors import reported
+    from ..remote_errors import reported
     from ..capture.handshake import worker_report
     from ..capture.worker import CaptureSession
 

@@ -18,7 +18,7 @@ _RPC_METHODS = ("collective_rpc", "execute_model", "sample_tokens", "initialize_
 
 
 def _apply(patcher, module) -> None:
-    from ..capture import remote_errors
+    from .. import remote_errors
 
     if module.__name__ == WORKER_MODULE:
         ext = module.HiddenStatesWorkerExtension

@@ -19,7 +19,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, Iterator
 
-from ..errors import WorkerError
+from .errors import WorkerError
 
 _OPEN, _CLOSE = "<<eagle_compat:", ":eagle_compat>>"
 _PAYLOAD = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.S)
