@@ -15,6 +15,8 @@ def render() -> str:
              "Generated from `src/eagle_compat/patches/` by `scripts/gen_patch_docs.py`; do not edit by hand.",
              "`install()` applies a unit only where its feature probe says the installed vLLM needs it",
              "(`eagle-compat doctor` shows which). *Silent* units fix breaks that give wrong hidden states with no error.",
+             "`eagle-compat doctor --release X.Y.Z` lists, from these tables alone, the units and workarounds whose",
+             "releases hold X.Y.Z, with their conditions.",
              "",
              "A name several units need (`SchedulerConfig`, `CacheConfig`, the `MultiprocExecutor` speculators builds) gets",
              "one wrapper, its adapter (`patches/_adapters.py`); units contribute to it (a keyword rewrite; an executor's",
@@ -32,7 +34,8 @@ def render() -> str:
               "(`src/eagle_compat/workarounds.py`).", "",
               "| workaround | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
     for w in WORKAROUNDS:
-        lines.append(f"| `{w.name}` | {w.broke} | {w.affects} | {w.where} | {'yes' if w.silent else ''} | "
+        releases = (f"`{w.affects}`" if w.affects else "all") + (f"; where {w.condition}" if w.condition else "")
+        lines.append(f"| `{w.name}` | {w.broke} | {releases} | {w.where} | {'yes' if w.silent else ''} | "
                      f"{w.delete_when} |")
     return "\n".join(lines) + "\n"
 

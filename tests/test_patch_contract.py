@@ -468,9 +468,15 @@ def test_every_workaround_states_its_contract_and_decides_here(workaround):
     import importlib
     import re
 
+    from packaging.specifiers import SpecifierSet
+
     from eagle_compat import workarounds
-    assert workaround.broke and workaround.affects and workaround.delete_when
+    assert workaround.broke and workaround.delete_when
+    SpecifierSet(workaround.affects)  # a specifier like a unit's ("" = all), never prose
     verdict = workarounds.status()[workaround.name]
+    if not workaround.condition:  # nothing but the release decides: the probe agrees with `affects`
+        release = detect.base_version(detect.installed_versions().vllm)
+        assert verdict is SpecifierSet(workaround.affects).contains(release, prereleases=True)
     assert isinstance(verdict, bool) or not verdict.startswith("unknown"), verdict
     path, function = re.match(r"([\w/]+)\.py `(\w+)`", workaround.where).groups()
     module = importlib.import_module("eagle_compat." + path.replace("/", "."))
@@ -541,3 +547,19 @@ def test_a_probe_that_cannot_read_its_source_refuses_rather_than_answering_not_n
     monkeypatch.setattr(workarounds, "_cpu", lambda: True)
     status = workarounds.status()  # doctor says the probe could not decide; it does not guess
     assert status["cpu_custom_ops_native"].startswith("unknown (UndecidableProbe")
+
+
+def test_doctor_names_what_is_changed_on_any_release_from_the_contracts_alone(capsys):
+    """`eagle-compat doctor --release X` lists every patch unit and workaround whose `affects` holds X, with its
+    condition: the old release gets its old workarounds, a newer one does not; a bad value is refused."""
+    from eagle_compat import cli
+
+    assert cli.main(["doctor", "--release", "0.11.0"]) == 0
+    old = capsys.readouterr().out
+    assert "workaround cpu_custom_ops_native" in old and "workaround ipex_moe_routing_bias_refused" in old
+    assert cli.main(["doctor", "--release", "0.20.0"]) == 0
+    new = capsys.readouterr().out
+    assert "cpu_custom_ops_native" not in new and "workaround keep_vllm_config_current" in new
+    assert "patch unit two_phase_step" in new and "patch unit two_phase_step" not in old  # 0.11.1+
+    assert cli.main(["doctor", "--release", "banana"]) == 2
+    assert "is not a version" in capsys.readouterr().err

