@@ -227,3 +227,20 @@ def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results
     for want, got in zip(queued, one_by_one):
         for x, y in zip(want, got):
             assert all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
+
+
+def test_an_engine_built_at_a_scripts_top_level_is_refused_with_the_fix(tmp_path):
+    """vLLM's workers are spawned and re-import the main script: without `if __name__ == "__main__":` the engine is
+    built again in each starting worker, and vLLM said only "WorkerProc initialization failed"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("from eagle_compat import VllmHiddenStatesGenerator, tiny_models\n"
+                      "gen = VllmHiddenStatesGenerator(tiny_models.build_tiny_model('llama'), layer_ids=[1], "
+                      "max_model_len=64, gpu_memory_utilization=0.3)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0
+    assert any(line.startswith("eagle_compat.errors.WorkerError: InvalidInput") and 'if __name__ == "__main__":'
+               in line for line in last), proc.stderr[-3000:]

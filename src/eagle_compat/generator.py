@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
 from .capture import handshake
-from .remote_errors import WorkerErrorLog, translate
+from .remote_errors import WorkerErrorLog, record_start_error, translate
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput
 
@@ -119,6 +119,21 @@ def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncat
     return out
 
 
+def refuse_inside_a_spawned_import() -> None:
+    """vLLM starts its workers with `spawn`, and each re-imports the caller's main script: an engine built at the
+    script's top level is built again inside every starting worker. Python refuses that there, and the driver only
+    hears vLLM's "WorkerProc initialization failed". Refuse with the fix, where the driver reads worker errors."""
+    import multiprocessing
+
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    exc = InvalidInput("VllmHiddenStatesGenerator was created while a vLLM worker process was starting: vLLM starts "
+                       "workers with 'spawn', which re-imports your main script, so an engine built at its top level "
+                       "is built again in every worker. Put it under `if __name__ == \"__main__\":`.")
+    record_start_error(exc)
+    raise exc
+
+
 @dataclass
 class _Batch:
     id: str
@@ -143,6 +158,7 @@ class VllmHiddenStatesGenerator:
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
                  load_format: str = "auto", shm_limit_bytes: int | None = None):
+        refuse_inside_a_spawned_import()
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")

@@ -133,16 +133,25 @@ class _FileHandler(logging.Handler):
         self.path = os.path.join(directory, f"worker-{os.getpid()}.jsonl")
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not record.exc_info or record.exc_info[1] is None:
-            return
-        exc = record.exc_info[1]
-        payload = {"type": type(exc).__name__, "message": str(exc), "method": "worker start-up",
-                   "traceback": "".join(traceback.format_exception(*record.exc_info))}
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(payload) + "\n")
-        except OSError:
-            pass
+        if record.exc_info and record.exc_info[1] is not None:
+            _append(self.path, record.exc_info[1])
+
+
+def _append(path: str, exc: BaseException) -> None:
+    payload = {"type": type(exc).__name__, "message": str(exc), "method": "worker start-up",
+               "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(payload) + "\n")
+    except OSError:
+        pass
+
+
+def record_start_error(exc: BaseException) -> None:
+    """In a process the driver is starting as a worker: leave `exc` where the driver reads start-up errors."""
+    directory = os.environ.get(START_ERRORS_ENV)
+    if directory and os.path.isdir(directory):
+        _append(os.path.join(directory, f"worker-{os.getpid()}.jsonl"), exc)
 
 
 def record_worker_errors() -> None:
