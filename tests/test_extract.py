@@ -137,6 +137,23 @@ def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_
     _resumes_to_a_clean_run(full_run, model, dataset, out, driver_killed=True)
 
 
+def test_a_killed_driver_leaves_no_worker_behind(model, dataset, tmp_path):
+    """SIGKILL to the driver alone (an OOM kill): its vLLM workers must exit, not spin on the cores. With more calls
+    queued than vLLM's message rings hold, an orphaned worker blocked writing a reply spun at 100% CPU for good (seen
+    here); the driver keeps fewer in flight, so the worker's own parent-death check ends it."""
+    import psutil
+    out = tmp_path / "driver-killed"
+    proc = _start_until(model, dataset, out)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "VLLM" in p.name()]
+    assert workers and proc.poll() is None
+    os.kill(proc.pid, signal.SIGKILL)
+    _finish(proc, 60)
+    gone, alive = psutil.wait_procs(workers, timeout=60)
+    for p in alive:
+        p.kill()
+    assert not alive, f"vLLM workers outlived their driver by 60 s: {[p.pid for p in alive]}"
+
+
 def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_run(full_run, model, dataset,
                                                                                       tmp_path):
     """SIGKILL to vLLM's worker alone (the driver lives): a clear WorkerDied error within seconds, no hang."""
