@@ -25,6 +25,8 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
     ("Found no NVIDIA driver", "the model code calls CUDA unconditionally"),
     ("BlockSizeAlignment == 0 (16 vs. 0)", "this release has no CPU attention kernel for this head configuration"),
     ("CPU fused-MoE AMX grouped-gemm kernel cannot be used", "this release's CPU MoE refuses float32 layers"),
+    ("assert not apply_router_weight_on_input",
+     "this release's CPU fused MoE cannot apply the router weight to the input (Llama-4's MoE does)"),
     ("'layers.0.mlp.experts.w2_weight'",
      "vLLM 0.24 moved MoE expert parameters under `routed_experts` but not gpt-oss's loader for unquantized "
      "(non-MXFP4) checkpoints; fixed in 0.25 (`remap_moe_expert_weights`)"),
@@ -35,6 +37,11 @@ CAPTURE_BUG = "CaptureInvariantError"
 
 def classify(error_text: str) -> str:
     return "unsupported" if known_cause(error_text) is not None else "fail"
+
+
+def clip(text: str, keep: int = 1000) -> str:
+    """An error for the record: its head (what failed) and its tail (the worker's last frame: the actual cause)."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
 
 def known_cause(error_text: str) -> str | None:
@@ -122,7 +129,7 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         text = f"{type(exc).__name__}: {exc}"
         out.update(status=classify(text),
-                   error=text[:2000], traceback=traceback.format_exc()[-4000:])
+                   error=clip(text), traceback=traceback.format_exc()[-4000:])
     out["seconds"] = round(time.time() - t0, 1)
     return out
 
