@@ -223,7 +223,7 @@ def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results
     queued = list(gen.generate_batches(iter(batches), prefetch=0))
     monkeypatch.setattr(engine, "can_queue_calls", lambda executor: False)
     one_by_one = list(gen.generate_batches(iter(batches), prefetch=1))
-    assert gen._sent and all(f.done() for f in gen._sent)  # nothing was left outstanding
+    assert all(f.done() for f in gen._sent)  # nothing was left outstanding
     for want, got in zip(queued, one_by_one):
         for x, y in zip(want, got):
             assert all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))
@@ -244,3 +244,38 @@ def test_an_engine_built_at_a_scripts_top_level_is_refused_with_the_fix(tmp_path
     assert proc.returncode != 0
     assert any(line.startswith("eagle_compat.errors.WorkerError: InvalidInput") and 'if __name__ == "__main__":'
                in line for line in last), proc.stderr[-3000:]
+
+
+def test_a_missed_deadline_closes_the_generator_rather_than_read_replies_out_of_step(tmp_path):
+    """vLLM's step deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, here 0: every step misses it) raises TimeoutError
+    without reading the reply, so each later reply would be read as the answer to the call after it (seen: the
+    hand-over ring got a step's ModelRunnerOutput as its buffer's reply). The generator closes instead and says so;
+    it stays closed. A subprocess: vLLM may cache its environment once an engine core ran in this one."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "deadline.py"
+    script.write_text(
+        "import os, sys\n"
+        "os.environ['VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'] = '0'\n"
+        f"sys.path.insert(0, {here!r})\n"
+        "from helpers import prompts\n"
+        "from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models\n"
+        "if __name__ == '__main__':\n"
+        "    gen = VllmHiddenStatesGenerator(tiny_models.build_tiny_model('llama'), layer_ids=[1, 3],\n"
+        "                                    max_model_len=256, gpu_memory_utilization=0.3)\n"
+        "    try:\n"
+        "        list(gen.generate_batches(iter([prompts(8, 100, 200, seed=k) for k in range(6)]), prefetch=0))\n"
+        "        print('RESULT no error')\n"
+        "    except Exception as exc:\n"
+        "        print('RESULT', type(exc).__name__, gen.executor is None)\n"
+        "    try:\n"
+        "        gen.generate([[5, 6, 7]])\n"
+        "    except InvalidInput as exc:\n"
+        "        print('AFTER', exc)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("RESULT", "AFTER"))]
+    assert lines == ["RESULT TimeoutError True", "AFTER this generator is closed"], proc.stdout[-2000:] + \
+        proc.stderr[-3000:]
+    assert "replies can no longer be matched to their calls" in proc.stderr

@@ -14,9 +14,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine
 from .capture import handshake
-from .remote_errors import WorkerErrorLog, record_start_error, translate
+from .remote_errors import WorkerErrorLog, record_start_error, reply_from_worker, translate
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
-from .errors import InvalidInput
+from .errors import InvalidInput, WorkerError
 
 log = logging.getLogger("eagle_compat.generator")
 
@@ -25,6 +25,9 @@ QUEUED_BATCHES = 2  # sent but not yet collected, besides the one being sent: th
 # vLLM's shared-memory message rings hold 10 messages each way: with more calls unanswered, the worker would wait for
 # the driver to read replies while the driver waits for room to send, forever.
 CALLS_IN_FLIGHT = 8
+# vLLM's deadline for a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, default 300 s) runs from when the call is sent; a
+# queued step may wait behind CALLS_IN_FLIGHT / 2 others. Where the user set no deadline, keep 300 s per step.
+QUEUED_CALL_TIMEOUT_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(300 * (CALLS_IN_FLIGHT // 2 + 1))}
 
 
 def _result_of_rank0(future: Future) -> Any:
@@ -190,7 +193,8 @@ class VllmHiddenStatesGenerator:
             self.tokenizer = None
         from .installer import require_cpu_platform_ready
         require_cpu_platform_ready()  # before anything reaches the engine
-        self._env_restore = engine.apply_env(engine.default_worker_env(dtype, tensor_parallel_size))
+        self._env_restore = engine.apply_env({**engine.default_worker_env(dtype, tensor_parallel_size),
+                                              **QUEUED_CALL_TIMEOUT_ENV})
         try:
             self.vllm_config = engine.build_vllm_config(
                 model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
@@ -223,6 +227,9 @@ class VllmHiddenStatesGenerator:
         return translate(fn, method, log=getattr(self, "_worker_errors", None), executor=self.executor)
 
     def _rpc0(self, method: str, *args: Any) -> Any:
+        """A call that waits for its reply. Queued replies are read first, here, in order: vLLM's blocking call would
+        read them itself and, after one whose deadline passed unread, hand each reply to the call after it."""
+        self._room_for(CALLS_IN_FLIGHT)
         return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
 
     @property
@@ -394,13 +401,28 @@ class VllmHiddenStatesGenerator:
         return future
 
     def _room_for(self, calls: int) -> None:
-        """Wait for the oldest replies until `calls` more fit under CALLS_IN_FLIGHT. A failure stays on its future,
-        reported when its batch is collected."""
+        """Wait for the oldest replies until `calls` more fit under CALLS_IN_FLIGHT. A worker's failure stays on its
+        future, reported when its batch is collected."""
         while self._sent and len(self._sent) + calls > CALLS_IN_FLIGHT:
             try:
-                self._sent.popleft().result()
-            except Exception:  # noqa: BLE001
-                pass
+                self._await("queued call", self._sent.popleft())
+            except WorkerError:
+                if self.executor is None:
+                    raise
+
+    def _await(self, method: str, future: Future) -> Any:
+        """A queued call's reply. A failure that is not the worker's own reply (a deadline passed, an interrupted
+        wait, a lost worker) leaves that reply unread, so every later reply would be read against the wrong call:
+        the engine is shut down then (this generator is closed), never read out of step."""
+        try:
+            return self._translated(_result_of_rank0, method)(future)
+        except BaseException as exc:
+            cause = exc.__cause__ if isinstance(exc, WorkerError) and exc.__cause__ is not None else exc
+            if not (isinstance(cause, Exception) and reply_from_worker(cause)):
+                log.error("the engine's replies can no longer be matched to their calls (%s: %s); this generator "
+                          "is closed: start a new one (extract: rerun with --resume)", type(cause).__name__, cause)
+                self.close()
+            raise
 
     def _collect(self, batch: "_Batch") -> list[dict]:
         """Wait for a sent batch's calls (in the order sent, so the first failure is the one reported) and return
@@ -409,8 +431,10 @@ class VllmHiddenStatesGenerator:
 
         reply = None
         for method, future in batch.calls:
-            reply = self._translated(_result_of_rank0, method)(future)
+            reply = self._await(method, future)
         batch.calls.clear()
+        while self._sent and self._sent[0].done():  # answered: do not keep their replies (fallback tensors) alive
+            self._sent.popleft()
         reply = reply or {}
         if batch.slot is None:
             return self._results_from_fallback(batch.token_lists, reply.get("fallback"))

@@ -82,7 +82,7 @@ def translate(fn: Callable, method: str = "", log: "WorkerErrorLog | None" = Non
                 raise WorkerError("WorkerDied", "; ".join(died) + ". Nothing of the interrupted batch was "
                                   "returned; start a new engine (extract: rerun with --resume)", "",
                                   method or getattr(fn, "__name__", "")) from exc
-            err = decode(exc) or (log.latest(method) if log is not None and _from_worker(exc) else None)
+            err = decode(exc) or (log.latest(method) if log is not None and reply_from_worker(exc) else None)
             if err is not None:
                 raise err from exc
             text = str(exc)
@@ -163,7 +163,8 @@ def record_worker_errors() -> None:
             logger.addHandler(_FileHandler(directory))
 
 
-def _from_worker(exc: BaseException) -> bool:
+def reply_from_worker(exc: BaseException) -> bool:
+    """Whether a driver-side exception is a worker's own failure reply (the reply stream stays in step)."""
     return isinstance(exc, RuntimeError) and "Worker failed with error" in str(exc)
 
 

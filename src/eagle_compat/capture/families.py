@@ -89,7 +89,7 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("phi3", "Phi3ForCausalLM", "Phi3Config", dict(_COMMON, num_hidden_layers=4, num_key_value_heads=4,
                                                            sliding_window=None, pad_token_id=0)))),
     # no_rope_layers: layer 3 is a NoPE layer; interleave_moe_layer_step 2: layers 1 and 3 are MoE
-    Family("llama4", ("Llama4DecoderLayer",), ("Llama4ForCausalLM",), tiny=(
+    Family("llama4", ("Llama4DecoderLayer",), ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), tiny=(
         Tiny("llama4", "Llama4ForCausalLM", "Llama4TextConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, intermediate_size_mlp=512, num_local_experts=4,
                   num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0],

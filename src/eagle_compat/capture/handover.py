@@ -70,6 +70,10 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return gone
 
 
+class _CannotAllocate(Exception):
+    """The buffer's file could not be made (its OSError is the cause)."""
+
+
 class HostRing:
     """Driver side of the ring. `rpc(method, *args)` calls the capture worker (rank 0); it is only called from the
     thread that runs the engine (acquire / close), never from a finalizer."""
@@ -125,8 +129,8 @@ class HostRing:
                           f"plus {HEADROOM >> 20} MiB headroom")
         try:
             slot = self._create(size)
-        except OSError as exc:
-            return None, f"cannot allocate {size / 2**20:.0f} MiB in {self.directory}: {exc}"
+        except _CannotAllocate as exc:  # not OSError: a worker call's TimeoutError is one, and must propagate
+            return None, f"cannot allocate {size / 2**20:.0f} MiB in {self.directory}: {exc.__cause__}"
         return slot, None
 
     def _trim(self) -> None:
@@ -149,16 +153,19 @@ class HostRing:
     def _create(self, size: int) -> Slot:
         sid = next(self._ids)
         path = os.path.join(self.directory, f"eagle-compat-{os.getpid()}-{sid}.bin")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
-            except OSError:
-                os.unlink(path)
-                raise
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
+                except OSError:
+                    os.unlink(path)
+                    raise
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _CannotAllocate() from exc
         try:
             reply = self.rpc("eagle_compat_map", sid, path, size, self.pin) or {}
         except BaseException:

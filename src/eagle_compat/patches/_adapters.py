@@ -61,7 +61,7 @@ class KeywordsAdapter(Adapter):
                 value = new.get(key, _MISSING)
                 if value is kwargs.get(key, _MISSING):
                     continue
-                if key in changed_by and out.get(key, _MISSING) is not value:
+                if key in changed_by and not _same(out.get(key, _MISSING), value):
                     raise IncompatibleEnvironment(
                         f"patch units {changed_by[key]!r} and {unit!r} set {self.name}({key}=) differently")
                 changed_by[key] = unit
@@ -128,3 +128,13 @@ def wrapped_by_us(obj: Any) -> bool:
     return isinstance(obj, wrapt.FunctionWrapper) and (
         getattr(obj, "_self_eagle_compat_adapter", None) is not None
         or getattr(obj, "_self_eagle_compat_unit", None) is not None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two units' values for one keyword agree (equal values from separate objects included)."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values disagree
+        return False
