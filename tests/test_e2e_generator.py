@@ -223,7 +223,7 @@ def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results
     queued = list(gen.generate_batches(iter(batches), prefetch=0))
     monkeypatch.setattr(engine, "can_queue_calls", lambda executor: False)
     one_by_one = list(gen.generate_batches(iter(batches), prefetch=1))
-    assert all(f.done() for f in gen._sent)  # nothing was left outstanding
+    assert all(f.done() for _, f in gen._sent)  # nothing was left outstanding
     for want, got in zip(queued, one_by_one):
         for x, y in zip(want, got):
             assert all(torch.equal(a, b) for a, b in zip(x["hidden_states"], y["hidden_states"]))

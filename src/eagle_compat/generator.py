@@ -178,7 +178,7 @@ class VllmHiddenStatesGenerator:
         self.executor = None
         self._ring = None
         self._busy = threading.Lock()  # one batch at a time reaches the engine
-        self._sent: collections.deque[Future] = collections.deque()  # calls whose replies may not be read yet
+        self._sent: collections.deque[tuple[str, Future]] = collections.deque()  # (method, reply) maybe unread
         text_config = model_text_config(model_path, trust_remote_code)
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
@@ -229,7 +229,8 @@ class VllmHiddenStatesGenerator:
     def _rpc0(self, method: str, *args: Any) -> Any:
         """A call that waits for its reply. Queued replies are read first, here, in order: vLLM's blocking call would
         read them itself and, after one whose deadline passed unread, hand each reply to the call after it."""
-        self._room_for(CALLS_IN_FLIGHT)
+        if self.executor is not None:
+            self._room_for(CALLS_IN_FLIGHT)
         return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
 
     @property
@@ -380,8 +381,9 @@ class VllmHiddenStatesGenerator:
                     break
                 self._room_for(2)
                 futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
-                self._sent.extend(futures)
-                batch.calls.extend(("execute_model", f) for f in futures)
+                calls = [("execute_model", f) for f in futures]
+                self._sent.extend(calls)
+                batch.calls.extend(calls)
                 done = list(out.num_scheduled_tokens)
                 engine.abort(self.scheduler, done)
                 batch.pending.difference_update(done)
@@ -397,7 +399,7 @@ class VllmHiddenStatesGenerator:
     def _submit(self, method: str, *args: Any) -> Future:
         self._room_for(1)
         future = self._translated(engine.submit, method)(self.executor, method, *args)
-        self._sent.append(future)
+        self._sent.append((method, future))
         return future
 
     def _room_for(self, calls: int) -> None:
@@ -405,7 +407,7 @@ class VllmHiddenStatesGenerator:
         future, reported when its batch is collected."""
         while self._sent and len(self._sent) + calls > CALLS_IN_FLIGHT:
             try:
-                self._await("queued call", self._sent.popleft())
+                self._await(*self._sent.popleft())
             except WorkerError:
                 if self.executor is None:
                     raise
@@ -419,8 +421,10 @@ class VllmHiddenStatesGenerator:
         except BaseException as exc:
             cause = exc.__cause__ if isinstance(exc, WorkerError) and exc.__cause__ is not None else exc
             if not (isinstance(cause, Exception) and reply_from_worker(cause)):
-                log.error("the engine's replies can no longer be matched to their calls (%s: %s); this generator "
-                          "is closed: start a new one (extract: rerun with --resume)", type(cause).__name__, cause)
+                if getattr(exc, "exc_type", None) != "WorkerDied":  # that one names its cause itself
+                    log.error("the engine's replies can no longer be matched to their calls (%s: %s); this "
+                              "generator is closed: start a new one (extract: rerun with --resume)",
+                              type(cause).__name__, cause)
                 self.close()
             raise
 
@@ -433,7 +437,7 @@ class VllmHiddenStatesGenerator:
         for method, future in batch.calls:
             reply = self._await(method, future)
         batch.calls.clear()
-        while self._sent and self._sent[0].done():  # answered: do not keep their replies (fallback tensors) alive
+        while self._sent and self._sent[0][1].done():  # answered: do not keep their replies (fallback tensors) alive
             self._sent.popleft()
         reply = reply or {}
         if batch.slot is None:
@@ -519,6 +523,8 @@ class VllmHiddenStatesGenerator:
 
     def close(self) -> None:
         executor, self.executor = self.executor, None
+        if getattr(self, "_sent", None) is not None:
+            self._sent.clear()  # their replies can no longer come
         ring, self._ring = getattr(self, "_ring", None), None
         if ring is not None:
             ring.close(rpc_ok=False)  # the workers' mappings end with them
