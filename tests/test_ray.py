@@ -144,7 +144,12 @@ def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, mod
     out = tmp_path / "actor-killed"
     proc = _start(_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2"), out, tmp_path / "actor-killed")
     _wait_for_files(proc, out, 8)
-    busy = _descendants_named("ExtractActor.run_batch")  # Ray's process title while the actor runs a batch
+    busy, deadline = [], time.time() + 30
+    while proc.poll() is None and time.time() < deadline:  # one snapshot can fall between two batches
+        busy = _descendants_named("ExtractActor.run_batch")  # Ray's process title while the actor runs a batch
+        if busy:
+            break
+        time.sleep(0.05)
     assert busy, "no actor was running a batch"
     os.kill(busy[0].pid, signal.SIGKILL)
     written_before = len(_samples(out))
