@@ -33,7 +33,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import ray
 
-    from eagle_compat import detect, tiny_models
+    from eagle_compat import cpu, detect, tiny_models
     from eagle_compat.extract import writer
 
     model = tiny_models.build_tiny_model("llama")
@@ -63,7 +63,7 @@ def main() -> int:
     results = {"machine": f"{cores} cores, {os.cpu_count()} CPUs visible; load average before the runs "
                           f"{os.getloadavg()[0]:.2f} (other work shares the machine)", "model": "tiny llama (6 layers, 256 wide)",
                "versions": detect.installed_versions().as_dict(), "prompts": a.prompts,
-               "tokens_per_prompt": a.tokens, "batch_size": a.batch_size, "tokens": local["tokens"],
+               "cpu": cpu.this_cpu().as_dict(), "tokens_per_prompt": a.tokens, "batch_size": a.batch_size, "tokens": local["tokens"],
                "local": {"wall_s": round(local_wall, 1), "note": "one engine, vLLM's own thread binding"}, "ray": {}}
     for n in map(int, a.actors.split(",")):
         out = os.path.join(work, f"ray-{n}")

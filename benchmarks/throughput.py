@@ -355,9 +355,9 @@ def main() -> int:
               f" -> {'equal' if cmp['equal'] else 'DIFFERENT'} at bf16 tolerance {cmp['tolerance']}")
     import platform
 
-    from eagle_compat import detect
+    from eagle_compat import cpu, detect
     results["versions"] = detect.installed_versions().as_dict()
-    results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), **cpu.this_cpu().as_dict()}
     try:
         import torch
         if torch.cuda.is_available():

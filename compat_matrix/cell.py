@@ -21,7 +21,7 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
     ("UnsupportedModel", ""),  # eagle_compat's own refusal, with its reason
     ("unexpected keyword argument 'sinks'", "this release's CPU attention has no attention sinks (gpt-oss)"),
     ("expected scalar type BFloat16 but found Float", "this release's CPU MoE kernel takes bfloat16 only"),
-    ("compiled extension does not load on this machine", "the wheel needs a newer C++ runtime than this machine's"),
+    ("compiled extension does not load on this machine", ""),  # run.py's kernel probe: its message names the cause
     ("Found no NVIDIA driver", "the model code calls CUDA unconditionally"),
     ("BlockSizeAlignment == 0 (16 vs. 0)", "this release has no CPU attention kernel for this head configuration"),
     ("CPU fused-MoE AMX grouped-gemm kernel cannot be used", "this release's CPU MoE refuses float32 layers"),
@@ -109,9 +109,9 @@ def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.Che
 def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") -> dict:
     """One cell: eagle_compat.check on the tiny model of `family`, as a JSON-able record (failures included)."""
     from eagle_compat import check as parity
-    from eagle_compat import detect, installer
+    from eagle_compat import cpu, detect, installer
     out: dict = {"check": check, "family": family, "versions": detect.installed_versions().as_dict(),
-                 "device": device, "units_needed": installer.needed_units()}
+                 "machine": cpu.this_cpu().as_dict(), "device": device, "units_needed": installer.needed_units()}
     if device != "cpu":
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)

@@ -59,6 +59,27 @@ def _cell_env_text(cell_env: dict | None) -> str:
     return "; cells ran with " + ", ".join(f"`{k}={v}`" for k, v in shown.items())
 
 
+def _machines(r: dict) -> list[dict]:
+    """The CPUs a release's cells ran on (a resumed run may span machines); the release's own record if no cell has
+    one."""
+    seen: list[dict] = []
+    for m in [c.get("machine") for c in r["cells"].values()] + [r.get("machine")]:
+        if m and m not in seen and (not seen or any(c.get("machine") == m for c in r["cells"].values())):
+            seen.append(m)
+    return seen
+
+
+def _cpu_text(r: dict, cpus: list[str]) -> str:
+    labels = []
+    for m in _machines(r):
+        flags = " ".join(f for f, on in m["flags"].items() if on) or "no kernel flags"
+        text = f"{m['cpu_model']} ({m.get('architecture', '?')}: {flags})"
+        if text not in cpus:
+            cpus.append(text)
+        labels.append(f"c{cpus.index(text) + 1}")
+    return ", ".join(labels) or "not recorded"
+
+
 def render(results: list[dict]) -> str:
     from matrix import CHECKS
 
@@ -72,10 +93,11 @@ def render(results: list[dict]) -> str:
              "`unsupported` = the release cannot run that model in that mode on CPU, or eagle_compat refuses it",
              "with the reason given (rather than return wrong tensors); `FAIL` = anything else.", ""]
     notes: list[str] = []
-    lines.append("| vLLM | " + " | ".join(cols) + " |")
-    lines.append("|---|" + "---|" * len(cols))
+    lines.append("| vLLM | CPU | " + " | ".join(cols) + " |")
+    lines.append("|---|---|" + "---|" * len(cols))
+    cpus: list[str] = []
     for r in results:
-        row = [r["release"] + ("" if r.get("complete") else " (partial)")]
+        row = [r["release"] + ("" if r.get("complete") else " (partial)"), _cpu_text(r, cpus)]
         for col in cols:
             cell = r["cells"].get(col)
             row.append(_cell_text(cell, notes) if cell else "not run")
@@ -86,6 +108,9 @@ def render(results: list[dict]) -> str:
         lines += ["", "Not run yet: " + ", ".join(missing) + "."]
     if notes:
         lines += ["", "Reasons:", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
+    lines += ["", "CPUs the rows ran on (the flags that decide which of vLLM's kernels run; `cpu` column above; rows "
+              "recorded before 2026-12-02 did not record it):", ""]
+    lines += [f"- c{i}: {c}" for i, c in enumerate(cpus, 1)] or ["- none recorded"]
     versions = [f"- {r['release']}: {json.dumps(r.get('versions'))}{_cell_env_text(r.get('cell_env'))}"
                 for r in results if r.get("versions")]
     if versions:

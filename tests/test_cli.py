@@ -31,6 +31,10 @@ def test_doctor_reports_versions_features_and_patches():
     assert report["patches_needed"]["worker_capture"] is True
     assert report["cpu_tensor_parallel"]["cores"] == len(os.sched_getaffinity(0))  # TP on CPU: what fits here
     assert report["startup_hook"]["path"].endswith("eagle_compat_startup.pth")
+    # the CPU, its kernel flags and the extension build vLLM loads on it (issue 28)
+    from eagle_compat import cpu
+    assert report["cpu"]["cpu_model"] == cpu.this_cpu().model and set(report["cpu"]["flags"]) == set(cpu.KERNEL_FLAGS)
+    assert report["cpu"]["vllm_kernels"]["loads"], report["cpu"]
 
 
 @pytest.mark.engine

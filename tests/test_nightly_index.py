@@ -104,10 +104,15 @@ def test_matrix_runs_the_newest_prerelease_from_a_package_index(tmp_path):
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((results / "vllm-nightly.json").read_text())
-    cell = data["cells"]["generator/llama"]
-    assert data["vllm_index"] == index and data["complete"], data
-    assert data["versions"]["vllm"] == NIGHTLY, (data["versions"], data.get("env_error"))
-    assert cell["status"] == "pass", cell
+    # the recorded cause first: a cell that did not run says why (env_error, the kernel probe, the cell's error)
+    cause = {k: data.get(k) for k in ("env_error", "kernel_probe", "machine")}
+    cell = data["cells"].get("generator/llama", {})
+    assert cell.get("status") == "pass", (cell, cause)
+    assert data["vllm_index"] == index and data["complete"], cause
+    assert (data.get("versions") or {}).get("vllm") == NIGHTLY, (data.get("versions"), cause)
+    # the probe loaded the build vLLM picks for this CPU, and the result says which CPU that was
+    assert data["kernel_probe"]["loads"] and data["kernel_probe"]["loaded"], cause
+    assert set(data["machine"]["flags"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}, cause
     assert cell["units_needed"], cell  # the patches were chosen by detection on a version no table knows
     assert open(os.path.join(ROOT, "docs", "compatibility.md")).read() == docs_before  # a test run publishes nothing
     assert not (tmp_path / "envs" / "env").exists()  # the environment it built is removed

@@ -58,6 +58,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except EagleCompatError as exc:
             report["model"] = {"error": f"{type(exc).__name__}: {exc}"}
             problems.append(str(exc))
+    from . import cpu
+    report["cpu"] = cpu.this_cpu().as_dict()
+    if detect.installed_versions().vllm is not None and not detect.feature("cuda_available"):
+        # which of vLLM's extension builds loads here, loaded the way vLLM loads it (a SIGILL kills only the probe)
+        report["cpu"]["vllm_kernels"] = kernels = cpu.run_kernel_probe(sys.executable)
+        if kernels.get("cannot_load"):
+            problems.append(f"vLLM's C++ extension does not load on this CPU: {kernels['cannot_load']}")
     if detect.installed_versions().vllm is not None and not detect.feature("cuda_available"):
         from . import engine
         cores = len(os.sched_getaffinity(0))
@@ -73,6 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         _print_table([(k, str(v)) for k, v in report["versions"].items()], "Installed")
+        _print_table(_cpu_rows(report["cpu"]), "CPU (the flags that decide vLLM's kernels)")
         if "features" in report:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
             _print_table([(k, "needed" if v is True else "not needed" if v is False else str(v))
@@ -96,6 +104,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         else:
             print("OK: nothing unsupported found.")
     return 1 if problems else 0
+
+
+def _cpu_rows(facts: dict) -> list[tuple[str, str]]:
+    rows = [("model", facts["cpu_model"]), ("architecture", facts["architecture"]),
+            ("kernel flags", " ".join(f for f, on in facts["flags"].items() if on) or "none"),
+            ("missing", " ".join(f for f, on in facts["flags"].items() if not on) or "none")]
+    kernels = facts.get("vllm_kernels")
+    if kernels:
+        rows.append(("vLLM's extension", ", ".join(kernels.get("loaded", [])) if kernels.get("loads") else
+                     kernels.get("cannot_load") or f"undecided: {kernels.get('why')}"))
+    return rows
 
 
 def _doctor_for_release(release: str) -> int:

@@ -58,11 +58,8 @@ def _v2_runner_possible() -> bool | str:
 
 
 def _amx_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return _cpu() and "amx_tile" in f.read()
-    except OSError:
-        return False
+    from . import cpu
+    return _cpu() and cpu.this_cpu().amx
 
 
 def _numa_short_for_tp() -> bool | str:

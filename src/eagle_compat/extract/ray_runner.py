@@ -30,6 +30,7 @@ from . import writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
+MAX_UNAVAILABLE = 10  # ActorUnavailableError replies for one batch before the run stops
 CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
 
 
@@ -218,6 +219,7 @@ class _Item:
     number: int
     batch: list
     tries: int = 0
+    unavailable: int = 0  # ActorUnavailableError replies (not failures: the batch is retried on the same actor)
     errors: list = field(default_factory=list)
 
 
@@ -265,7 +267,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
     stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
-              "deaths": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+              "deaths": 0, "unavailable": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
              for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
@@ -296,8 +298,23 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                 try:
                     r = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-                    died = isinstance(exc, ray.exceptions.RayActorError)
                     text, cause = _error_text(ray, exc)
+                    if isinstance(exc, getattr(ray.exceptions, "ActorUnavailableError", ())):
+                        # not a death: the actor may still be running the batch (Ray: "the task may or may not have
+                        # been executed"), or it is restarting. The batch goes back to the same actor, whose calls
+                        # run one at a time: never a second writer of the same files on another actor.
+                        item.unavailable += 1
+                        stats[rank]["unavailable"] += 1
+                        if item.unavailable > MAX_UNAVAILABLE:
+                            raise RayExtractError(
+                                f"batch {item.number}: actor {rank} stayed unavailable through {MAX_UNAVAILABLE} "
+                                f"retries: {text.splitlines()[0][:300]}") from cause
+                        print(f"extract: actor {rank} unavailable during batch {item.number} ({text.splitlines()[0][:200]}); "
+                              "the batch goes back to the same actor", file=sys.stderr, flush=True)
+                        time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
+                        in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+                        continue
+                    died = isinstance(exc, ray.exceptions.RayActorError)
                     item.tries += 1
                     item.errors.append(f"actor {rank}: {text}")
                     st = stats[rank]
@@ -371,6 +388,6 @@ def summary_lines(stats: list[dict], elapsed: float) -> str:
         rate = st["tokens"] / st["forward_s"] if st["forward_s"] else 0.0
         lines.append(f"  actor {st['rank']}: {st['batches']} batches, {st['samples']} samples, {st['tokens']} tokens, "
                      f"{rate:,.0f} tok/s in forward, engine start {st['engine_start_s']:.1f} s, {st['failures']} failed "
-                     f"tries ({st['deaths']} deaths), pid {','.join(map(str, st['pids'])) or '-'} on "
+                     f"tries ({st['deaths']} deaths, {st.get('unavailable', 0)} unavailable), pid {','.join(map(str, st['pids'])) or '-'} on "
                      f"{','.join(st['hosts']) or '-'}, cores {st['binding'] or 'vLLM default'}")
     return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""The `--ray` driver's scheduling decisions against a scripted stand-in for Ray (no cluster, no engine): which
+failure counts as a death, where a batch goes after each kind of failure. Runs in every environment.
+
+Found on an AVX2-only AMD EPYC (issue 28): one SIGKILLed actor was reported as `deaths: 2`. Ray restarts the actor;
+the driver handed the redone batch straight back to it while it was restarting, and Ray answered
+`ActorUnavailableError`, a subclass of `RayActorError` that the driver counted as a second death and treated as a
+failed try. Ray's own words for that error: "the task may or may not have been executed on the actor"; handing the
+batch to *another* actor could leave two writers of the same files (issue 22, item 6)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from eagle_compat.extract import ray_runner
+
+
+class RayError(Exception):
+    pass
+
+
+class RayTaskError(RayError):
+    cause = None
+
+
+class RayActorError(RayError):
+    pass
+
+
+class ActorDiedError(RayActorError):
+    pass
+
+
+class ActorUnavailableError(RayActorError):
+    pass
+
+
+class FakeRay:
+    """Actors answer from a script: per rank, the outcome of each run_batch call in order ("ok", "died",
+    "unavailable"); calls complete in submission order. Records (rank, batch number) per call."""
+
+    def __init__(self, script: dict[int, list[str]]):
+        self.script = {rank: list(outcomes) for rank, outcomes in script.items()}
+        self.calls: list[tuple[int, int]] = []
+        self.exceptions = types.SimpleNamespace(RayTaskError=RayTaskError, RayActorError=RayActorError,
+                                                ActorDiedError=ActorDiedError,
+                                                ActorUnavailableError=ActorUnavailableError)
+
+    def cluster_resources(self):
+        return {"CPU": 2.0}
+
+    def remote(self, cls):
+        fake = self
+
+        class Options:
+            def options(self, **kwargs):
+                return self
+
+            def remote(self, spec, rank):
+                return FakeActor(fake, rank)
+        return Options()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref, timeout=None):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        return ref()
+
+    def kill(self, actor, no_restart=True):
+        pass
+
+
+class FakeActor:
+    def __init__(self, ray: FakeRay, rank: int):
+        self.ray, self.rank = ray, rank
+        self.run_batch = types.SimpleNamespace(remote=self._run_batch)
+        self.describe = types.SimpleNamespace(remote=lambda: (lambda: {}))
+        self.close = types.SimpleNamespace(remote=lambda: (lambda: None))
+
+    def _run_batch(self, batch):
+        number = batch[0][0] // 10  # the test's batches hold samples 10k .. 10k+9
+        self.ray.calls.append((self.rank, number))
+        outcome = self.ray.script[self.rank].pop(0) if self.ray.script[self.rank] else "ok"
+
+        def reply():
+            if outcome == "died":
+                raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+            if outcome == "unavailable":
+                raise ActorUnavailableError("The actor is unavailable: restarting. The task may or may not have "
+                                            "been executed on the actor.")
+            return {"samples": len(batch), "tokens": 10 * len(batch), "seconds": 0.01, "forward": 0.01,
+                    "eagle_compat": "here", "pid": 100 + self.rank, "host": "h", "binding": None,
+                    "engine_seconds": 0.0}
+        return reply
+
+
+class Progress:
+    def __init__(self, total, enabled):
+        pass
+
+    def update(self, *args):
+        pass
+
+    def close(self):
+        pass
+
+
+def _run(monkeypatch, tmp_path, script, batches=4):
+    fake = FakeRay(script)
+    monkeypatch.setattr(ray_runner, "connect", lambda address: (fake, "fake cluster"))
+    monkeypatch.setattr(ray_runner.time, "sleep", lambda s: None)
+    opts = types.SimpleNamespace(ray="fake", tensor_parallel_size=1, ray_cpus_per_actor=1, ray_actors=2,
+                                 model=str(tmp_path), out=str(tmp_path), format="pt", validate=False,
+                                 gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="float32",
+                                 trust_remote_code=False, progress=False)
+    sample = types.SimpleNamespace
+    todo = [[sample(index=10 * k + j, input_ids=[1, 2], loss_mask=[0, 1]) for j in range(10)] for k in range(batches)]
+    this_run: dict = {}
+    done, tokens = ray_runner.extract(opts, todo, [0], 8, 32, 16, {}, this_run, Progress)
+    return fake, this_run["ray"]["per_actor"], done
+
+
+def test_a_restarting_actor_is_not_a_second_death_and_keeps_its_batch(monkeypatch, tmp_path):
+    # actor 0 is killed in its first batch (one death), then answers "unavailable" while Ray restarts it
+    fake, per_actor, done = _run(monkeypatch, tmp_path, {0: ["died", "unavailable"], 1: []})
+    assert done == 40
+    assert [a["deaths"] for a in per_actor] == [1, 0], per_actor
+    assert [a["unavailable"] for a in per_actor] == [1, 0], per_actor
+    assert sum(a["failures"] for a in per_actor) == 1, per_actor  # "unavailable" is not a failed try
+    # after the call answered "unavailable", the batch went to the same actor, as that actor's next call, and to no
+    # other actor
+    unavailable_call = [i for i, c in enumerate(fake.calls) if c[0] == 0][1]
+    rank, number = fake.calls[unavailable_call]
+    later = fake.calls[unavailable_call + 1:]
+    assert next(c for c in later if c[0] == rank) == (rank, number), fake.calls
+    assert all(r == rank for r, n in later if n == number), fake.calls
+
+
+def test_an_actor_that_stays_unavailable_stops_the_run_naming_it(monkeypatch, tmp_path):
+    with pytest.raises(ray_runner.RayExtractError, match=r"actor 0 stayed unavailable"):
+        _run(monkeypatch, tmp_path, {0: ["unavailable"] * (ray_runner.MAX_UNAVAILABLE + 1), 1: []})
+
+
+def test_a_dead_actors_batch_is_redone_once_whole(monkeypatch, tmp_path):
+    fake, per_actor, done = _run(monkeypatch, tmp_path, {0: ["died"], 1: []})
+    assert done == 40 and sum(a["samples"] for a in per_actor) == 40
+    assert [a["deaths"] for a in per_actor] == [1, 0]
+    assert sorted(n for _, n in fake.calls) == [0, 0, 1, 2, 3]  # batch 0 twice (died, redone), the rest once
