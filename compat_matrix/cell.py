@@ -99,11 +99,10 @@ def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.Che
     if not (out["batched_vs_alone"]["ok"] and out["pipelined_vs_generate"]["ok"]):
         raise AssertionError(f"batched results differ from one-at-a-time or pipelined ones: "
                              f"{out['batched_vs_alone']} {out['pipelined_vs_generate']}")
-    precision = "fp32" if "float32" in engine_dtype else "bf16"
-    reference = tiny_models.hf_reference(ref_path, batch, layer_ids, device=device)
+    precision = parity.precision_of(engine_dtype)
     return parity.CheckResult("batch_order", path, family, precision,
-                              parity.compare(results, reference, layer_ids, precision), engine_dtype, {},
-                              round(time.time() - start, 1))
+                              parity.judge(results, ref_path, batch, layer_ids, precision, device=device),
+                              engine_dtype, {}, round(time.time() - start, 1))
 
 
 def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") -> dict:

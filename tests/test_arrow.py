@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 
-from eagle_compat import detect, tiny_models
+from eagle_compat import detect
 from eagle_compat.extract import arrow, writer
 
-from helpers import BF16_REL_TOL, write_dataset
+from helpers import assert_matches_hf, write_dataset
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
@@ -100,32 +100,6 @@ def read_back(reader_py, runs, tmp_path_factory):
             "fp8": result["dirs"][f"{runs['pt2fp8']}:fp8"], "version": result["speculators"]}
 
 
-def hf_entering(model_dir: str, ids: list[int], entering: list[int]) -> torch.Tensor:
-    """[T, len(entering), H] from HF in fp32: id k < N is output_hidden_states[k] (the stream entering layer k),
-    id N the final norm's input (HF's hidden_states[N] is after the norm)."""
-    m = _hf_model(model_dir)
-    n = m.config.num_hidden_layers
-    captured = []
-    handle = m.model.norm.register_forward_pre_hook(lambda mod, args: captured.append(args[0][0].clone()))
-    try:
-        with torch.no_grad():
-            hs = m(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    finally:
-        handle.remove()
-    return torch.stack([captured[-1] if k == n else hs[k][0] for k in entering], dim=1).float()
-
-
-_HF: dict = {}
-
-
-def _hf_model(model_dir):
-    if model_dir not in _HF:
-        from transformers import AutoModelForCausalLM
-
-        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, **tiny_models._dtype_kwarg(torch.float32)).eval()
-    return _HF[model_dir]
-
-
 def test_speculators_0_9_reads_every_sample_of_an_arrow_run_equal_to_hf_in_the_recorded_convention(
         read_back, runs, model, dataset):
     got = read_back["arrow"]
@@ -136,7 +110,7 @@ def test_speculators_0_9_reads_every_sample_of_an_arrow_run_equal_to_hf_in_the_r
     assert manifest["layers"]["eagle_aux_hidden_state_layer_ids"] == entering[:-1] == [1, 3, 5]
     assert entering[-1] == manifest["num_layers"] == 6  # the verifier's last hidden state: final pre-norm
     lines = [json.loads(x) for x in open(dataset)]
-    worst = 0.0
+    results, batch = [], []
     for r, item in enumerate(got["items"]):
         ids = item["input_ids"].tolist()
         if "input_ids" in lines[r]:
@@ -145,12 +119,11 @@ def test_speculators_0_9_reads_every_sample_of_an_arrow_run_equal_to_hf_in_the_r
             assert 0 < int(item["loss_mask"].sum()) < len(ids)
         t, h = len(ids), item["verifier_last_hidden_states"].shape[-1]
         states = torch.cat([item["hidden_states"].view(t, -1, h), item["verifier_last_hidden_states"][:, None]], 1)
-        ref = hf_entering(model, ids, entering)
-        assert states.shape == ref.shape
-        for j in range(len(entering)):
-            err, scale = (states[:, j].float() - ref[:, j]).abs().max().item(), ref[:, j].abs().max().item()
-            worst = max(worst, err / scale)
-            assert err <= BF16_REL_TOL * scale, f"row {r}, entering id {entering[j]}: {err:.3g} vs max {scale:.3g}"
+        assert states.shape == (t, len(entering), h)
+        results.append({"hidden_states": [states[:, j] for j in range(len(entering))]})
+        batch.append(ids)
+    # entering id k is the residual stream leaving layer k-1: HF's reference in that (speculators 0.3.0) convention
+    worst = max(assert_matches_hf(results, model, batch, [k - 1 for k in entering], precision="bf16").values())
     print(f"arrow run vs HF (entering ids {entering}): worst relative error {worst:.2e}")
 
 

@@ -9,7 +9,7 @@ import torch
 
 from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models
 
-from helpers import assert_close_to_reference, prompts
+from helpers import assert_matches_hf, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -32,8 +32,7 @@ def test_fp32_parity_with_hf(fp32_generator):
     shared = prompts(1, 20, 20, seed=9)[0]
     batch = prompts(6, 5, 200, seed=4) + prompts(3, 10, 40, seed=5, prefix=shared)
     results = gen.generate(batch)
-    worst = assert_close_to_reference(results, tiny_models.hf_reference(path, batch, layer_ids),
-                                      precision="fp32", layer_ids=layer_ids)
+    worst = assert_matches_hf(results, path, batch, layer_ids, precision="fp32")
     print(f"\n{family} eagle_compat generator fp32 worst abs error per layer: {worst}")
     contract = gen.describe()
     assert contract["output_kind"] == "pair" and contract["num_layers"] == FAMILIES[family]
@@ -152,7 +151,7 @@ def test_cpu_rotary_kernel_bug_is_worked_around_for_deepseek_without_rope_scalin
         results = gen.generate(batch)
         contract = gen.describe()
     assert any("rotary" in w for w in contract["workarounds"]), contract
-    assert_close_to_reference(results, tiny_models.hf_reference(path, batch, [0, 1, 2, 3]), precision="fp32")
+    assert_matches_hf(results, path, batch, [0, 1, 2, 3], precision="fp32")
 
 
 def test_pipelined_batches_equal_generate_and_fallback_is_taken(fp32_generator, caplog):
@@ -209,8 +208,7 @@ def test_batches_of_many_steps_queue_without_filling_vllms_message_rings():
             pytest.fail("generate_batches hung: the driver filled vLLM's message rings")
         assert len(got) == len(batches)
         for batch, results in zip(batches[::3], got[::3]):
-            assert_close_to_reference(results, tiny_models.hf_reference(path, batch, [1, 3]), precision="fp32",
-                                      layer_ids=[1, 3])
+            assert_matches_hf(results, path, batch, [1, 3], precision="fp32")
 
 
 def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results(fp32_generator, monkeypatch):

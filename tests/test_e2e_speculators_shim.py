@@ -10,7 +10,7 @@ import torch
 import eagle_compat
 from eagle_compat import tiny_models
 
-from helpers import assert_close_to_reference, prompts
+from helpers import assert_matches_hf, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -35,8 +35,7 @@ def test_parity_layers_first_middle_penultimate_last(shim):
     family, path, layer_ids, gen = shim
     batch = prompts(3, 20, 60, seed=1)
     results = gen.generate(batch)
-    ref = tiny_models.hf_reference(path, batch, layer_ids)
-    worst = assert_close_to_reference(results, ref, precision="bf16", layer_ids=layer_ids)
+    worst = assert_matches_hf(results, path, batch, layer_ids, precision="bf16")
     print(f"\n{family} speculators-shim bf16 worst relative error per layer: {worst}")
     for res, ids in zip(results, batch):
         assert res["input_ids"].tolist() == ids
@@ -59,8 +58,7 @@ def test_big_mixed_batch_two_calls_and_alone(shim):
     assert len(batch) > 32 and sum(map(len, batch)) > 8192
     first = gen.generate(batch)
     second = gen.generate(batch)
-    ref = tiny_models.hf_reference(path, batch, layer_ids)
-    assert_close_to_reference(first, ref, precision="bf16", layer_ids=layer_ids)
+    assert_matches_hf(first, path, batch, layer_ids, precision="bf16")
     for a, b in zip(first, second):
         for x, y in zip(a["hidden_states"], b["hidden_states"]):
             assert torch.equal(x, y)

@@ -18,7 +18,7 @@ import torch
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import job, writer
 
-from helpers import BF16_REL_TOL, write_dataset
+from helpers import assert_matches_hf, write_dataset
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(__import__("eagle_compat").detect.base_version(__import__("eagle_compat").detect.installed_versions().vllm))
@@ -76,9 +76,7 @@ def test_files_load_in_speculators_dataset_and_equal_hf(full_run, model):
     assert set(item) >= {"hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask"}
     for index in (0, 1, 17, 59):
         sample = writer.load_sample(writer.sample_path(str(full_run), index, "pt"))
-        ref = tiny_models.hf_reference(model, [sample["input_ids"].tolist()], LAYERS)[0]
-        for h, r in zip(sample["hidden_states"], ref):
-            assert (h.float() - r).abs().max() <= BF16_REL_TOL * r.abs().max()
+        assert_matches_hf([sample], model, [sample["input_ids"].tolist()], LAYERS, precision="bf16")
     manifest = json.load(open(os.path.join(full_run, "manifest.json")))
     assert manifest["status"] == "complete" and manifest["layer_ids"] == LAYERS
     assert "leaving decoder layer" in manifest["layer_convention"]

@@ -11,7 +11,7 @@ import pytest
 from eagle_compat import VllmHiddenStatesGenerator, detect, tiny_models
 from eagle_compat.capture import families
 
-from helpers import assert_close_to_reference, prompts
+from helpers import assert_matches_hf, prompts
 
 ALL_RELEASES_FAMILIES = {"llama", "deepseek_v3", "kimi_k25"}
 FAMILIES = list(tiny_models.FAMILIES)
@@ -36,8 +36,7 @@ def test_family_fp32_parity_every_layer(family):
                                    dtype="float32", trust_remote_code=family == "kimi_k25") as gen:
         results = gen.generate(batch)
         contract = gen.describe()
-    worst = assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids),
-                                      precision="fp32", layer_ids=layer_ids)
+    worst = assert_matches_hf(results, reference_path, batch, layer_ids, precision="fp32")
     print(f"\n{family}: {contract['layer_class']} via {contract['base_path']}, worst abs error {max(worst.values()):.2e}")
     row, tiny = families.TINY[family]  # vLLM loaded this family's layers for the tiny model's architecture
     assert (contract["family"], contract["top_class"]) == (row.name, tiny.architecture)

@@ -14,7 +14,7 @@ import torch
 from eagle_compat import startup, tiny_models
 from eagle_compat.installer import INSTALLED_ENV
 
-from helpers import assert_close_to_reference, prompts
+from helpers import assert_matches_hf, prompts
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "data", "speculators_shaped_script.py")
 EAGLE_COMPAT = os.path.join(os.path.dirname(sys.executable), "eagle-compat")
@@ -116,9 +116,7 @@ def test_speculators_shaped_script_runs_unmodified_and_matches_hf(form, tmp_path
     for noise in ("Traceback", "Exception during executor shutdown", "Exception ignored"):  # a clean end
         assert noise not in proc.stderr + proc.stdout, (noise, proc.stderr[-3000:])
     states = torch.load(out)
-    reference = tiny_models.hf_reference(reference_path, batch, layer_ids)
-    assert_close_to_reference([{"hidden_states": s} for s in states], reference, precision="bf16",
-                              layer_ids=layer_ids)
+    assert_matches_hf([{"hidden_states": s} for s in states], reference_path, batch, layer_ids, precision="bf16")
 
 
 @pytest.mark.engine
@@ -146,8 +144,7 @@ def test_speculators_own_offline_script_and_its_trainer_reader_run_unmodified(tm
     assert len(files) == 24 and (out / "data_config.json").exists()
     for name in ("data_0.pt", "data_23.pt"):
         sample = torch.load(out / name)
-        ref = tiny_models.hf_reference(reference_path, [sample["input_ids"].tolist()], layer_ids)
-        assert_close_to_reference([sample], ref, precision="bf16", layer_ids=layer_ids)
+        assert_matches_hf([sample], reference_path, [sample["input_ids"].tolist()], layer_ids, precision="bf16")
         assert 0 < int(torch.as_tensor(sample["loss_mask"]).sum()) < sample["input_ids"].numel()
     reader = os.path.join(os.path.dirname(__file__), "data", "read_with_speculators_dataset.py")
     read = subprocess.run([sys.executable, "-m", "eagle_compat", reader, str(out), str(tmp_path / "read.pt")],

@@ -10,7 +10,7 @@ import pytest
 import eagle_compat
 from eagle_compat import detect, engine, tiny_models
 
-from helpers import assert_close_to_reference, prompts
+from helpers import assert_matches_hf, prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
@@ -46,8 +46,7 @@ def test_generator_tp2_fp32_equals_hf(family):
     with eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, dtype="float32",
                                                 gpu_memory_utilization=0.3, tensor_parallel_size=2) as gen:
         results = gen.generate(batch)
-    assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids), precision="fp32",
-                              layer_ids=layer_ids)
+    assert_matches_hf(results, reference_path, batch, layer_ids, precision="fp32")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # restored
 
 
@@ -67,5 +66,4 @@ def test_speculators_shim_tp2_equals_hf(family):
             gen.executor.shutdown()
     finally:
         eagle_compat.uninstall()
-    assert_close_to_reference(results, tiny_models.hf_reference(reference_path, batch, layer_ids), precision="bf16",
-                              layer_ids=layer_ids)
+    assert_matches_hf(results, reference_path, batch, layer_ids, precision="bf16")

