@@ -449,3 +449,27 @@ def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
     inputs.tokenize_conversation(tok, messages, 512)  # without --validate nothing notices
     with pytest.raises(InvalidInput, match="masked tokens decode to"):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
+
+
+def test_writes_left_undone_by_a_failure_log_no_traceback_each(caplog):
+    """Writers lagging behind (the GPU case) when the run fails or is interrupted: their queued writes are cancelled,
+    and each cancelled write used to log "exception calling callback" with a CancelledError traceback."""
+    import logging
+
+    from eagle_compat.extract import pipeline
+    release = threading.Event()
+    caplog.set_level(logging.ERROR, logger="concurrent.futures")
+    with pytest.raises(KeyboardInterrupt):
+        with pipeline.WriterPool(threads=1, max_pending=8) as pool:
+            pool.submit(release.wait)  # the one writer is busy until the queued writes are cancelled
+            for _ in range(6):
+                pool.submit(lambda: None)  # queued behind it
+            shutdown = pool._pool.shutdown
+
+            def cancel_then_release(wait=True, cancel_futures=False):
+                shutdown(wait=False, cancel_futures=cancel_futures)
+                release.set()
+                shutdown(wait=wait)
+            pool._pool.shutdown = cancel_then_release
+            raise KeyboardInterrupt  # Ctrl-C with writes still queued
+    assert not [r for r in caplog.records if "callback" in r.getMessage()], [r.getMessage() for r in caplog.records]

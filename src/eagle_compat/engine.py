@@ -438,12 +438,38 @@ def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> di
     return env
 
 
-def apply_env(env: dict[str, str]) -> dict[str, str | None]:
-    """Set variables not already set by the user; return what to restore."""
-    saved: dict[str, str | None] = {}
-    for k, v in env.items():
-        if k in os.environ:
-            continue
-        saved[k] = None
-        os.environ[k] = v
-    return saved
+# Variables eagle_compat set, with how many holders (generators, spawning executors) rely on each: vLLM reads them
+# at every call (its `envs` module), so one generator's close() must not unset what another one still runs with.
+_ENV_HOLDS: dict[str, list] = {}
+_ENV_LOCK = threading.Lock()
+
+
+def apply_env(env: dict[str, str]) -> list[str]:
+    """Set the variables the user has not set (ours already set count one holder more); returns the keys this caller
+    holds, for `release_env`."""
+    held = []
+    with _ENV_LOCK:
+        for k, v in env.items():
+            if k in _ENV_HOLDS and os.environ.get(k) == _ENV_HOLDS[k][0]:
+                _ENV_HOLDS[k][1] += 1
+            elif k in os.environ:
+                continue  # the user's own setting: never ours to change
+            else:
+                os.environ[k] = v
+                _ENV_HOLDS[k] = [v, 1]
+            held.append(k)
+    return held
+
+
+def release_env(keys) -> None:
+    """Unset each variable once its last holder releases it (and only if it still has the value we set)."""
+    with _ENV_LOCK:
+        for k in keys:
+            hold = _ENV_HOLDS.get(k)
+            if hold is None:
+                continue
+            hold[1] -= 1
+            if hold[1] <= 0:
+                del _ENV_HOLDS[k]
+                if os.environ.get(k) == hold[0]:
+                    os.environ.pop(k, None)

@@ -536,10 +536,8 @@ class VllmHiddenStatesGenerator:
         if getattr(self, "_worker_errors", None) is not None:
             self._worker_errors.close()
             self._worker_errors = None
-        for k, v in getattr(self, "_env_restore", {}).items():
-            if v is None:
-                os.environ.pop(k, None)
-        self._env_restore = {}
+        engine.release_env(getattr(self, "_env_restore", []))
+        self._env_restore = []
 
     def __enter__(self) -> "VllmHiddenStatesGenerator":
         return self

@@ -48,6 +48,8 @@ class WriterPool:
 
     def _finished(self, future: Future) -> None:
         self._slots.release()
+        if future.cancelled():  # a write left undone by a failure or Ctrl-C: nothing to record (and exception()
+            return              # would raise CancelledError here: one logged traceback per queued write)
         exc = future.exception()
         with self._lock:
             if exc is not None and self._error is None:

@@ -19,8 +19,6 @@ def _needed() -> bool:
 
 
 def _apply(patcher, module) -> None:
-    import os
-
     from .. import engine
 
     @contextlib.contextmanager
@@ -32,8 +30,7 @@ def _apply(patcher, module) -> None:
         try:
             yield
         finally:
-            for key in saved:
-                os.environ.pop(key, None)
+            engine.release_env(saved)
 
     patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(spawning=spawning_with_binding))
 

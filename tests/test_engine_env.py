@@ -1,0 +1,37 @@
+"""The variables eagle_compat sets for vLLM (step deadline, MLA off, thread binding) are held per user: vLLM reads
+them at every call, so two generators in one process must not unset each other's (issue 22, item 8: A.close() used
+to unset VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS while B ran: B's queued steps then had vLLM's 300 s deadline)."""
+from __future__ import annotations
+
+import os
+
+from eagle_compat import engine
+
+KEY = "EAGLE_COMPAT_TEST_HELD_VARIABLE"
+
+
+def test_a_variable_stays_until_its_last_holder_releases_it(monkeypatch):
+    monkeypatch.delenv(KEY, raising=False)
+    a = engine.apply_env({KEY: "1500"})
+    b = engine.apply_env({KEY: "1500"})
+    assert a == b == [KEY] and os.environ[KEY] == "1500"
+    engine.release_env(a)  # generator A closes
+    assert os.environ.get(KEY) == "1500"  # B still runs with it
+    engine.release_env(b)
+    assert KEY not in os.environ
+
+
+def test_the_users_own_setting_is_never_changed_or_removed(monkeypatch):
+    monkeypatch.setenv(KEY, "42")
+    held = engine.apply_env({KEY: "1500"})
+    assert held == [] and os.environ[KEY] == "42"
+    engine.release_env(held)
+    assert os.environ[KEY] == "42"
+
+
+def test_a_value_changed_by_the_user_meanwhile_is_left_alone(monkeypatch):
+    monkeypatch.delenv(KEY, raising=False)
+    held = engine.apply_env({KEY: "1500"})
+    os.environ[KEY] = "7"  # the user's code changed it while the generator ran
+    engine.release_env(held)
+    assert os.environ[KEY] == "7"
