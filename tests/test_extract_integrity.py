@@ -473,3 +473,18 @@ def test_writes_left_undone_by_a_failure_log_no_traceback_each(caplog):
             pool._pool.shutdown = cancel_then_release
             raise KeyboardInterrupt  # Ctrl-C with writes still queued
     assert not [r for r in caplog.records if "callback" in r.getMessage()], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "arrow", "arrow-fp8"])
+def test_non_finite_states_are_refused_naming_the_sample_and_layer(tmp_path, fmt):
+    """One Inf would otherwise be written as it is (and in fp8 make its token's scale Inf: the token zeros or NaN)."""
+    from eagle_compat.extract import arrow
+    states = [torch.randn(5, 8), torch.randn(5, 8)]
+    states[1][3, 2] = float("inf")
+    sample = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long), "hidden_states": states}
+    with pytest.raises(writer.NonFiniteStates, match=r"sample 7: layer id 12 has 1 NaN/Inf values, at tokens \[3\]"):
+        if fmt in arrow.ARROW_FORMATS:
+            arrow.save_hs(str(tmp_path), 7, sample["input_ids"], states, fmt, layer_ids=[4, 12])
+        else:
+            writer.save_sample(str(tmp_path), 7, sample, fmt, layer_ids=[4, 12])
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing of it was written

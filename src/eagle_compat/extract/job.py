@@ -262,9 +262,10 @@ def run(opts: ExtractOptions) -> dict:
 
     def save_of(s: inputs.Sample, sample: dict) -> None:
         if opts.format in arrow.ARROW_FORMATS:
-            arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format)
+            arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format,
+                          layer_ids)
         else:
-            writer.save_sample(opts.out, s.index, sample, opts.format)
+            writer.save_sample(opts.out, s.index, sample, opts.format, layer_ids)
 
     def refuse_without_resume() -> None:
         present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]

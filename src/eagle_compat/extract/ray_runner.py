@@ -202,7 +202,7 @@ class ExtractActor:
                 job.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
             path = writer.sample_path(spec.out, index, spec.format)
             try:
-                writer.save_sample(spec.out, index, sample, spec.format)  # temp file + rename, same directory
+                writer.save_sample(spec.out, index, sample, spec.format, spec.layer_ids)  # temp file + rename
             except OSError as exc:
                 raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
                                               f"{exc.strerror or exc}") from exc

@@ -46,6 +46,29 @@ class OutputWriteError(EagleCompatError, OSError):
     """Writing to --out failed (disk full, permissions, I/O error); what was written before is complete."""
 
 
+class NonFiniteStates(EagleCompatError, RuntimeError):
+    """A sample's hidden states hold NaN or Inf: refused before anything of it is written (in fp8 one Inf would also
+    make its token's scale Inf: the whole token zeros or NaN)."""
+    run_failed = True
+
+
+def require_finite(index: int, hidden_states: Any, layer_ids: list[int] | None = None) -> None:
+    """Every format's writer calls this first. `hidden_states`: per-layer [T, H] tensors, or one [T, L, H]."""
+    import torch
+
+    layers = (list(hidden_states) if not isinstance(hidden_states, torch.Tensor)
+              else list(hidden_states.unbind(1)) if hidden_states.dim() == 3 else [hidden_states])
+    for k, h in enumerate(layers):
+        finite = torch.isfinite(h)
+        if bool(finite.all()):
+            continue
+        bad = (~finite).reshape(h.shape[0], -1).any(dim=-1).nonzero().flatten().tolist()
+        which = f"layer id {layer_ids[k]}" if layer_ids and k < len(layer_ids) else f"hidden_states[{k}]"
+        raise NonFiniteStates(f"sample {index}: {which} has {int((~finite).sum())} NaN/Inf values, at tokens "
+                              f"{bad[:8]}{' ...' if len(bad) > 8 else ''}; nothing of this sample was written. The "
+                              "engine produced them (an overflow in the model's dtype: try --dtype float32)")
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -100,9 +123,10 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
     return os.path.join(out_dir, f"data_{index}.{'pt' if fmt == 'pt' else 'safetensors'}")
 
 
-def save_sample(out_dir: str, index: int, sample: dict, fmt: str) -> str:
+def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: list[int] | None = None) -> str:
     import torch
 
+    require_finite(index, sample["hidden_states"], layer_ids)
     path = sample_path(out_dir, index, fmt)
     if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
         atomic_write_file(path, lambda tmp: torch.save(sample, tmp))
