@@ -208,3 +208,47 @@ def test_convert_takes_speculators_0_3_0_own_output(model, dataset, tmp_path, fa
     os.unlink(own / "data_1.pt")
     with pytest.raises(InvalidInput, match="holds 8 data_{i} files, its data_config.json says 9 samples"):
         convert.convert(str(own), str(tmp_path / "dst3"), num_layers=6)
+
+
+def test_the_manifest_says_complete_only_after_the_arrow_dataset_is_written(model, dataset, tmp_path, fake_engine,
+                                                                             monkeypatch):
+    import errno
+    out = tmp_path / "out"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(arrow, "write_dataset", full_disk)
+    with pytest.raises(writer.OutputWriteError, match="could not write the Arrow dataset"):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True))
+    m = json.load(open(out / "manifest.json"))
+    assert m["status"] == "incomplete" and "Arrow dataset" in m["runs"][-1]["status"], m["status"]
+    monkeypatch.undo()
+    job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, resume=True))
+    assert json.load(open(out / "manifest.json"))["status"] == "complete" and len(arrow.read_rows(str(out))) == 9
+
+
+def test_replacing_the_arrow_dataset_keeps_the_earlier_one_whole_until_the_new_one_is_in(model, dataset, tmp_path,
+                                                                                          fake_engine, monkeypatch):
+    """A run that dies while moving the new dataset in (here: at state.json) leaves the earlier dataset readable: its
+    data files are removed only once the new state.json is in place."""
+    import datasets
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True))
+    # the earlier dataset under other data file names (as a dataset of another size has)
+    state = json.load(open(out / "state.json"))
+    (old,) = [f["filename"] for f in state["_data_files"]]
+    os.replace(out / old, out / "data-00000-of-00002.arrow")
+    state["_data_files"] = [{"filename": "data-00000-of-00002.arrow"}]
+    json.dump(state, open(out / "state.json", "w"))
+    before = datasets.load_from_disk(str(out)).to_dict()
+    replace = os.replace
+
+    def dies_at_state_json(src, dst):
+        if str(dst).endswith("state.json"):
+            raise KeyboardInterrupt  # the run is stopped there
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", dies_at_state_json)
+    with pytest.raises(KeyboardInterrupt):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, resume=True))
+    monkeypatch.undo()
+    assert datasets.load_from_disk(str(out)).to_dict() == before  # the earlier dataset, whole

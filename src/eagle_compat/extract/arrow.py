@@ -124,9 +124,10 @@ def _features() -> Any:
 
 def write_dataset(out_dir: str, rows: Iterable[tuple[list[int], list[int]]]) -> None:
     """The Arrow dataset of (input_ids, loss_mask) rows, streamed (bounded memory), in torch format as speculators'
-    preprocessing leaves it. Written into a temporary directory, then moved in with state.json last: a reader sees
-    either the previous complete dataset or the new one (a run that dies between the moves leaves data files that
-    the next completing run replaces)."""
+    preprocessing leaves it. Written into a temporary directory, then moved in with state.json last, and only then
+    are the earlier dataset's data files that the new one does not have removed: until the new state.json is in
+    place the earlier dataset stays whole (a run that dies between the moves leaves extra data files that the next
+    completing run removes)."""
     import datasets
 
     tmp = os.path.join(out_dir, f".arrow-dataset.tmp-{os.getpid()}")
@@ -153,12 +154,12 @@ def write_dataset(out_dir: str, rows: Iterable[tuple[list[int], list[int]]]) -> 
             if bars:
                 ds_logging.enable_progress_bar()
         new = os.listdir(final)
-        for name in os.listdir(out_dir):  # data files of an earlier dataset that the new one does not have
-            if DATASET_FILE.match(name) and name.endswith(".arrow") and name not in new:
-                os.unlink(os.path.join(out_dir, name))
         order = sorted(new, key=lambda n: (n == "state.json", n == "dataset_info.json", n))
         for name in order:
             os.replace(os.path.join(final, name), os.path.join(out_dir, name))
+        for name in os.listdir(out_dir):  # data files of the earlier dataset that the new one does not have
+            if DATASET_FILE.match(name) and name.endswith(".arrow") and name not in new:
+                os.unlink(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -337,15 +337,20 @@ def run(opts: ExtractOptions) -> dict:
         complete = present == len(samples)
         this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2))
-        manifest.update(status="complete" if complete else "incomplete", samples_present=present)
-        _write_json(manifest_path, manifest)
         if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
+            # before the manifest says "complete": a run that fails here leaves the directory "incomplete"
             try:
                 arrow.write_dataset(opts.out, ((s.input_ids, s.loss_mask) for s in samples))
             except OSError as exc:
+                manifest.update(status="incomplete", samples_present=present)
+                this_run.update(status=f"failed: the Arrow dataset could not be written: {exc.strerror or exc}")
+                _best_effort_json(manifest_path, manifest)
                 raise writer.OutputWriteError(f"could not write the Arrow dataset in {opts.out}: "
                                               f"{exc.strerror or exc}; rerun the same command with --resume") from exc
-        elif complete:  # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
+        manifest.update(status="complete" if complete else "incomplete", samples_present=present)
+        _write_json(manifest_path, manifest)
+        if complete and opts.format not in arrow.ARROW_FORMATS:
+            # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
             _write_json(os.path.join(opts.out, "data_config.json"),
                         speculators_data_config(opts, layer_ids, hidden_size, len(samples), versions, max_len))
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
