@@ -488,3 +488,69 @@ def test_non_finite_states_are_refused_naming_the_sample_and_layer(tmp_path, fmt
         else:
             writer.save_sample(str(tmp_path), 7, sample, fmt, layer_ids=[4, 12])
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing of it was written
+
+
+def _writer_of(out):
+    """Another process holding the directory's writers lock shared, as a `--ray` actor does for its life (an orphan
+    of a killed driver here); it lets go when its stdin closes."""
+    code = ("import sys\n"
+            "from eagle_compat.extract import writer\n"
+            f"fd = writer.hold_as_writer({str(out)!r})\n"
+            "print('holding', flush=True)\n"
+            "sys.stdin.read()\n")
+    proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_resume_waits_for_writers_of_an_earlier_run_before_touching_the_directory(model, dataset, tmp_path,
+                                                                                   fake_engine, monkeypatch):
+    """`--resume` right after a killed `--ray` driver: its orphaned actors may still be writing. The new run sweeps
+    temporary files and redoes batches only once they are gone; it waits (here: the orphan ends on the run's first
+    wait, a hook) or, past the deadline, refuses naming the lock."""
+    out = tmp_path / "out"
+    os.makedirs(out)
+    orphan = _writer_of(out)
+    (out / "data_1.pt.tmp-otherhost-123-0badcafe").write_bytes(b"being written by the orphan")
+    seen = []
+
+    def orphan_ends(seconds):
+        if not seen:
+            seen.append(os.listdir(out))  # nothing was swept while the orphan lived
+            orphan.stdin.close()
+            orphan.wait()
+    monkeypatch.setattr(job, "_say_waiting_once", lambda: orphan_ends)
+    summary = job.run(_opts(model, dataset, out))
+    assert seen and "data_1.pt.tmp-otherhost-123-0badcafe" in seen[0], seen
+    assert summary["temp_files_swept"] == ["data_1.pt.tmp-otherhost-123-0badcafe"]
+    run = json.load(open(out / "manifest.json"))["runs"][-1]
+    assert run["waited_for_earlier_writers_s"] >= 0 and run["status"] == "complete"
+
+    still = _writer_of(out)
+    try:
+        monkeypatch.setenv(writer.WRITERS_WAIT_ENV, "0")
+        def data(snapshot):  # the directory lock's file names its holder: this run took it, then refused
+            return {k: v for k, v in snapshot.items() if k != ".eagle-compat.lock"}
+        before = data(_snapshot(out))
+        with pytest.raises(writer.OutputDirectoryBusy, match=r"still being written by processes of an earlier run"):
+            job.run(_opts(model, dataset, out, resume=True))
+        assert data(_snapshot(out)) == before
+    finally:
+        still.stdin.close()
+        still.wait()
+
+
+def test_temporary_names_are_unique_across_hosts_and_swept(tmp_path, monkeypatch):
+    """Two hosts writing one file on shared storage have the same PIDs often: the temporary name carries the host and a
+    random part; the sweep knows it and the earlier `.tmp-PID` form."""
+    names = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: names.append(os.path.basename(src)))
+    for _ in range(2):
+        writer.atomic_write_bytes(str(tmp_path / "data_0.pt"), b"x")
+    assert names[0] != names[1] and all(re.fullmatch(
+        rf"data_0\.pt\.tmp-{re.escape(__import__('socket').gethostname())}-{os.getpid()}-[0-9a-f]{{8}}", n) for n in names)
+    monkeypatch.undo()
+    for n in names + ["data_2.pt.tmp-4242"]:
+        (tmp_path / n).write_bytes(b"x")
+    assert sorted(writer.sweep_temp_files(str(tmp_path))) == sorted(names + ["data_2.pt.tmp-4242"])

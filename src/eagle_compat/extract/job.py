@@ -216,6 +216,17 @@ def _write_json(path: str, obj: Any) -> None:
         raise writer.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
 
 
+def _say_waiting_once() -> Any:
+    said = []
+
+    def say(seconds: float) -> None:
+        if not said:
+            said.append(True)
+            print("extract: waiting for writers of an earlier run that still hold this directory (orphaned --ray "
+                  "actors end within seconds of their driver)", file=sys.stderr, flush=True)
+    return say
+
+
 def _best_effort_json(path: str, obj: Any) -> None:
     try:  # recording why a run stopped must not hide the reason it stopped (e.g. the disk is full)
         writer.atomic_write_json(path, obj)
@@ -285,6 +296,7 @@ def run(opts: ExtractOptions) -> dict:
     with writer.DirectoryLock(opts.out):
         record = writer.check_directory(opts.out, settings)  # another run may have written between the checks
         refuse_without_resume()
+        waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
         swept = writer.sweep_temp_files(opts.out)
         # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
         todo = [b for b in mine if not all(os.path.exists(path_of(s)) for s in b)]
@@ -301,7 +313,8 @@ def run(opts: ExtractOptions) -> dict:
                                 "lines from 0; those in skipped_uncovered have no row)")
         this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                     "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume, "versions": versions,
-                    "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running"}
+                    "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
+                    "waited_for_earlier_writers_s": round(waited, 1)}
         manifest.setdefault("runs", []).append(this_run)
         manifest["status"] = "running"
         _write_json(manifest_path, manifest)  # the settings record exists before the first sample does

@@ -126,6 +126,8 @@ class ExtractActor:
 
     def __init__(self, spec: ActorSpec, rank: int):
         self.spec, self.rank = spec, rank
+        # held for the actor's life: a later driver of this directory waits for it (writer.wait_for_other_writers)
+        self.writers_fd = writer.hold_as_writer(spec.out)
         self.gen = None
         self.core_fds: list[int] = []
         self.binding: str | None = None

@@ -27,7 +27,9 @@ MANIFEST = "manifest.json"
 LOCK_FILE = ".eagle-compat.lock"
 # sample files of any writer (ours: data_{i}.pt/.safetensors; speculators' scripts: hs_{i}.pt); not data_config.json
 SAMPLE_FILE = re.compile(r"^(data|hs)_\d+\.[A-Za-z0-9]+$")
-TEMP_FILE = re.compile(r"\.tmp-\d+$")
+# `{file}.tmp-{host}-{pid}-{random}`: unique across the hosts of a cluster writing to shared storage (PIDs repeat
+# across hosts); `.tmp-{pid}` is the name earlier versions left
+TEMP_FILE = re.compile(r"\.tmp-(?:[\w.-]+-\d+-[0-9a-f]{8}|\d+)$")
 
 LAYER_CONVENTION = ("hidden_states[k] is the residual stream leaving decoder layer layer_ids[k] "
                     "(hidden + residual after that layer; HF output_hidden_states[layer_id + 1] for layer_id <= N-2; "
@@ -79,7 +81,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 def atomic_write_file(path: str, write: Any) -> None:
     """`write(tmp_path)` makes the file under a temporary name; then fsync and rename: a reader sees the whole file
     or none. Nothing is left behind on failure (disk full, Ctrl-C), not even under the temporary name."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         try:
             write(tmp)
@@ -248,6 +250,51 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
             "without --resume:\n  " + "\n  ".join(diffs) +
             "\nRerun with the settings above, or choose another --out")
     return record
+
+
+# Held shared (flock) by every process other than the driver that writes into the directory (`--ray` actors) for its
+# life; a driver waits to take it exclusively before it sweeps temporary files or redoes batches, so a `--resume`
+# right after a killed driver cannot overlap the dead driver's orphaned actors still writing.
+WRITERS_LOCK = ".eagle-compat-writers.lock"
+WRITERS_WAIT_ENV = "EAGLE_COMPAT_WRITERS_WAIT_S"
+
+
+def hold_as_writer(out_dir: str) -> int:
+    """A descriptor holding the directory's writers lock shared (kept for the writer's life; the kernel releases it
+    when the process dies)."""
+    fd = os.open(os.path.join(out_dir, WRITERS_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def wait_for_other_writers(out_dir: str, timeout: float | None = None, on_wait: Any = None) -> float:
+    """Block until no other process holds the directory's writers lock (orphaned writers of a dead run end: Ray ends
+    a dead driver's actors within seconds); returns the seconds waited. Past `timeout` (default 120 s,
+    EAGLE_COMPAT_WRITERS_WAIT_S) raises OutputDirectoryBusy. `on_wait(seconds)` is called on every retry."""
+    import time
+    timeout = float(os.environ.get(WRITERS_WAIT_ENV, 120)) if timeout is None else timeout
+    path = os.path.join(out_dir, WRITERS_LOCK)
+    if not os.path.exists(path):
+        return 0.0
+    fd = os.open(path, os.O_RDONLY)
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return time.monotonic() - start
+            except OSError:
+                waited = time.monotonic() - start
+                if waited > timeout:
+                    raise OutputDirectoryBusy(
+                        f"{out_dir} is still being written by processes of an earlier run (they hold {WRITERS_LOCK}: "
+                        f"e.g. Ray actors of a driver that was killed) after {timeout:.0f} s; end them (ray stop, or "
+                        f"kill the holders: fuser {path}) and rerun, or wait longer ({WRITERS_WAIT_ENV})") from None
+                if on_wait is not None:
+                    on_wait(waited)
+                time.sleep(0.5)
+    finally:
+        os.close(fd)  # the lock (if taken) goes with it: this run's own writers take it shared next
 
 
 def sweep_temp_files(out_dir: str) -> list[str]:
