@@ -67,3 +67,29 @@ def test_big_mixed_batch_two_calls_and_alone(shim):
         for x, y in zip(alone["hidden_states"], first[i]["hidden_states"]):
             # batched and single runs may round differently in bf16; misassigned rows would differ entirely
             assert (x.float() - y.float()).abs().max() <= 2e-2 * y.float().abs().max()
+
+
+def test_speculators_steps_run_with_eagle_compats_step_deadline(monkeypatch):
+    """vLLM's 300 s step deadline ended a real run of speculators' generator on a busy 2-core machine (issue 26):
+    under install() its steps get the stable generator's deadline, where the user set none."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from eagle_compat import engine
+    seen = []
+    original = MultiprocExecutor.collective_rpc
+
+    def spy(self, method, *args, **kwargs):  # below eagle_compat's hook: what vLLM's call finally gets
+        if method in ("execute_model", "sample_tokens"):
+            seen.append(kwargs.get("timeout"))
+        return original(self, method, *args, **kwargs)
+    generator_class = _generator_class()  # install() first: its probes read vLLM's own collective_rpc
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", spy)
+    monkeypatch.delenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    path, _, num_layers = tiny_models.build_family("llama")
+    gen = generator_class(path, layer_ids=[0, num_layers - 1], max_model_len=512, gpu_memory_utilization=0.3)
+    try:
+        gen.generate(prompts(2, 5, 20, seed=3))
+    finally:
+        gen.executor.shutdown()
+        eagle_compat.uninstall()
+    assert seen and set(seen) == {engine.STEP_DEADLINE_S}, seen

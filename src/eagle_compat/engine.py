@@ -438,6 +438,11 @@ def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> di
     return env
 
 
+# The step deadline eagle_compat runs with where the user set no VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (vLLM: 300 s):
+# the generator's queued steps wait behind others, and one slow step must not end a days-long run (speculators'
+# generator gets it too: patches/step_deadline.py). A hung worker is still found: this bounds every step.
+STEP_DEADLINE_S = 1500
+
 # Variables eagle_compat set, with how many holders (generators, spawning executors) rely on each: vLLM reads them
 # at every call (its `envs` module), so one generator's close() must not unset what another one still runs with.
 _ENV_HOLDS: dict[str, list] = {}

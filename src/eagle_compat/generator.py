@@ -27,7 +27,8 @@ QUEUED_BATCHES = 2  # sent but not yet collected, besides the one being sent: th
 CALLS_IN_FLIGHT = 8
 # vLLM's deadline for a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, default 300 s) runs from when the call is sent; a
 # queued step may wait behind CALLS_IN_FLIGHT / 2 others. Where the user set no deadline, keep 300 s per step.
-QUEUED_CALL_TIMEOUT_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(300 * (CALLS_IN_FLIGHT // 2 + 1))}
+assert engine.STEP_DEADLINE_S >= 300 * (CALLS_IN_FLIGHT // 2 + 1)
+QUEUED_CALL_TIMEOUT_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(engine.STEP_DEADLINE_S)}
 
 
 def _result_of_rank0(future: Future) -> Any:
