@@ -252,3 +252,24 @@ def test_replacing_the_arrow_dataset_keeps_the_earlier_one_whole_until_the_new_o
         job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, resume=True))
     monkeypatch.undo()
     assert datasets.load_from_disk(str(out)).to_dict() == before  # the earlier dataset, whole
+
+
+def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model, dataset, tmp_path, fake_engine,
+                                                                          monkeypatch):
+    """Arrow rows are bound by position: shard 1 run where line 1 tokenizes otherwise (another transformers
+    version on that machine) must not write a dataset pairing row 0 with shard 0's states of other tokens."""
+    from eagle_compat.extract import inputs
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(0, 2)))
+    real = inputs.read_dataset
+
+    def other_tokenizer(*args, **kwargs):
+        data = real(*args, **kwargs)
+        s = data.samples[0]  # row 0: written by shard 0
+        data.samples[0] = inputs.Sample(s.index, s.input_ids[::-1], s.loss_mask, s.line)
+        return data
+    monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"hs_0\.safetensors does not hold its row's sample: row "
+                                                             r"0 \(input line 1\)"):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(1, 2)))
+    assert not (out / "state.json").exists() and json.load(open(out / "manifest.json"))["status"] == "incomplete"

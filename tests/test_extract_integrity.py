@@ -554,3 +554,40 @@ def test_temporary_names_are_unique_across_hosts_and_swept(tmp_path, monkeypatch
     for n in names + ["data_2.pt.tmp-4242"]:
         (tmp_path / n).write_bytes(b"x")
     assert sorted(writer.sweep_temp_files(str(tmp_path))) == sorted(names + ["data_2.pt.tmp-4242"])
+
+
+def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(model, dataset, tmp_path,
+                                                                                fake_engine, monkeypatch):
+    """Files are bound to samples by position. Resuming with another tokenizer, transformers version or option (on
+    another shard machine, say) numbered rows differently and paired files with other samples' states, manifest
+    "complete". Now every kept file is checked against its sample by content (its token ids)."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out))
+    os.unlink(writer.sample_path(str(out), 9, "pt"))  # something left to do
+    real = inputs.read_dataset
+
+    def other_tokenizer(*args, **kwargs):  # what another transformers version's chat template does to line 3
+        data = real(*args, **kwargs)
+        s = data.samples[2]
+        data.samples[2] = inputs.Sample(s.index, s.input_ids[1:] + [s.input_ids[0]], s.loss_mask, s.line)
+        return data
+    monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
+    before = {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"}
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"data_2\.pt is not the sample it stands for: input "
+                                                             r"line 3: the file holds"):
+        job.run(_opts(model, dataset, out, resume=True))
+    assert {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"} == before
+    monkeypatch.undo()
+    job.run(_opts(model, dataset, out, resume=True))  # the same environment completes it
+
+
+def test_validate_is_part_of_the_settings_record(model, dataset, tmp_path, fake_engine):
+    """--validate changes which conversations --skip-uncovered leaves out, so it changes the sample set."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, skip_uncovered=True))
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"validate: was False, now True"):
+        job.run(_opts(model, dataset, out, skip_uncovered=True, validate=True, resume=True))
+    record = json.load(open(out / "manifest.json"))
+    del record["settings"]["validate"]  # a record from before the setting existed reads as False
+    json.dump(record, open(out / "manifest.json", "w"))
+    job.run(_opts(model, dataset, out, skip_uncovered=True, resume=True))

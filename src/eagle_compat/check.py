@@ -27,6 +27,25 @@ BF16_REL_TOL = 5e-2  # only for engine-vs-engine comparisons in one dtype (batch
 CHECKS = ("shim", "generator")
 
 
+REAL_CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."}],
+    [{"role": "user", "content": "Give me three tips for writing clear code."},
+     {"role": "assistant", "content": "Name things for what they do, keep functions short, and write the test "
+                                      "before the fix."}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a colour of the rainbow."},
+     {"role": "assistant", "content": "Indigo."}],
+]
+
+
+def real_prompts(model: str) -> list[list[int]]:
+    """Conversations through the model's own chat template: what a real model sees in training data."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    return [list(tok.apply_chat_template(c, tokenize=True, return_dict=False)) for c in REAL_CONVERSATIONS]
+
+
 def default_prompts() -> list[list[int]]:
     import random
     rng = random.Random(11)
@@ -168,9 +187,12 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
 
     if check not in CHECKS:
         raise InvalidInput(f"check {check!r}; allowed: {', '.join(CHECKS)}")
+    if model is None and family in tiny_models.REAL_MODELS:  # a real pretrained model: real chat prompts
+        model = tiny_models.build_real_model(family)
+        prompts = prompts or real_prompts(model)
     if model is None:
         if family not in tiny_models.FAMILIES:
-            raise InvalidInput(f"family {family!r}; allowed: {', '.join(tiny_models.FAMILIES)}")
+            raise InvalidInput(f"family {family!r}; allowed: {', '.join(tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS))}")
         model, reference_model, num_layers = tiny_models.build_family(family)
         trust_remote_code = trust_remote_code or family == "kimi_k25"
     else:

@@ -101,7 +101,9 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
     return {"model": os.path.abspath(opts.model), "model_checksums": writer.model_checksums(opts.model),
             "data": os.path.abspath(opts.data), "data_sha256": _sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
-            "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered}
+            "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
+            # --validate also decides which conversations --skip-uncovered leaves out
+            "validate": opts.validate}
 
 
 def model_position_limit(model: str, text_config: Any) -> tuple[int | None, str]:
@@ -300,6 +302,16 @@ def run(opts: ExtractOptions) -> dict:
         swept = writer.sweep_temp_files(opts.out)
         # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
         todo = [b for b in mine if not all(os.path.exists(path_of(s)) for s in b)]
+        # the files kept must be of these very samples (checked by content: their token ids)
+        redo = {id(b) for b in todo}
+        kept = [b for b in mine if id(b) not in redo]
+        wrong = writer.first_mismatch((path_of(s), s.input_ids, f"input line {s.line}") for b in kept for s in b)
+        if wrong:
+            raise writer.OutputDirectoryConflict(
+                f"{wrong[0]} is not the sample it stands for: {wrong[1]}. The directory's files were made from a "
+                "sample set that differs from this run's (another tokenizer, transformers version, chat template "
+                "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
+                "samples' states. Use the same environment and options, or choose another --out")
         manifest = record or {
             "eagle_compat": __import__("eagle_compat").__version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
@@ -351,6 +363,16 @@ def run(opts: ExtractOptions) -> dict:
         this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2))
         if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
+            # every hs_{r} file (other shards' included) must hold row r's tokens: rows are bound by position
+            wrong = writer.first_mismatch((path_of(s), s.input_ids, f"row {row_of[s.index]} (input line {s.line})")
+                                          for s in samples)
+            if wrong:
+                manifest.update(status="incomplete", samples_present=present)
+                _best_effort_json(manifest_path, manifest)
+                raise writer.OutputDirectoryConflict(
+                    f"{wrong[0]} does not hold its row's sample: {wrong[1]}; the shards of this directory were made "
+                    "from differing sample sets (another tokenizer, transformers version or option). The Arrow "
+                    "dataset is not written")
             # before the manifest says "complete": a run that fails here leaves the directory "incomplete"
             try:
                 arrow.write_dataset(opts.out, ((s.input_ids, s.loss_mask) for s in samples))

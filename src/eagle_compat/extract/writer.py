@@ -184,6 +184,35 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
     return out
 
 
+def token_ids_in(path: str) -> list[int]:
+    """The token ids a sample file holds (`input_ids`, or `token_ids` in --format arrow's hs files), read without
+    its hidden states."""
+    import torch
+
+    if path.endswith(".pt"):
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)["input_ids"].tolist()
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        key = "input_ids" if "input_ids" in f.keys() else "token_ids"
+        return f.get_tensor(key).tolist()
+
+
+def first_mismatch(expected: Any) -> tuple[str, Any] | None:
+    """(path, what) of the first file whose token ids differ from the sample it stands for: `expected` yields
+    (path, token ids, what names the sample). Files are bound to samples by position; a resume with another
+    tokenizer, transformers, chat template or option that changes the sample set would pair them wrongly."""
+    for path, ids, what in expected:
+        try:
+            got = token_ids_in(path)
+        except Exception as exc:  # noqa: BLE001 - an unreadable file is not this sample's either
+            return path, f"{what}: the file cannot be read ({type(exc).__name__}: {exc})"
+        if got != list(ids):
+            return path, (f"{what}: the file holds {len(got)} tokens {got[:6]}..., the sample now tokenizes to "
+                          f"{len(ids)} tokens {list(ids)[:6]}...")
+    return None
+
+
 def sample_files(out_dir: str) -> list[str]:
     """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
     if not os.path.isdir(out_dir):
@@ -371,6 +400,11 @@ class DirectoryLock:
             self.fd = None
 
 
+# settings added after records were first written: a record without one was made with this value
+SETTINGS_ADDED = {"validate": False}
+
+
 def settings_differences(old: dict, new: dict) -> list[str]:
     keys = sorted(set(old) | set(new))
+    old = {**{k: v for k, v in SETTINGS_ADDED.items() if k not in old}, **old}
     return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
