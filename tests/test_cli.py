@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -62,3 +63,25 @@ def test_doctor_model_exits_non_zero_for_an_unknown_family(tmp_path):
     assert proc.returncode == 1
     report = proc.report
     assert "UnsupportedModel" in report["model"]["error"] and "no decoder stack found" in report["model"]["error"]
+
+
+@pytest.mark.engine
+def test_extract_prints_the_bar_and_the_report_and_nothing_of_vllm(tmp_path):
+    """Quiet by default (issue 27): the progress bar (stderr), the summary and the data report (stdout); no vLLM log
+    line, no Python or torch warning, no shutdown noise, on every release in CI. --verbose keeps vLLM's output."""
+    from helpers import write_dataset
+    model = tiny_models.build_tiny_model("llama")
+    data = write_dataset(tmp_path / "data.jsonl", 10, 20, 60, seed=2)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "PYTHONWARNINGS",
+                                                             "TORCH_CPP_LOG_LEVEL", "VLLM_CONFIGURE_LOGGING")}
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", data,
+                           "--out", str(tmp_path / "out"), "--layers", "0,5", "--max-len", "128",
+                           "--gpu-memory-utilization", "0.3"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert out[0].startswith("extract: 10 samples in "), out
+    assert out[1].startswith("data report: 10 samples, "), out
+    assert all(line.startswith("  ") for line in out[2:]), out  # the report's own lines
+    noise = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip() and not line.startswith("extract: ")]
+    assert not noise, noise[:20]
+    assert "extract: 100%" in proc.stderr  # the bar

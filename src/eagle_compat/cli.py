@@ -4,6 +4,7 @@
   eagle-compat convert SRC DST [--to FORMAT]   data_{i}.pt <-> Arrow + hidden_states/hs_{i}.safetensors
   eagle-compat demo [--family deepseek_v3]   tiny model: speculators 0.3.0 under install() vs HF, then extract
   eagle-compat check [--family F ...] [--json]  extraction on this vLLM vs HF (exit status for CI)
+  eagle-compat report DIR [--json] [--plot PNG]  what a finished directory's data is (ours or speculators 0.3.0's)
   eagle-compat doctor [--model PATH] [--json] [--release X.Y.Z]  versions, API features, patches needed; the model's decoder contract
   eagle-compat run SCRIPT.py ARGS... | run -m MODULE ARGS...   any script unmodified under install(), spawned
                                                processes included (e.g. speculators' data_generation_offline.py)
@@ -12,8 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+
+# A quiet run's spawned vLLM workers import this module again (as __mp_main__ or through the console script) before
+# they import vLLM: its first messages, logged before vLLM configures its loggers, would reach stderr.
+QUIET_MARK = "EAGLE_COMPAT_QUIET"
+if os.environ.get(QUIET_MARK) == "1":
+    logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -149,6 +157,8 @@ def _default_gmu() -> float:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        quiet_engine_output()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
 
@@ -232,8 +242,46 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# What keeps vLLM, torch and Python warnings off a run's output (the user's own settings win); --verbose keeps them.
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore",
+             QUIET_MARK: "1"}
+
+
+def quiet_engine_output() -> list[str]:
+    """Before vLLM is imported: its loggers read VLLM_LOGGING_LEVEL once, and the workers inherit the environment.
+    Returns the variables set here."""
+    import warnings
+    if "VLLM_LOGGING_LEVEL" in os.environ:  # the user asked for vLLM's logs at some level: keep everything else
+        return []
+    warnings.simplefilter("ignore")
+    # the driver: vLLM configures its loggers only inside its own engines; without a handler its warnings reach
+    # Python's last-resort handler (stderr)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    set_here = [k for k in QUIET_ENV if k not in os.environ]
+    for k in set_here:
+        os.environ[k] = QUIET_ENV[k]
+    return set_here
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .errors import InvalidInput
+    from .extract import report as data_report
+    if not os.path.isdir(args.dir):
+        raise InvalidInput(f"{args.dir}: not a directory")
+    try:
+        rep = data_report.of_directory(args.dir)
+    except FileNotFoundError as exc:
+        raise InvalidInput(str(exc)) from None
+    print(json.dumps(rep, indent=2) if args.json else data_report.text(rep, title=args.dir))
+    if args.plot:
+        print(f"length histogram in {data_report.plot(rep, args.plot)}")
+    return 0
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
+    quiet = not args.verbose and bool(quiet_engine_output())
     from .extract import job
+    from .extract import report as data_report
 
     opts = job.ExtractOptions(
         model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
@@ -242,13 +290,18 @@ def cmd_extract(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization or _default_gmu(),
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, skip_uncovered=args.skip_uncovered, ray=args.ray, ray_actors=args.ray_actors,
-        ray_cpus_per_actor=args.ray_cpus_per_actor)
+        ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)
+    if args.report_plot:
+        data_report.require_matplotlib()  # before anything reaches the engine
     summary = job.run(opts)
     print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
           f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
           f"manifest {summary['manifest']}")
     if summary["temp_files_swept"]:
         print(f"extract: removed {len(summary['temp_files_swept'])} temporary files left by an earlier run")
+    print(data_report.text(summary["report"]))
+    if args.report_plot:
+        print(f"extract: length histogram in {data_report.plot(summary['report'], args.report_plot)}")
     if summary["skipped"]:
         lines = ", ".join(str(s["line"]) for s in summary["skipped"][:20])
         print(f"extract: skipped {len(summary['skipped'])} conversations whose assistant tokens could not all be "
@@ -286,7 +339,9 @@ def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
                               resume=os.path.exists(os.path.join(out_dir, "manifest.json")), validate=True,
                               gpu_memory_utilization=_default_gmu())
     summary = job.run(opts)
+    from .extract import report
     print(f"\nextract: {summary['samples']} training files in {out_dir} ({summary['seconds']:.1f} s)")
+    print(report.text(summary["report"]))
     sample = writer.load_sample(writer.sample_path(out_dir, 5, "pt"))
     from . import check as parity
     layers = parity.judge([sample], path, [sample["input_ids"].tolist()], layer_ids, "bf16")
@@ -315,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .capture.families import TINY
     p.add_argument("--family", default="deepseek_v3", choices=sorted(n for n, (_, t) in TINY.items() if not t.wraps))
     p.add_argument("--out", default="out/demo", help="where the demo's training files go")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's logs and warnings")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("convert", help="speculators 0.3.0 files (data_{i}.pt) <-> Arrow layout (speculators 0.8-0.9)")
     p.add_argument("src", help="a complete directory written by eagle-compat extract (or convert)")
@@ -351,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--min-loss-tokens", type=int, default=1, metavar="N",
+                   help="leave out samples with fewer than N tokens in their loss mask after --max-len (default 1: "
+                        "a sample with nothing to train on; 0 keeps everything); counted and listed in the report")
+    p.add_argument("--report-plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's logs, warnings and its model-load bar")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the batches on a pool of Ray actors: ADDRESS (host:port or ray://...), 'auto' (the "
                         "cluster on this node), or nothing (RAY_ADDRESS, else a new local cluster); needs the [ray] "
@@ -369,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("report", help="what a finished directory's data is: samples, tokens, loss tokens, truncation, "
+                                      "lengths (ours or speculators 0.3.0's)")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
+    p.set_defaults(func=cmd_report)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")
     return parser
 

@@ -122,7 +122,8 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
                       gpu_memory_utilization: float, tensor_parallel_size: int = 1, dtype: str = "auto",
                       trust_remote_code: bool = False, max_num_seqs: int = MAX_NUM_SEQS,
                       max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
-                      tokenizer: str | None = None, seed: int | None = None, load_format: str = "auto"):
+                      tokenizer: str | None = None, seed: int | None = None, load_format: str = "auto",
+                      show_load_progress: bool = True):
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -141,7 +142,7 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
                             worker_extension_cls=worker_extension_cls)
     return VllmConfig(model_config=model_config, cache_config=cache_config, parallel_config=parallel_config,
                       scheduler_config=scheduler_config, device_config=DeviceConfig(),
-                      load_config=build(LoadConfig, load_format=load_format))
+                      load_config=build(LoadConfig, load_format=load_format, use_tqdm_on_load=show_load_progress))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ class VllmHiddenStatesGenerator:
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
-                 load_format: str = "auto", shm_limit_bytes: int | None = None):
+                 load_format: str = "auto", shm_limit_bytes: int | None = None, show_load_progress: bool = True):
         refuse_inside_a_spawned_import()
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -202,7 +202,7 @@ class VllmHiddenStatesGenerator:
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                load_format=load_format)
+                load_format=load_format, show_load_progress=show_load_progress)
             from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
             self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code

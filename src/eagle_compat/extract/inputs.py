@@ -20,11 +20,22 @@ class UncoveredConversation(InvalidInput):
 
 
 @dataclass
+class Cut:
+    """What --max-len took from one sample (extract's data report)."""
+    tokens: int = 0  # tokens cut away
+    loss_tokens: int = 0  # of which in the loss mask
+    replies: int = 0  # assistant replies in the conversation (0: pre-tokenized)
+    replies_cut_wholly: int = 0
+    replies_cut_partly: int = 0
+
+
+@dataclass
 class Sample:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
     line: int = 0
+    cut: Cut = field(default_factory=Cut)
 
 
 @dataclass
@@ -32,6 +43,8 @@ class Dataset:
     samples: list[Sample]
     # conversations left out under --skip-uncovered: {"line", "index", "reason"}
     skipped: list[dict] = field(default_factory=list)
+    # samples left out under --min-loss-tokens (too few tokens to train on): {"line", "index", "loss_tokens", "reason"}
+    few_loss_tokens: list[dict] = field(default_factory=list)
 
 
 def _messages(record: dict, where: str) -> list[dict] | None:
@@ -98,25 +111,32 @@ def _preview(text: str, n: int = 40) -> str:
     return json.dumps(text if len(text) <= n else text[:n] + "...")
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
-                          check_decoded: bool = False) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *, check_decoded: bool = False,
+                          cut: Cut | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask that is 1 on assistant-content tokens.
 
     Every assistant message must be located (UncoveredConversation otherwise); spans past `max_len` tokens are
     truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each reply and
     checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
-    tokenizer's character offsets.
+    tokenizer's character offsets. `cut` is filled with what `max_len` took away (tokens, loss tokens, replies).
     """
     text = _render(tokenizer, messages, False)
     spans = assistant_spans(tokenizer, messages, text)
-    try:
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, truncation=True,
-                        max_length=max_len)
+    try:  # the whole text (what --max-len takes away is reported), then cut: what truncation=True would keep
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
     except NotImplementedError:
         raise InvalidInput("conversations need a fast tokenizer (character offsets locate the assistant's tokens); "
                            "this model's tokenizer has none. Pre-tokenize into input_ids + loss_mask") from None
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    mask = [1 if any(s < e_tok and b_tok < e for s, e in spans) else 0 for b_tok, e_tok in offsets]
+    full_offsets = enc["offset_mapping"]
+    full_mask = [1 if any(s < e_tok and b_tok < e for s, e in spans) else 0 for b_tok, e_tok in full_offsets]
+    ids, offsets, mask = list(enc["input_ids"])[:max_len], full_offsets[:max_len], full_mask[:max_len]
+    if cut is not None:
+        cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(spans)
+        for s, e in spans:
+            covering = [j for j, (b_tok, e_tok) in enumerate(full_offsets) if s < e_tok and b_tok < e]
+            kept = sum(1 for j in covering if j < max_len)
+            cut.replies_cut_wholly += bool(covering) and kept == 0
+            cut.replies_cut_partly += 0 < kept < len(covering)
     kept_end = offsets[-1][1] if offsets else 0
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
@@ -140,10 +160,12 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
-                 check_decoded: bool = False) -> Dataset:
-    """Every line parsed and tokenized (the whole file, before any engine starts)."""
+                 check_decoded: bool = False, min_loss_tokens: int = 0) -> Dataset:
+    """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
+    `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed."""
     samples: list[Sample] = []
     skipped: list[dict] = []
+    few: list[dict] = []
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
@@ -162,11 +184,13 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 raise InvalidInput(f"{where}: a JSON {type(record).__name__}; each line is one JSON object: "
                                    f"{LINE_FORMS}")
             messages = _messages(record, where)
+            cut = Cut()
             if messages is not None:
                 if tokenizer is None:
                     raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load")
                 try:
-                    ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded)
+                    ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded,
+                                                      cut=cut)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(
@@ -182,6 +206,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                                        f"{type(exc).__name__}: {exc}") from None
             elif "input_ids" in record:
                 ids, mask = _token_record(record, where)
+                cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])
                 ids, mask = ids[:max_len], mask[:max_len]
             else:
                 raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
@@ -191,11 +216,20 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             bad = [t for t in ids if vocab_size and not 0 <= t < vocab_size]
             if bad:
                 raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
-            samples.append(Sample(index, list(ids), list(mask), n + 1))
+            if sum(mask) < min_loss_tokens:
+                why = ("its replies were cut away by --max-len" if cut.replies_cut_wholly and not sum(mask)
+                       else "no token of it is in the loss mask" if not sum(mask) else
+                       f"{sum(mask)} loss tokens, fewer than --min-loss-tokens {min_loss_tokens}")
+                few.append({"line": n + 1, "index": index, "loss_tokens": sum(mask), "reason": why, "cut": cut})
+                index += 1
+                continue
+            samples.append(Sample(index, list(ids), list(mask), n + 1, cut))
             index += 1
     if not samples:
-        raise InvalidInput(f"{path}: no samples" + (f" ({len(skipped)} skipped as uncovered)" if skipped else ""))
-    return Dataset(samples, skipped)
+        left = [f"{len(skipped)} skipped as uncovered"] * bool(skipped) + \
+            [f"{len(few)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * bool(few)
+        raise InvalidInput(f"{path}: no samples" + (f" ({'; '.join(left)})" if left else ""))
+    return Dataset(samples, skipped, few)
 
 
 def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:
@@ -209,7 +243,3 @@ def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:
         raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); "
                            f"got {got}")
     return ids, mask
-
-
-def read_samples(path: str, tokenizer: Any, max_len: int) -> list[Sample]:
-    return read_dataset(path, tokenizer, max_len).samples

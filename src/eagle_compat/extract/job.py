@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import arrow, inputs, layers, pipeline, writer
+from . import arrow, inputs, layers, pipeline, report, writer
 
 FORMATS = ("pt", "safetensors", *arrow.ARROW_FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -35,6 +35,8 @@ class ExtractOptions:
     batch_size: int = 8
     max_len: int | None = None  # None: min(DEFAULT_MAX_LEN, what the model takes)
     skip_uncovered: bool = False
+    min_loss_tokens: int = 1  # a sample with fewer loss tokens (after --max-len) is left out, counted and listed
+    quiet: bool = False  # the CLI's default: no vLLM logs, warnings or load bar (cli.quiet_engine_output)
     resume: bool = False
     shard: tuple[int, int] = (0, 1)
     validate: bool = False
@@ -78,6 +80,8 @@ def _check(opts: ExtractOptions) -> None:
                            "--format pt on the cluster, then `eagle-compat convert SRC DST` to the Arrow layout")
     if opts.batch_size < 1:
         raise InvalidInput(f"--batch-size {opts.batch_size}; must be >= 1")
+    if not isinstance(opts.min_loss_tokens, int) or opts.min_loss_tokens < 0:
+        raise InvalidInput(f"--min-loss-tokens {opts.min_loss_tokens!r}; must be an int >= 0 (0 keeps every sample)")
     if opts.max_len is not None and opts.max_len < 1:
         raise InvalidInput(f"--max-len {opts.max_len}; must be >= 1")
     if not os.path.isfile(opts.data):
@@ -103,7 +107,7 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
             # --validate also decides which conversations --skip-uncovered leaves out
-            "validate": opts.validate}
+            "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens}
 
 
 def model_position_limit(model: str, text_config: Any) -> tuple[int | None, str]:
@@ -260,7 +264,8 @@ def run(opts: ExtractOptions) -> dict:
     except Exception:  # noqa: BLE001 - pre-tokenized input does not need one
         tokenizer = None
     data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
-                               skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate)
+                               skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
+                               min_loss_tokens=opts.min_loss_tokens)
     samples = data.samples
     shard_i, shard_n = opts.shard
     batches = [samples[k: k + opts.batch_size] for k in range(0, len(samples), opts.batch_size)]
@@ -316,8 +321,12 @@ def run(opts: ExtractOptions) -> dict:
             "eagle_compat": __import__("eagle_compat").__version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
             "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
-            "num_samples_in_data": len(samples) + len(data.skipped), "num_samples": len(samples),
-            "skipped_uncovered": data.skipped, "versions": versions, "runs": []}
+            "num_samples_in_data": len(samples) + len(data.skipped) + len(data.few_loss_tokens),
+            "num_samples": len(samples), "skipped_uncovered": data.skipped,
+            "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens],
+            "versions": versions, "runs": []}
+        left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
+        manifest["report"] = report.of_samples(samples, max_len, left_out)  # the directory's: the whole input
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
         if opts.format in arrow.ARROW_FORMATS:
             manifest.setdefault("arrow_rows", "row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold "
@@ -361,7 +370,8 @@ def run(opts: ExtractOptions) -> dict:
         present = sum(os.path.exists(path_of(s)) for s in samples)
         complete = present == len(samples)
         this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
-                        samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2))
+                        samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
+                        report=report.of_samples([s for b in todo for s in b], max_len))
         if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
             # every hs_{r} file (other shards' included) must hold row r's tokens: rows are bound by position
             wrong = writer.first_mismatch((path_of(s), s.input_ids, f"row {row_of[s.index]} (input line {s.line})")
@@ -391,7 +401,8 @@ def run(opts: ExtractOptions) -> dict:
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
-            "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}"}
+            "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}",
+            "report": manifest["report"]}
 
 
 def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int,
@@ -402,7 +413,7 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
             opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
             gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
             dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-            kv_cache_memory_bytes=opts.kv_cache_memory_bytes)
+            kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
     except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
         if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
             raise

@@ -401,7 +401,7 @@ class DirectoryLock:
 
 
 # settings added after records were first written: a record without one was made with this value
-SETTINGS_ADDED = {"validate": False}
+SETTINGS_ADDED = {"validate": False, "min_loss_tokens": 0}
 
 
 def settings_differences(old: dict, new: dict) -> list[str]:

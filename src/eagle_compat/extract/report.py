@@ -1,0 +1,148 @@
+"""What the user's data became: the data report of `extract` (printed at the end, kept in the manifest per run and
+for the directory) and of `eagle-compat report DIR` (ours, or any speculators 0.3.0 directory of data_{i}.pt files).
+
+A sample whose assistant reply --max-len cut away has nothing to train on; on a real dataset at --max-len 2048 that
+can be a large share of the samples, found only after days of training. The report counts it before the engine is
+paid for: samples, tokens, loss tokens and their share, what truncation removed, replies cut partly or wholly,
+samples left out, and a length histogram.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable
+
+HISTOGRAM_BINS = 8
+
+
+def of_samples(samples: Iterable[Any], max_len: int | None, left_out: dict[str, list[dict]] | None = None) -> dict:
+    """The report of `inputs.Sample`s (their `cut` says what --max-len removed); `left_out`: name -> the samples a
+    rule left out ({"line", "index", "reason", ...}; with "cut" where --max-len took part: it counts in the
+    truncation figures, which cover every sample of the input that was tokenized)."""
+    lengths, losses, cuts = [], [], []
+    for s in samples:
+        lengths.append(len(s.input_ids))
+        losses.append(sum(s.loss_mask))
+        cuts.append(s.cut)
+    cuts += [i["cut"] for items in (left_out or {}).values() for i in items if i.get("cut") is not None]
+    report = _totals(lengths, losses, max_len)
+    report["truncation"] = {
+        "samples_truncated": sum(c.tokens > 0 for c in cuts), "tokens_cut": sum(c.tokens for c in cuts),
+        "loss_tokens_cut": sum(c.loss_tokens for c in cuts),
+        "samples_with_a_reply_cut_partly": sum(c.replies_cut_partly > 0 for c in cuts),
+        "samples_with_a_reply_cut_wholly": sum(c.replies_cut_wholly > 0 for c in cuts)}
+    report["left_out"] = {name: {"count": len(items), "lines": [i["line"] for i in items][:50],
+                                 "reasons": sorted({i["reason"] for i in items})[:5]}
+                          for name, items in (left_out or {}).items() if items}
+    return report
+
+
+def of_directory(out_dir: str) -> dict:
+    """The report of a finished directory: ours (the manifest's, which knows what truncation removed), or computed
+    from the files (speculators 0.3.0's data_{i}.pt, or ours without a stored report)."""
+    import json
+
+    from . import writer
+    manifest = writer.read_manifest(out_dir)
+    if manifest and manifest.get("report"):
+        return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}"}
+    import torch
+    names = writer.sample_files(out_dir)
+    if not names:
+        raise FileNotFoundError(f"{out_dir} holds no sample files (data_{{i}}.pt / .safetensors, or an Arrow dataset)")
+    lengths, losses = [], []
+    if names == ["state.json"]:  # an Arrow dataset: rows carry input_ids and loss_mask
+        from . import arrow
+        for row in arrow.read_rows(out_dir):
+            lengths.append(len(row["input_ids"]))
+            losses.append(int(sum(row["loss_mask"])))
+    else:
+        for name in names:
+            sample = writer.load_sample(os.path.join(out_dir, name))
+            lengths.append(int(torch.as_tensor(sample["input_ids"]).numel()))
+            losses.append(int(torch.as_tensor(sample["loss_mask"]).sum()))
+    max_len = None
+    config = os.path.join(out_dir, "data_config.json")
+    if os.path.exists(config):
+        with open(config) as f:
+            max_len = json.load(f).get("max_len")
+    report = _totals(lengths, losses, max_len)
+    report["truncation"] = {"note": "not recorded by the run that wrote these files: samples at max_len "
+                                    f"({sum(n == max_len for n in lengths) if max_len else 'max_len unknown'}) may "
+                                    "have been cut"}
+    report["source"] = f"{len(names)} files in {out_dir}"
+    return report
+
+
+def _totals(lengths: list[int], losses: list[int], max_len: int | None) -> dict:
+    tokens, loss = sum(lengths), sum(losses)
+    return {"samples": len(lengths), "tokens": tokens, "loss_tokens": loss,
+            "loss_share": round(loss / tokens, 4) if tokens else 0.0, "max_len": max_len,
+            "samples_without_loss_tokens": sum(n == 0 for n in losses), "length_histogram": histogram(lengths, max_len)}
+
+
+def histogram(lengths: list[int], max_len: int | None, bins: int = HISTOGRAM_BINS) -> list[dict]:
+    """Equal-width bins up to max_len (or the longest sample): [{"from", "to", "samples"}], `to` inclusive."""
+    if not lengths:
+        return []
+    top = max(max_len or 0, max(lengths))
+    width = max(1, math.ceil(top / bins))
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(bins - 1, (max(n, 1) - 1) // width)] += 1
+    return [{"from": k * width + 1, "to": min(top, (k + 1) * width), "samples": c} for k, c in enumerate(counts)]
+
+
+def text(report: dict, title: str = "data report") -> str:
+    """The report as the lines `extract` and `eagle-compat report` print."""
+    lines = [f"{title}: {report['samples']} samples, {report['tokens']:,} tokens, {report['loss_tokens']:,} in the "
+             f"loss mask ({100 * report['loss_share']:.1f}%)"]
+    if report.get("samples_without_loss_tokens"):
+        lines.append(f"  {report['samples_without_loss_tokens']} samples have no token in the loss mask: nothing to "
+                     "train on (kept: --min-loss-tokens 0)")
+    cut = report.get("truncation", {})
+    if "note" in cut:
+        lines.append(f"  truncation: {cut['note']}")
+    elif cut:
+        lines.append(f"  --max-len {report.get('max_len')}: {cut['samples_truncated']} samples truncated, "
+                     f"{cut['tokens_cut']:,} tokens cut ({cut['loss_tokens_cut']:,} of them loss tokens); replies cut "
+                     f"partly in {cut['samples_with_a_reply_cut_partly']} samples, wholly in "
+                     f"{cut['samples_with_a_reply_cut_wholly']}")
+    for name, left in report.get("left_out", {}).items():
+        lines.append(f"  left out ({name}): {left['count']} samples, lines "
+                     f"{', '.join(map(str, left['lines'][:10]))}{', ...' if left['count'] > 10 else ''}: "
+                     f"{'; '.join(left['reasons'])}")
+    bins = report.get("length_histogram") or []
+    if bins:
+        peak = max(b["samples"] for b in bins) or 1
+        lines.append("  length (tokens)   samples")
+        for b in bins:
+            bar = "#" * max(1 if b["samples"] else 0, round(30 * b["samples"] / peak))
+            lines.append(f"  {b['from']:>6}-{b['to']:<8} {b['samples']:>7}  {bar}")
+    return "\n".join(lines)
+
+
+def require_matplotlib() -> None:
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        from ..errors import InvalidInput
+        raise InvalidInput("--report-plot needs matplotlib, which is not installed: pip install matplotlib")
+
+
+def plot(report: dict, path: str) -> str:
+    """A PNG of the length histogram (matplotlib, if installed)."""
+    require_matplotlib()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bins = report["length_histogram"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([f"{b['from']}-{b['to']}" for b in bins], [b["samples"] for b in bins], color="#4878a8")
+    ax.set_xlabel("sample length (tokens)")
+    ax.set_ylabel("samples")
+    ax.set_title(f"{report['samples']} samples, {100 * report['loss_share']:.1f}% loss tokens")
+    ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

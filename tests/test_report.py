@@ -1,0 +1,100 @@
+"""What the user's data became (issue 27): extract's data report, --min-loss-tokens, and `eagle-compat report DIR`
+on our layout and on speculators 0.3.0's. The stand-in engine of test_extract_integrity.py replaces vLLM: these
+tests are about what was cut, kept and counted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle_compat.extract import job, report, writer
+
+from test_extract_integrity import FakeEngine, _opts, _write_lines, fake_engine, model  # noqa: F401
+
+MAX_LEN = 48
+
+
+@pytest.fixture
+def chats(tmp_path):
+    """Two conversations; the second one's user turn alone is longer than --max-len: its reply is cut away."""
+    return _write_lines(tmp_path / "chats.jsonl", [
+        {"conversations": [{"role": "user", "content": "w1 w2 w3"},
+                           {"role": "assistant", "content": "w4 w5 w6 w7"}]},
+        {"conversations": [{"role": "user", "content": " ".join(f"w{i}" for i in range(10, 10 + 2 * MAX_LEN))},
+                           {"role": "assistant", "content": "w8 w9 w10"}]},
+        {"input_ids": list(range(7, 7 + MAX_LEN + 10)), "loss_mask": [0] * (MAX_LEN - 2) + [1] * 12},
+    ])
+
+
+def test_a_sample_whose_reply_was_cut_away_is_reported_and_left_out(model, chats, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    summary = job.run(_opts(model, chats, out, max_len=MAX_LEN))
+    rep = summary["report"]
+    assert rep["samples"] == 2  # line 2 left out: nothing to train on
+    cut = rep["truncation"]
+    assert cut["samples_truncated"] == 2 and cut["samples_with_a_reply_cut_wholly"] == 1  # line 2, left out
+    assert cut["samples_with_a_reply_cut_partly"] == 0 and cut["loss_tokens_cut"] == 3 + 10  # line 2 reply, line 3 end
+    left = rep["left_out"]["--min-loss-tokens"]
+    assert left["count"] == 1 and left["lines"] == [2] and left["reasons"] == ["its replies were cut away by --max-len"]
+    assert not os.path.exists(writer.sample_path(str(out), 1, "pt"))  # its index keeps its number, without a file
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["report"]["left_out"] == rep["left_out"] and manifest["settings"]["min_loss_tokens"] == 1
+    assert manifest["runs"][-1]["report"]["samples"] == 2
+    assert sum(b["samples"] for b in rep["length_histogram"]) == 2
+    text = report.text(rep)
+    assert "left out (--min-loss-tokens): 1 samples, lines 2: its replies were cut away by --max-len" in text
+    assert f"--max-len {MAX_LEN}: 2 samples truncated" in text
+
+
+def test_min_loss_tokens_0_keeps_every_sample_and_reports_the_empty_ones(model, chats, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    rep = job.run(_opts(model, chats, out, max_len=MAX_LEN, min_loss_tokens=0))["report"]
+    assert rep["samples"] == 3 and rep["samples_without_loss_tokens"] == 1 and not rep["left_out"]
+    assert rep["truncation"]["samples_with_a_reply_cut_wholly"] == 1
+    kept = writer.load_sample(writer.sample_path(str(out), 1, "pt"))
+    assert len(kept["input_ids"]) == MAX_LEN and int(kept["loss_mask"].sum()) == 0
+    assert "1 samples have no token in the loss mask" in report.text(rep)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"min_loss_tokens: was 0, now 1"):
+        job.run(_opts(model, chats, out, max_len=MAX_LEN, resume=True))  # another sample set: refused
+
+
+def test_a_bad_min_loss_tokens_is_refused_before_anything(model, chats, tmp_path):
+    from eagle_compat import InvalidInput
+    with pytest.raises(InvalidInput, match=r"--min-loss-tokens -1; must be an int >= 0"):
+        job.run(_opts(model, chats, tmp_path / "out", min_loss_tokens=-1))
+    assert not (tmp_path / "out").exists()
+
+
+def _report(*args):
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "report", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+    return proc
+
+
+def test_report_reads_our_directories_and_speculators_0_3_0_ones(model, chats, tmp_path, fake_engine):
+    ours = tmp_path / "ours"
+    job.run(_opts(model, chats, ours, max_len=MAX_LEN))
+    proc = _report(ours, "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    assert got["samples"] == 2 and got["left_out"]["--min-loss-tokens"]["lines"] == [2]
+    assert got["source"].endswith("manifest.json")
+    # speculators 0.3.0's layout: data_{i}.pt and data_config.json, no manifest (what its own script writes)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for i, n in enumerate((5, 9, 9, 30)):
+        torch.save({"input_ids": torch.arange(n), "hidden_states": [torch.zeros(n, 4)],
+                    "loss_mask": torch.tensor([0] * (n - 2) + [1, 1])}, theirs / f"data_{i}.pt")
+    json.dump({"version": "2.0", "max_len": 30}, open(theirs / "data_config.json", "w"))
+    proc = _report(theirs)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"{theirs}: 4 samples, 53 tokens, 8 in the loss mask (15.1%)"), proc.stdout
+    assert "samples at max_len (1) may have been cut" in proc.stdout
+    data = _report(theirs, "--json")
+    assert [b["samples"] for b in json.loads(data.stdout)["length_histogram"]] == [0, 1, 2, 0, 0, 0, 0, 1]
+    empty = _report(tmp_path)
+    assert empty.returncode == 2 and "holds no sample files" in empty.stderr
