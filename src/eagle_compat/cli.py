@@ -205,15 +205,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     from . import check as parity
     from .errors import EagleCompatError, InvalidInput
 
+    if args.preflight:
+        if not args.model:
+            raise InvalidInput("--preflight checks a checkpoint of yours: give --model PATH")
+        return run_preflight(args.model, args.trust_remote_code, args.json)
     checks = [c for c in args.checks.split(",") if c]
     families = [f for f in (args.family or ["llama", "deepseek_v3"])] if not args.model else [None]
     bad = [c for c in checks if c not in parity.CHECKS]
     if bad or not checks:
         raise InvalidInput(f"--checks: unknown {bad or checks}; allowed: {', '.join(parity.CHECKS)}")
     from . import tiny_models
-    bad = [f for f in families if f is not None and f not in tiny_models.FAMILIES]
+    known = tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS)
+    bad = [f for f in families if f is not None and f not in known]
     if bad:
-        raise InvalidInput(f"--family: unknown {bad}; allowed: {', '.join(tiny_models.FAMILIES)}")
+        raise InvalidInput(f"--family: unknown {bad}; allowed: {', '.join(known)}")
     rows, ok = [], True
     for check in checks:
         for family in families:
@@ -278,8 +283,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_preflight(model: str, trust_remote_code: bool, as_json: bool = False) -> int:
+    from . import preflight
+    record = preflight.run(model, trust_remote_code=trust_remote_code, gpu_memory_utilization=_default_gmu())
+    print(json.dumps(record, indent=2, default=str) if as_json else preflight.text(record), flush=True)
+    return 0 if record.get("ok") else 1
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     quiet = not args.verbose and bool(quiet_engine_output())
+    if args.preflight:
+        return run_preflight(args.model, args.trust_remote_code)
     from .extract import job
     from .extract import report as data_report
 
@@ -412,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a sample with nothing to train on; 0 keeps everything); counted and listed in the report")
     p.add_argument("--report-plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
     p.add_argument("--verbose", action="store_true", help="show vLLM's logs, warnings and its model-load bar")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check, in seconds, that the model will run: its config cut to a few layers with dummy "
+                        "weights, the decoder contract resolved and one short capture (no weights read, nothing "
+                        "written)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the batches on a pool of Ray actors: ADDRESS (host:port or ray://...), 'auto' (the "
                         "cluster on this node), or nothing (RAY_ADDRESS, else a new local cluster); needs the [ray] "
@@ -429,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="the generator's engine dtype (the shim always runs auto)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--preflight", action="store_true",
+                   help="with --model: in seconds, without reading its weights, whether the checkpoint will run (its "
+                        "config cut to a few layers, dummy weights, the decoder contract and one short capture)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("report", help="what a finished directory's data is: samples, tokens, loss tokens, truncation, "

@@ -1,0 +1,92 @@
+"""`--preflight` (issue 26): whether a checkpoint will run, in seconds, without its weights: its config cut to a few
+layers, dummy weights, the decoder contract resolved as for the real run and one short capture."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle_compat import preflight, tiny_models
+
+# Llama-3.2-1B's published config (shapes only: no weights exist here): the "large model, config only" case
+LLAMA_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+
+def test_the_layers_kept_cover_every_kind_of_layer():
+    assert preflight.layers_to_keep({"num_hidden_layers": 32}) == 2
+    assert preflight.layers_to_keep({"num_hidden_layers": 61, "first_k_dense_replace": 3}) == 4  # + one MoE layer
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    assert preflight.layers_to_keep({"num_hidden_layers": 6, "layer_types": kinds * 1}) == 6
+    assert preflight.layers_to_keep({"num_hidden_layers": 1}) == 1
+
+
+def test_the_cut_config_cuts_every_per_layer_list_and_only_the_text_decoder():
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {"num_hidden_layers": 27},
+            "text_config": {"num_hidden_layers": 61, "first_k_dense_replace": 1,
+                            "layer_types": ["full"] * 61, "quantization_config": {"quant_method": "compressed-tensors"}}}
+    cut, n = preflight.cut_config(kimi, 2)
+    assert n == 61 and cut["text_config"]["num_hidden_layers"] == 2 and cut["text_config"]["layer_types"] == ["full"] * 2
+    assert cut["vision_config"]["num_hidden_layers"] == 27 and kimi["text_config"]["num_hidden_layers"] == 61
+
+
+def test_a_config_only_copy_carries_no_weights(tmp_path):
+    model = tmp_path / "big"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"not read")
+    (model / "model.safetensors.index.json").write_text("{}")
+    (model / "tokenizer_config.json").write_text("{}")
+    done = preflight.config_only_copy(str(model), str(tmp_path / "copy"))
+    assert done == {"num_layers": 16, "kept_layers": 2, "quantization": None}
+    assert sorted(os.listdir(tmp_path / "copy")) == ["config.json", "tokenizer_config.json"]
+
+
+def _preflight(*args):
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "check", "--preflight", "--json", *args],
+                          capture_output=True, text=True, timeout=600)
+    text = "\n" + proc.stdout
+    start = text.rfind("\n{\n")
+    return proc, (json.loads(text[start:]) if start >= 0 else None)
+
+
+@pytest.mark.engine
+def test_preflight_of_a_config_only_large_model_resolves_its_contract(tmp_path):
+    model = tmp_path / "llama-1b-config-only"
+    model.mkdir()
+    tiny_models.save_tokenizer(str(model))  # a config-only copy keeps the (small) tokenizer files
+    (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
+    proc, record = _preflight("--model", str(model))
+    assert proc.returncode == 0 and record and record["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert record["contract"]["family"] == "llama" and record["kept_layers"] == 2 and record["num_layers"] == 16
+    assert record["capture"]["shapes"] == [[16, 2048], [16, 2048]]
+
+
+@pytest.mark.engine
+def test_preflight_of_a_wrapped_remote_code_model_resolves_its_language_model(tmp_path):
+    path = tiny_models.build_tiny_kimi_k25()
+    proc, record = _preflight("--model", path, "--trust-remote-code")
+    assert proc.returncode == 0 and record and record["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert record["contract"]["family"] == "deepseek_v2" or "deepseek" in record["contract"]["family"], record
+    assert record["contract"]["top_class"] == "KimiK25ForConditionalGeneration"
+    assert record["kept_layers"] == 2  # the dense first layer and one MoE layer
+
+
+@pytest.mark.engine
+def test_preflight_fails_naming_the_cause_without_waiting_for_weights(tmp_path):
+    model = tmp_path / "unknown"
+    model.mkdir()
+    tiny_models.save_tokenizer(str(model))
+    (model / "config.json").write_text(json.dumps({**LLAMA_1B_CONFIG, "architectures": ["NoSuchModelForCausalLM"]}))
+    proc, record = _preflight("--model", str(model))
+    assert proc.returncode == 1 and record and not record["ok"], proc.stdout[-2000:]
+    assert "NoSuchModelForCausalLM" in record["error"], record
