@@ -232,7 +232,11 @@ class VllmHiddenStatesGenerator:
         read them itself and, after one whose deadline passed unread, hand each reply to the call after it."""
         if self.executor is not None:
             self._room_for(CALLS_IN_FLIGHT)
-        return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
+        try:
+            return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
+        except BaseException as exc:  # e.g. KeyboardInterrupt in a notebook while vLLM waits for the reply
+            self._close_unless_replied(exc)
+            raise
 
     @property
     def eos_token_id(self) -> int | None:
@@ -381,7 +385,11 @@ class VllmHiddenStatesGenerator:
                 if out.total_num_scheduled_tokens == 0:
                     break
                 self._room_for(2)
-                futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
+                try:
+                    futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
+                except BaseException as exc:
+                    self._close_unless_replied(exc)
+                    raise
                 calls = [("execute_model", f) for f in futures]
                 self._sent.extend(calls)
                 batch.calls.extend(calls)
@@ -399,9 +407,29 @@ class VllmHiddenStatesGenerator:
 
     def _submit(self, method: str, *args: Any) -> Future:
         self._room_for(1)
-        future = self._translated(engine.submit, method)(self.executor, method, *args)
+        try:
+            # where vLLM cannot queue calls (0.11.x) this waits for the reply itself: a deadline there, or an
+            # interrupt, leaves it unread
+            future = self._translated(engine.submit, method)(self.executor, method, *args)
+        except BaseException as exc:
+            self._close_unless_replied(exc)
+            raise
         self._sent.append((method, future))
         return future
+
+    def _close_unless_replied(self, exc: BaseException) -> None:
+        """A failure that is not the worker's own reply (a deadline passed, an interrupted wait, a lost worker) leaves
+        that reply unread, so every later reply would be read against the wrong call: the engine is shut down then
+        (this generator is closed), never read out of step. On every path: queued, blocking, 0.11.x's steps."""
+        if self.executor is None:
+            return
+        cause = exc.__cause__ if isinstance(exc, WorkerError) and exc.__cause__ is not None else exc
+        if isinstance(cause, Exception) and reply_from_worker(cause):
+            return
+        if getattr(exc, "exc_type", None) != "WorkerDied":  # that one names its cause itself
+            log.error("the engine's replies can no longer be matched to their calls (%s: %s); this generator is "
+                      "closed: start a new one (extract: rerun with --resume)", type(cause).__name__, cause)
+        self.close()
 
     def _room_for(self, calls: int) -> None:
         """Wait for the oldest replies until `calls` more fit under CALLS_IN_FLIGHT. A worker's failure stays on its
@@ -420,13 +448,7 @@ class VllmHiddenStatesGenerator:
         try:
             return self._translated(_result_of_rank0, method)(future)
         except BaseException as exc:
-            cause = exc.__cause__ if isinstance(exc, WorkerError) and exc.__cause__ is not None else exc
-            if not (isinstance(cause, Exception) and reply_from_worker(cause)):
-                if getattr(exc, "exc_type", None) != "WorkerDied":  # that one names its cause itself
-                    log.error("the engine's replies can no longer be matched to their calls (%s: %s); this "
-                              "generator is closed: start a new one (extract: rerun with --resume)",
-                              type(cause).__name__, cause)
-                self.close()
+            self._close_unless_replied(exc)
             raise
 
     def _collect(self, batch: "_Batch") -> list[dict]:
