@@ -277,3 +277,39 @@ def test_a_missed_deadline_closes_the_generator_rather_than_read_replies_out_of_
     assert lines == ["RESULT TimeoutError True", "AFTER this generator is closed"], proc.stdout[-2000:] + \
         proc.stderr[-3000:]
     assert "replies can no longer be matched to their calls" in proc.stderr
+
+
+def test_a_hung_worker_ends_the_call_at_its_deadline_and_closes_the_generator(tmp_path):
+    """A worker that hangs without dying (here stopped with SIGSTOP) used to hang eagle_compat's own calls (begin,
+    finish, map, ...) forever: vLLM gives collective_rpc no deadline. Every call now has the step deadline
+    (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS where set, here 4 s): TimeoutError, and the generator closes (its replies
+    can no longer be matched to calls). A subprocess: the worker is stopped and then killed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hung.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import psutil\n"
+        "from eagle_compat import VllmHiddenStatesGenerator, tiny_models\n"
+        "if __name__ == '__main__':\n"
+        "    gen = VllmHiddenStatesGenerator(tiny_models.build_tiny_model('llama'), layer_ids=[1, 3],\n"
+        "                                    max_model_len=256, gpu_memory_utilization=0.3)\n"
+        "    workers = [p for p in psutil.Process().children(recursive=True) if 'Worker' in p.name()]\n"
+        "    print('WORKERS', len(workers), flush=True)\n"
+        "    for w in workers:\n"
+        "        os.kill(w.pid, signal.SIGSTOP)\n"
+        "    os.environ['VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'] = '4'\n"
+        "    t = time.time()\n"
+        "    try:\n"
+        "        gen.generate([[5, 6, 7, 8]])\n"
+        "        print('RESULT no error', flush=True)\n"
+        "    except Exception as exc:\n"
+        "        print('RESULT', type(exc).__name__, gen.executor is None, int(time.time() - t) < 120, flush=True)\n"
+        "    finally:\n"
+        "        for w in workers:\n"
+        "            os.kill(w.pid, signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("RESULT", "WORKERS"))]
+    assert lines and lines[0] != "WORKERS 0", proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert lines[1:] == ["RESULT TimeoutError True True"], proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -46,6 +46,9 @@ class FakeRay:
     def __init__(self, script: dict[int, list[str]]):
         self.script = {rank: list(outcomes) for rank, outcomes in script.items()}
         self.calls: list[tuple[int, int]] = []
+        self.kills: list[tuple[int, bool]] = []
+        self.idle_waits = 0
+        self.clock = [1000.0]  # the driver's time.time()
         self.exceptions = types.SimpleNamespace(RayTaskError=RayTaskError, RayActorError=RayActorError,
                                                 ActorDiedError=ActorDiedError,
                                                 ActorUnavailableError=ActorUnavailableError)
@@ -65,7 +68,14 @@ class FakeRay:
         return Options()
 
     def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:num_returns], refs[num_returns:]
+        done = [r for r in refs if not getattr(r, "hung", False)]
+        if not done:
+            self.idle_waits += 1
+            if timeout is None or self.idle_waits > 1000:
+                raise AssertionError("the driver waits for a hung actor forever")
+            self.clock[0] += timeout  # the wait's timeout passed
+            return [], refs
+        return done[:num_returns], [r for r in refs if r not in done[:num_returns]]
 
     def get(self, ref, timeout=None):
         if isinstance(ref, list):
@@ -73,12 +83,19 @@ class FakeRay:
         return ref()
 
     def kill(self, actor, no_restart=True):
-        pass
+        self.kills.append((actor.rank, no_restart))
+        for reply in actor.hung:  # its hung call fails as a dead actor's; Ray restarts it
+            reply.hung = False
+            reply.outcome = "died"
+        if actor.hung:
+            actor.incarnation += 1
+        actor.hung = []
 
 
 class FakeActor:
     def __init__(self, ray: FakeRay, rank: int):
         self.ray, self.rank, self.incarnation = ray, rank, 0
+        self.hung: list = []
         self.run_batch = types.SimpleNamespace(remote=self._run_batch)
         self.describe = types.SimpleNamespace(remote=lambda: (lambda: {}))
         self.close = types.SimpleNamespace(remote=lambda: (lambda: None))
@@ -89,9 +106,11 @@ class FakeActor:
         outcome = self.ray.script[self.rank].pop(0) if self.ray.script[self.rank] else "ok"
         if outcome in ("died", "killed"):
             self.incarnation += 1  # Ray restarts it: later calls run in a new process
-        pid, restarted = 100 * (self.incarnation + 1) + self.rank, self.incarnation > 0
+        actor = self
 
         def reply():
+            outcome = reply.outcome
+            pid, restarted = 100 * (actor.incarnation + 1) + actor.rank, actor.incarnation > 0
             if outcome == "died":
                 raise ActorDiedError("The actor died unexpectedly before finishing this task.")
             if outcome == "killed":
@@ -103,6 +122,9 @@ class FakeActor:
             return {"samples": len(batch), "tokens": 10 * len(batch), "seconds": 0.01, "forward": 0.01,
                     "eagle_compat": "here", "pid": pid, "host": "h", "binding": None,
                     "engine_seconds": 0.0, "restarted": restarted}
+        reply.outcome, reply.hung = outcome, outcome == "hang"
+        if reply.hung:
+            self.hung.append(reply)
         return reply
 
 
@@ -121,6 +143,7 @@ def _run(monkeypatch, tmp_path, script, batches=4):
     fake = FakeRay(script)
     monkeypatch.setattr(ray_runner, "connect", lambda address: (fake, "fake cluster"))
     monkeypatch.setattr(ray_runner.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray_runner.time, "time", lambda: fake.clock[0])
     opts = types.SimpleNamespace(ray="fake", tensor_parallel_size=1, ray_cpus_per_actor=1, ray_actors=2,
                                  model=str(tmp_path), out=str(tmp_path), format="pt", validate=False,
                                  gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="float32",
@@ -165,3 +188,16 @@ def test_a_dead_actors_batch_is_redone_once_whole(monkeypatch, tmp_path):
     assert done == 40 and sum(a["samples"] for a in per_actor) == 40
     assert [a["deaths"] for a in per_actor] == [1, 0]
     assert sorted(n for _, n in fake.calls) == [0, 0, 1, 2, 3]  # batch 0 twice (died, redone), the rest once
+
+
+def test_a_hung_actor_is_ended_past_its_deadline_and_its_batch_redone(monkeypatch, tmp_path):
+    """An actor that hangs without dying (stopped, deadlocked) used to stall `ray.wait` forever (issue 22, item 3).
+    The driver polls; a batch running past its deadline (the step deadline, plus the engine's start for an actor's
+    first batch) ends its actor, which Ray restarts, and the batch is redone."""
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
+    monkeypatch.setenv(ray_runner.LOAD_DEADLINE_ENV, "120")
+    fake, per_actor, done = _run(monkeypatch, tmp_path, {0: ["hang"], 1: []})
+    assert done == 40 and sum(a["samples"] for a in per_actor) == 40
+    assert fake.kills[0] == (0, False), fake.kills  # ended with a restart, not removed
+    assert [a["deaths"] for a in per_actor] == [1, 0], per_actor
+    assert fake.clock[0] - 1000.0 >= 180  # not before the first batch's deadline (60 s + 120 s of engine start)

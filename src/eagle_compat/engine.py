@@ -175,12 +175,22 @@ def can_queue_calls(executor: Any) -> bool:
     return hasattr(executor, "futures_queue")
 
 
+def call_deadline() -> float:
+    """Seconds any of eagle_compat's own worker calls (setup, map, begin, finish, abandon) may take: the step
+    deadline, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS where the user set it. vLLM gives `collective_rpc` none by default,
+    so a hung (not dead: e.g. stopped) worker hung the driver forever."""
+    try:
+        return float(os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"])
+    except (KeyError, ValueError):
+        return float(STEP_DEADLINE_S)
+
+
 def submit(executor: Any, method: str, *args: Any) -> Future:
     """`collective_rpc` whose per-rank replies arrive in a Future. Workers run calls in the order they are sent;
     where calls cannot be queued (`can_queue_calls`), this one has completed when it returns."""
     if can_queue_calls(executor):
-        return executor.collective_rpc(method, args=args, non_block=True)
-    return _done(executor.collective_rpc(method, args=args))
+        return executor.collective_rpc(method, args=args, non_block=True, timeout=call_deadline())
+    return _done(executor.collective_rpc(method, args=args, timeout=call_deadline()))
 
 
 def submit_step(executor: Any, scheduler_output: Any) -> list[Future]:
@@ -206,7 +216,7 @@ def _done(value: Any) -> Future:
 
 def rpc_all(executor: Any, method: str, *args: Any) -> list:
     """collective_rpc without unique_reply_rank: a list of per-rank replies in every release."""
-    return executor.collective_rpc(method, args=args)
+    return executor.collective_rpc(method, args=args, timeout=call_deadline())
 
 
 def rpc_rank0(executor: Any, method: str, *args: Any) -> Any:

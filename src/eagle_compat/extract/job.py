@@ -205,8 +205,22 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _stop_on_first_sigint(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # closing the engine must not be interrupted by a second Ctrl-C
+    # the run stops cleanly (the engine is closed, the manifest says "interrupted"); a second Ctrl-C meanwhile (a
+    # worker hung in a call, a slow shutdown) ends the process at once
+    signal.signal(signal.SIGINT, _end_at_once)
     raise KeyboardInterrupt
+
+
+SECOND_SIGINT_MESSAGE = (b"\neagle-compat extract: interrupted again: ending now. Every sample file in --out is complete "
+                         b"(a write in progress was under a temporary name, which the next run removes); rerun the "
+                         b"same command with --resume to continue\n")
+
+
+def _end_at_once(signum: int, frame: Any) -> None:
+    """No cleanup that could hang: files are written under temporary names and renamed when whole, the directory
+    lock dies with the process, and vLLM's workers exit when their parent does."""
+    os.write(2, SECOND_SIGINT_MESSAGE)
+    os._exit(130)
 
 
 def _ignore_sigint(worker: Any) -> None:

@@ -31,6 +31,8 @@ from . import writer
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
 MAX_UNAVAILABLE = 10  # ActorUnavailableError replies for one batch before the run stops
+WAIT_POLL_S = 30.0  # how often the driver looks for hung actors while no batch finishes
+LOAD_DEADLINE_S, LOAD_DEADLINE_ENV = 3600.0, "EAGLE_COMPAT_LOAD_DEADLINE_S"  # an actor's engine start
 CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
 
 
@@ -228,6 +230,29 @@ class _Item:
     tries: int = 0
     unavailable: int = 0  # ActorUnavailableError replies (not failures: the batch is retried on the same actor)
     errors: list = field(default_factory=list)
+    sent_at: float = 0.0
+    ended: bool = False  # its actor was ended as hung
+
+
+def batch_deadline(first_batch_of_its_actor: bool) -> float:
+    """How long one batch may run on an actor before the actor counts as hung (stopped, deadlocked): the step
+    deadline (engine.call_deadline), plus the engine's start for an actor's first batch (its model loads then)."""
+    load = float(os.environ.get(LOAD_DEADLINE_ENV, LOAD_DEADLINE_S)) if first_batch_of_its_actor else 0.0
+    return engine.call_deadline() + load
+
+
+def _end_hung_actors(ray: Any, actors: list, in_flight: dict, stats: list[dict]) -> None:
+    """Nothing finished for a while: an actor whose batch is past its deadline is ended (Ray restarts it); its call
+    then fails as a dead actor's, and the batch is redone like any other."""
+    now = time.time()
+    for rank, item in list(in_flight.values()):
+        limit = batch_deadline(stats[rank]["batches"] == 0)
+        if not item.ended and now - item.sent_at > limit:
+            item.ended = True
+            print(f"extract: actor {rank} has run batch {item.number} for {now - item.sent_at:.0f} s, past its "
+                  f"deadline of {limit:.0f} s (hung?): ending it; Ray restarts it and the batch is redone",
+                  file=sys.stderr, flush=True)
+            ray.kill(actors[rank], no_restart=False)
 
 
 def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None]:
@@ -297,10 +322,14 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                     continue
                 item = pending.popleft()
                 in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+                item.sent_at, item.ended = time.time(), False
             if not in_flight:
                 raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
                                       f"{len(pending)} batches not done")
-            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_POLL_S)
+            if not ready:
+                _end_hung_actors(ray, actors, in_flight, stats)
+                continue
             for ref in ready:
                 rank, item = in_flight.pop(ref)
                 try:
@@ -321,6 +350,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                               "the batch goes back to the same actor", file=sys.stderr, flush=True)
                         time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
                         in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+                        item.sent_at, item.ended = time.time(), False
                         continue
                     died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
                     item.tries += 1
