@@ -371,3 +371,27 @@ def test_a_ring_buffer_is_the_same_memory_in_driver_and_worker(tmp_path):
         return staging.map(sid, str(other), nbytes, pin)
     with pytest.raises(handover.HandoverError, match="another file"):
         handover.HostRing(other_file, directory=str(tmp_path), pin=False)._create(1 << 20)
+
+
+def test_results_kept_by_the_caller_cannot_grow_the_ring_past_its_default_bound(tmp_path, monkeypatch):
+    """Kept results pin their batch's whole buffer. With no bound, a caller keeping one sample per batch grew the
+    ring until /dev/shm was nearly full (issue 22, item 9); now a quarter of the filesystem by default, then batches
+    fall back to the RPC queue with a reason that says what holds the buffers."""
+    import os
+    from types import SimpleNamespace
+
+    from eagle_compat.capture import handover
+    monkeypatch.delenv(handover.LIMIT_ENV, raising=False)
+    fs = SimpleNamespace(f_blocks=64, f_frsize=1 << 20, f_bavail=64)  # a 64 MiB /dev/shm, as Docker's default
+    monkeypatch.setattr(os, "statvfs", lambda path: fs)
+    monkeypatch.setattr(handover, "HEADROOM", 0)
+    ring = handover.HostRing(lambda *a: {}, directory=str(tmp_path), pin=False)
+    assert ring.limit_bytes == 16 << 20
+    kept = []
+    for _ in range(40):  # the caller keeps every batch's results
+        slot, why = ring.acquire(4 << 20)
+        if slot is None:
+            break
+        kept.append(ring.lease(slot))
+    assert ring.total_bytes <= 16 << 20 and len(kept) == 4
+    assert "4 buffers (16 MiB) are held by results the caller still references" in why, why

@@ -96,6 +96,20 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return gone
 
 
+DEFAULT_LIMIT_SHARE = 0.25
+
+
+def default_limit_bytes(directory: str = SHM_DIR) -> int | None:
+    """The ring's bound where the user set none: a quarter of the filesystem holding it. Results the caller keeps
+    hold their batch's whole buffer (one storage per batch); without a bound, a caller keeping one sample per batch
+    grew the ring until /dev/shm was nearly full (pinned, on GPU, in both processes)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return int(st.f_blocks * st.f_frsize * DEFAULT_LIMIT_SHARE)
+
+
 class _CannotAllocate(Exception):
     """The buffer's file could not be made (its OSError is the cause)."""
 
@@ -109,7 +123,8 @@ class HostRing:
         self.rpc = rpc
         self.directory = directory
         env = os.environ.get(LIMIT_ENV)
-        self.limit_bytes = limit_bytes if limit_bytes is not None else (int(env) if env else None)
+        self.limit_bytes = (limit_bytes if limit_bytes is not None else int(env) if env else
+                            default_limit_bytes(directory))
         if os.environ.get("EAGLE_COMPAT_NO_SHM") == "1":  # every batch through the fallback
             self.limit_bytes = 0
         self.keep_free = keep_free
@@ -147,8 +162,13 @@ class HostRing:
                 break
             self._destroy(idle[0])
         if self.limit_bytes is not None and self.total_bytes + size > self.limit_bytes:
+            with self._lock:
+                kept = [s for i, s in self.slots.items() if i not in self.free]
+            held = (f"; {len(kept)} buffers ({sum(s.nbytes for s in kept) / 2**20:.0f} MiB) are held by results the "
+                    "caller still references: clone() the tensors you keep to give their buffers back") if kept else ""
             return None, (f"{size / 2**20:.0f} MiB more would pass the hand-over limit of "
-                          f"{self.limit_bytes / 2**20:.0f} MiB ({LIMIT_ENV}); {self.total_bytes / 2**20:.0f} MiB in use")
+                          f"{self.limit_bytes / 2**20:.0f} MiB ({LIMIT_ENV}); {self.total_bytes / 2**20:.0f} MiB in use"
+                          f"{held}")
         space = self._space()
         if space < size + HEADROOM:
             return None, (f"{self.directory} has {space / 2**20:.0f} MiB free; a batch needs {size / 2**20:.0f} MiB "
