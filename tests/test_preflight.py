@@ -32,6 +32,10 @@ def test_the_layers_kept_cover_every_kind_of_layer():
     kinds = ["sliding_attention"] * 5 + ["full_attention"]
     assert preflight.layers_to_keep({"num_hidden_layers": 6, "layer_types": kinds * 1}) == 6
     assert preflight.layers_to_keep({"num_hidden_layers": 1}) == 1
+    assert preflight.layers_to_keep({"num_hidden_layers": 26, "sliding_window_pattern": 6}) == 6  # Gemma-3: global 6th
+    assert preflight.layers_to_keep({"num_hidden_layers": 48, "interleave_moe_layer_step": 2}) == 2
+    assert preflight.layers_to_keep({"num_hidden_layers": 48, "nope_layer_interval": 4}) == 4  # Llama-4's NoPE layers
+    assert preflight.layers_to_keep({"num_hidden_layers": 28, "mlp_only_layers": [0, 1, 2]}) == 4
 
 
 def test_the_cut_config_cuts_every_per_layer_list_and_only_the_text_decoder():

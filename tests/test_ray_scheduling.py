@@ -49,6 +49,8 @@ class FakeRay:
         self.kills: list[tuple[int, bool]] = []
         self.idle_waits = 0
         self.clock = [1000.0]  # the driver's time.time()
+        self.seconds_per_batch = 0.0
+        self.killed_after_calls: list[int] = []
         self.exceptions = types.SimpleNamespace(RayTaskError=RayTaskError, RayActorError=RayActorError,
                                                 ActorDiedError=ActorDiedError,
                                                 ActorUnavailableError=ActorUnavailableError)
@@ -75,6 +77,7 @@ class FakeRay:
                 raise AssertionError("the driver waits for a hung actor forever")
             self.clock[0] += timeout  # the wait's timeout passed
             return [], refs
+        self.clock[0] += self.seconds_per_batch  # a batch takes this long
         return done[:num_returns], [r for r in refs if r not in done[:num_returns]]
 
     def get(self, ref, timeout=None):
@@ -84,6 +87,7 @@ class FakeRay:
 
     def kill(self, actor, no_restart=True):
         self.kills.append((actor.rank, no_restart))
+        self.killed_after_calls.append(len(self.calls))
         for reply in actor.hung:  # its hung call fails as a dead actor's; Ray restarts it
             reply.hung = False
             reply.outcome = "died"
@@ -139,8 +143,9 @@ class Progress:
         pass
 
 
-def _run(monkeypatch, tmp_path, script, batches=4):
+def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
     fake = FakeRay(script)
+    fake.seconds_per_batch = seconds_per_batch
     monkeypatch.setattr(ray_runner, "connect", lambda address: (fake, "fake cluster"))
     monkeypatch.setattr(ray_runner.time, "sleep", lambda s: None)
     monkeypatch.setattr(ray_runner.time, "time", lambda: fake.clock[0])
@@ -200,4 +205,19 @@ def test_a_hung_actor_is_ended_past_its_deadline_and_its_batch_redone(monkeypatc
     assert done == 40 and sum(a["samples"] for a in per_actor) == 40
     assert fake.kills[0] == (0, False), fake.kills  # ended with a restart, not removed
     assert [a["deaths"] for a in per_actor] == [1, 0], per_actor
-    assert fake.clock[0] - 1000.0 >= 180  # not before the first batch's deadline (60 s + 120 s of engine start)
+    assert fake.clock[0] - 1000.0 >= 240  # not before the first batch's deadline (2 x 60 s + 120 s of engine start)
+
+
+def test_a_hung_actor_is_found_while_the_others_keep_finishing_batches(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
+    monkeypatch.setenv(ray_runner.LOAD_DEADLINE_ENV, "120")
+    fake, per_actor, done = _run(monkeypatch, tmp_path, {0: ["hang"], 1: []}, batches=40, seconds_per_batch=10.0)
+    assert done == 400 and fake.kills and fake.kills[0] == (0, False)
+    assert fake.killed_after_calls[0] < len(fake.calls) - 10, (fake.killed_after_calls, len(fake.calls))
+
+
+def test_an_actor_out_of_restarts_leaves_the_pool_without_using_up_the_batchs_tries(monkeypatch, tmp_path):
+    # Ray reported each of its deaths as "Socket closed" (the AMD EPYC path): then it is dead for good
+    kills = ["killed"] * ray_runner.MAX_RESTARTS + ["died"] * (ray_runner.MAX_TRIES + 2)
+    fake, per_actor, done = _run(monkeypatch, tmp_path, {0: kills, 1: []}, batches=12)
+    assert done == 120 and sum(a["samples"] for a in per_actor) == 120

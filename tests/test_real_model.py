@@ -166,3 +166,19 @@ def test_extract_through_the_real_chat_template_masks_exactly_the_replies(model,
         assert [tok.decode(r) for r in runs] == replies, ([tok.decode(r) for r in runs], replies)
     layers = check.judge(samples, model, [s["input_ids"].tolist() for s in samples], LAYERS, "bf16")
     assert all(e.ok for e in layers), [check.describe_failure(e, "bf16") for e in layers if not e.ok]
+
+
+def test_a_capture_wrong_on_a_few_tokens_only_fails(bf16_states, references):
+    """A bug that hits the last token of each sequence only (a chunk boundary, an off-by-one in the rows) moves
+    neither the median nor the p95: the worst token, judged against HF's own worst, catches it."""
+    ref, low = references
+    broken = {}
+    for lid, below in zip(LAYERS, NEIGHBOURS):
+        broken[lid] = []
+        for good, wrong in zip(bf16_states[lid], bf16_states[below]):
+            t = good.clone()
+            t[-1] = wrong[-1]  # the last token's row from the neighbouring layer
+            broken[lid].append(t)
+    layers = check.compare(_as_results(broken, LAYERS), ref, LAYERS, "bf16", low)
+    assert not any(e.ok for e in layers), [(e.layer_id, e.worst_token, e.limits()) for e in layers]
+    assert all(e.median <= e.limits()[0] and e.high <= e.limits()[1] for e in layers)  # only the worst token shows it

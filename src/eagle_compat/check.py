@@ -12,8 +12,10 @@ The criterion (`judge`, the one implementation behind the check, the matrix, the
   layer's max at layer 2, 5e-2 at layer 33, for the engine and for HF's own bf16 forward alike), so a fixed bound is
   wrong at depth. Per token, the relative error |engine - fp32| / |fp32| (L2 over the hidden size); per layer its
   median and its PERCENTILE-th percentile over all tokens, each within FACTOR x the same statistic of HF's own
-  forward in the engine's dtype on the same tokens, plus FLOOR. Robust statistics, not the worst token: HF's own
-  bf16 forward differs from fp32 by up to 0.40 of a mid layer's max at its worst token on a real model.
+  forward in the engine's dtype on the same tokens, plus FLOOR. Robust statistics, not the worst token alone: HF's
+  own bf16 forward differs from fp32 by up to 0.40 of a mid layer's max at its worst token on a real model. And the
+  worst token against HF's worst token (the same FACTOR and FLOOR): a capture bug that hits a few tokens only (the
+  last of each sequence, one sequence of many) moves neither the median nor the p95.
 """
 from __future__ import annotations
 
@@ -65,11 +67,15 @@ class LayerError:
     high: float | None = None  # the PERCENTILE-th percentile
     reference_median: float | None = None
     reference_high: float | None = None
+    worst_token: float | None = None  # the largest per-token relative error
+    reference_worst_token: float | None = None
 
-    def limits(self) -> tuple[float, float] | None:
+    def limits(self) -> tuple[float, float, float] | None:
+        """(median, percentile, worst token) limits: FACTOR x HF's own statistic + FLOOR."""
         if self.reference_median is None:
             return None
-        return FACTOR * self.reference_median + FLOOR, FACTOR * self.reference_high + FLOOR
+        return tuple(FACTOR * r + FLOOR for r in (self.reference_median, self.reference_high,
+                                                   self.reference_worst_token))
 
 
 @dataclass
@@ -104,10 +110,11 @@ def describe_failure(e: LayerError, precision: str) -> str:
              f"|value|) at sequence {e.sequence}, token {e.token}")
     if e.reference_median is None:
         return f"{where}; tolerance {FP32_ABS_TOL:g} absolute ({precision})"
-    lim_med, lim_high = e.limits()
+    lim_med, lim_high, lim_worst = e.limits()
     return (f"{where}; per-token relative error median {e.median:.3g} (limit {lim_med:.3g}), p{PERCENTILE} "
-            f"{e.high:.3g} (limit {lim_high:.3g}); HF's own {precision} forward: median {e.reference_median:.3g}, "
-            f"p{PERCENTILE} {e.reference_high:.3g} (limit = {FACTOR:g} x HF's + {FLOOR:g})")
+            f"{e.high:.3g} (limit {lim_high:.3g}), worst token {e.worst_token:.3g} (limit {lim_worst:.3g}); HF's own "
+            f"{precision} forward: median {e.reference_median:.3g}, p{PERCENTILE} {e.reference_high:.3g}, worst "
+            f"{e.reference_worst_token:.3g} (limit = {FACTOR:g} x HF's + {FLOOR:g})")
 
 
 def _token_errors(got, want):
@@ -147,10 +154,11 @@ def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int
         e, r = torch.cat(engine_err), torch.cat(ref_err)
         q = PERCENTILE / 100
         stats = dict(median=e.median().item(), high=torch.quantile(e, q).item(), reference_median=r.median().item(),
-                     reference_high=torch.quantile(r, q).item())
+                     reference_high=torch.quantile(r, q).item(), worst_token=e.max().item(),
+                     reference_worst_token=r.max().item())
         layer = LayerError(lid, worst, rel, where[0], where[1], True, **stats)
-        lim_med, lim_high = layer.limits()
-        layer.ok = layer.median <= lim_med and layer.high <= lim_high
+        layer.ok = all(got <= limit for got, limit in zip((layer.median, layer.high, layer.worst_token),
+                                                          layer.limits()))
         out.append(layer)
     return out
 

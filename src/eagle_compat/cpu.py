@@ -108,7 +108,7 @@ def probe_vllm_kernels() -> dict:
         import_kernels = type(current_platform).import_kernels
     except Exception as exc:  # noqa: BLE001 - cannot reach vLLM's loader: no verdict
         return {"decided": False, "why": f"vLLM's kernel loader could not be reached: {type(exc).__name__}: {exc}"}
-    package = os.path.dirname(vllm.__file__)
+    package = os.path.realpath(os.path.dirname(vllm.__file__))  # /proc/self/maps shows resolved paths
     shipped = {n.split(".")[0] for n in os.listdir(package) if n.startswith("_C") and n.endswith(".so")}
     messages: list[str] = []
 
@@ -118,6 +118,7 @@ def probe_vllm_kernels() -> dict:
 
     handler = _Collect(level=logging.WARNING)
     logging.getLogger("vllm").addHandler(handler)
+    print(LOADING_MARK, flush=True)  # a signal after this line is vLLM's loader's (kernel_verdict)
     try:
         import_kernels()
     except Exception as exc:  # noqa: BLE001 - vLLM's loader itself raised: that is what every engine would meet
@@ -126,7 +127,8 @@ def probe_vllm_kernels() -> dict:
         logging.getLogger("vllm").removeHandler(handler)
     with open("/proc/self/maps") as f:
         loaded = sorted({os.path.basename(line.split()[-1]) for line in f
-                         if line.rstrip().endswith(".so") and os.path.dirname(line.split()[-1]) == package})
+                         if line.rstrip().endswith(".so")
+                         and os.path.dirname(os.path.realpath(line.split()[-1])) == package})
     registered = [op for op in PROBE_OPS if _has_op(torch, op)]
     warnings = [m for m in messages if HARMLESS_IMPORT_ERROR not in m]
     result = {"decided": True, "loads": bool(registered), "loaded": loaded, "registered_ops": registered,
@@ -165,11 +167,10 @@ def kernel_verdict(returncode: int, stdout: str, stderr: str, cpu: CpuFacts | No
     import json
     import signal
     line = next((x for x in reversed(stdout.splitlines()) if x.startswith(PROBE_MARK)), None)
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
+    in_loader = LOADING_MARK in stdout.splitlines()
+    if line is None and returncode < 0 and in_loader and -returncode in LOADER_SIGNALS:
+        # died inside vLLM's own kernel loader (a signal elsewhere, e.g. an OOM kill, decides nothing)
+        name = signal.Signals(-returncode).name
         last = [x for x in stderr.splitlines() if x.strip()][-1:]
         return {"decided": True, "loads": False, "cpu": (cpu or this_cpu()).as_dict(),
                 "cannot_load": f"loading vLLM's C++ extension the way vLLM does killed the process with {name} on "
@@ -184,6 +185,8 @@ def kernel_verdict(returncode: int, stdout: str, stderr: str, cpu: CpuFacts | No
 
 
 PROBE_MARK = "EAGLE_COMPAT_KERNEL_PROBE "
+LOADING_MARK = "EAGLE_COMPAT_KERNEL_PROBE_LOADING"
+LOADER_SIGNALS = (4, 7, 11)  # SIGILL (an instruction this CPU lacks), SIGBUS, SIGSEGV, inside vLLM's loader
 
 if __name__ == "__main__":  # run as a script (no package import): the probe's JSON on the last line
     import json
@@ -191,3 +194,4 @@ if __name__ == "__main__":  # run as a script (no package import): the probe's J
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # this folder's modules (engine.py, errors.py, ...) must not shadow vLLM's imports
     print(PROBE_MARK + json.dumps(probe_vllm_kernels()), flush=True)
+    os._exit(0)  # the verdict is out: nothing at interpreter exit may turn it into a signal

@@ -26,17 +26,31 @@ TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 PROMPT_TOKENS = 16
 
 
+# config keys that make every k-th layer another kind (the first of each kind must be kept): Gemma-3's global
+# attention, Qwen-MoE's sparse layers, Llama-4's MoE and NoPE layers, DeepSeek-V2's MoE frequency
+PERIOD_KEYS = ("sliding_window_pattern", "decoder_sparse_step", "interleave_moe_layer_step", "nope_layer_interval",
+               "moe_layer_freq")
+
+
 def layers_to_keep(text_config: dict) -> int:
     """Enough layers to build every kind the model has: 2, the dense-first layers of DeepSeek/Kimi plus one MoE layer,
-    and up to the first layer of each distinct `layer_types` entry (sliding / full attention)."""
+    the first layer of each distinct `layer_types` entry (sliding / full attention), one period of the layer kinds
+    that repeat every k layers (PERIOD_KEYS), and up to the first layer not in `mlp_only_layers`."""
     n = int(text_config["num_hidden_layers"])
     keep = 2
     dense_first = text_config.get("first_k_dense_replace")
-    if isinstance(dense_first, int):
-        keep = max(keep, dense_first + 1)
+    dense_first = dense_first if isinstance(dense_first, int) else 0
+    keep = max(keep, dense_first + 1)
     kinds = text_config.get("layer_types")
     if isinstance(kinds, list) and kinds:
         keep = max(keep, max(kinds.index(k) for k in set(kinds)) + 1)
+    for key in PERIOD_KEYS:
+        period = text_config.get(key)
+        if isinstance(period, int) and not isinstance(period, bool) and period > 1:
+            keep = max(keep, dense_first + period)
+    mlp_only = text_config.get("mlp_only_layers")
+    if isinstance(mlp_only, list) and mlp_only:
+        keep = max(keep, next((i for i in range(n) if i not in mlp_only), n - 1) + 1)
     return min(n, keep)
 
 
@@ -82,7 +96,7 @@ def config_only_copy(model: str, dest: str, keep: int | None = None) -> dict:
 
 
 def run(model: str, *, trust_remote_code: bool = False, dtype: str = "auto", gpu_memory_utilization: float = 0.3,
-        keep: int | None = None) -> dict:
+        keep: int | None = None, tensor_parallel_size: int = 1) -> dict:
     """The preflight of one checkpoint: the decoder contract resolved on the cut copy and one short capture.
     Returns a record with "ok"; an engine or capture failure is its "error" (type and message)."""
     import torch
@@ -90,11 +104,13 @@ def run(model: str, *, trust_remote_code: bool = False, dtype: str = "auto", gpu
     from .generator import VllmHiddenStatesGenerator
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="eagle-compat-preflight-") as tmp:
-        record: dict[str, Any] = {"model": os.path.abspath(model), **config_only_copy(model, tmp, keep)}
+        record: dict[str, Any] = {"model": os.path.abspath(model), **config_only_copy(model, tmp, keep),
+                                  "dtype": dtype, "tensor_parallel_size": tensor_parallel_size}
         try:
             with VllmHiddenStatesGenerator(tmp, layer_ids=list(range(record["kept_layers"])), max_model_len=256,
                                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                            trust_remote_code=trust_remote_code, load_format="dummy",
+                                           tensor_parallel_size=tensor_parallel_size,
                                            show_load_progress=False) as gen:
                 record["engine_seconds"] = round(time.time() - started, 1)
                 record["contract"] = gen.describe()

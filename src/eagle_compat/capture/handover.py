@@ -52,8 +52,9 @@ class Slot:
 
 
 # A buffer's file: `eagle-compat-<pid>-<random>.bin` (random: unique across PID namespaces and across rings of one
-# process), made under a name the sweep ignores and renamed once its creator holds an flock on it. The creator keeps
-# that lock until it removes the name, after the worker has mapped the file.
+# process), made as `.<name>.new`, locked by its creator (flock), then renamed. The creator keeps the lock until it
+# removes the name, after the worker has mapped the file. The sweep takes `.new` files too (a creator killed before
+# the rename leaves one); one swept before its creator locked it is noticed by the creator (another inode).
 FILE_PATTERN = r"\.?eagle-compat-\d+-[0-9a-f]+\.bin(\.new)?"
 
 
@@ -210,6 +211,8 @@ class HostRing:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # held until the name is gone: the sweep of any process keeps it
+                if os.fstat(fd).st_ino != os.stat(making).st_ino:  # a sweep took the unlocked file meanwhile
+                    raise FileNotFoundError(f"{making} was removed before it was locked")
                 os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
                 os.rename(making, path)
                 mm = mmap.mmap(fd, size)
@@ -233,6 +236,8 @@ class HostRing:
             os.close(fd)  # the lock goes with it
         if reply.get("mapped") and reply.get("nonce") != nonce.hex():
             mm.close()
+            with contextlib.suppress(Exception):
+                self.rpc("eagle_compat_unmap", sid)
             raise HandoverError(f"the worker mapped another file than the driver's {path} (it read "
                                 f"{reply.get('nonce')!r} where the driver wrote {nonce.hex()}): states would be lost")
         slot = Slot(sid, size, mm, pinned=bool(reply.get("registered")))

@@ -107,7 +107,8 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
             # --validate also decides which conversations --skip-uncovered leaves out
-            "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens}
+            # (without --skip-uncovered a failed check stops the run: it cannot change the sample set)
+            "validate": opts.validate and opts.skip_uncovered, "min_loss_tokens": opts.min_loss_tokens}
 
 
 def model_position_limit(model: str, text_config: Any) -> tuple[int | None, str]:
@@ -271,8 +272,9 @@ def run(opts: ExtractOptions) -> dict:
         arrow.check_layers(layer_ids, num_layers, f"--format {opts.format}")
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
-    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
-    writer.check_directory(opts.out, settings)
+    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below, with what
+    # only the data can decide)
+    writer.check_directory(opts.out, settings, {"min_loss_tokens": None})
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception:  # noqa: BLE001 - pre-tokenized input does not need one
@@ -293,11 +295,14 @@ def run(opts: ExtractOptions) -> dict:
         return writer.sample_path(opts.out, s.index, opts.format)
 
     def save_of(s: inputs.Sample, sample: dict) -> None:
-        if opts.format in arrow.ARROW_FORMATS:
-            arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format,
-                          layer_ids)
-        else:
-            writer.save_sample(opts.out, s.index, sample, opts.format, layer_ids)
+        try:
+            if opts.format in arrow.ARROW_FORMATS:
+                arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format,
+                              layer_ids)
+            else:
+                writer.save_sample(opts.out, s.index, sample, opts.format, layer_ids)
+        except writer.NonFiniteStates as exc:
+            raise writer.NonFiniteStates(f"{opts.data}:{s.line}: {exc}") from None
 
     def refuse_without_resume() -> None:
         present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]
@@ -315,7 +320,9 @@ def run(opts: ExtractOptions) -> dict:
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
     with writer.DirectoryLock(opts.out):
-        record = writer.check_directory(opts.out, settings)  # another run may have written between the checks
+        # again (another run may have written between the checks); a record made before --min-loss-tokens existed
+        # kept every sample: the same set where this run leaves none out
+        record = writer.check_directory(opts.out, settings, {"min_loss_tokens": not data.few_loss_tokens})
         refuse_without_resume()
         waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
         swept = writer.sweep_temp_files(opts.out)
@@ -324,7 +331,8 @@ def run(opts: ExtractOptions) -> dict:
         # the files kept must be of these very samples (checked by content: their token ids)
         redo = {id(b) for b in todo}
         kept = [b for b in mine if id(b) not in redo]
-        wrong = writer.first_mismatch((path_of(s), s.input_ids, f"input line {s.line}") for b in kept for s in b)
+        wrong = writer.first_mismatch((path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
+                                      for b in kept for s in b)
         if wrong:
             raise writer.OutputDirectoryConflict(
                 f"{wrong[0]} is not the sample it stands for: {wrong[1]}. The directory's files were made from a "
@@ -388,10 +396,11 @@ def run(opts: ExtractOptions) -> dict:
                         report=report.of_samples([s for b in todo for s in b], max_len))
         if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
             # every hs_{r} file (other shards' included) must hold row r's tokens: rows are bound by position
-            wrong = writer.first_mismatch((path_of(s), s.input_ids, f"row {row_of[s.index]} (input line {s.line})")
-                                          for s in samples)
+            wrong = writer.first_mismatch((path_of(s), s.input_ids, None,
+                                           f"row {row_of[s.index]} (input line {s.line})") for s in samples)
             if wrong:
                 manifest.update(status="incomplete", samples_present=present)
+                this_run.update(status="failed: the files of this directory were made from differing sample sets")
                 _best_effort_json(manifest_path, manifest)
                 raise writer.OutputDirectoryConflict(
                     f"{wrong[0]} does not hold its row's sample: {wrong[1]}; the shards of this directory were made "

@@ -234,19 +234,22 @@ class _Item:
     ended: bool = False  # its actor was ended as hung
 
 
-def batch_deadline(first_batch_of_its_actor: bool) -> float:
-    """How long one batch may run on an actor before the actor counts as hung (stopped, deadlocked): the step
-    deadline (engine.call_deadline), plus the engine's start for an actor's first batch (its model loads then)."""
-    load = float(os.environ.get(LOAD_DEADLINE_ENV, LOAD_DEADLINE_S)) if first_batch_of_its_actor else 0.0
-    return engine.call_deadline() + load
+def batch_deadline(engine_may_start: bool) -> float:
+    """How long one batch may run on an actor before the actor counts as hung (stopped, deadlocked): a safety net
+    above the engine's own deadlines (every call inside the actor has the step deadline, engine.call_deadline, and
+    fails there first): twice the step deadline, plus the engine's start where the actor's engine may be starting
+    (its first batch, and the first after any failure: a failed engine is not reused; its model loads again)."""
+    load = float(os.environ.get(LOAD_DEADLINE_ENV, LOAD_DEADLINE_S)) if engine_may_start else 0.0
+    return 2 * engine.call_deadline() + load
 
 
 def _end_hung_actors(ray: Any, actors: list, in_flight: dict, stats: list[dict]) -> None:
-    """Nothing finished for a while: an actor whose batch is past its deadline is ended (Ray restarts it); its call
-    then fails as a dead actor's, and the batch is redone like any other."""
+    """An actor whose batch is past its deadline is ended (Ray restarts it); its call then fails as a dead actor's,
+    and the batch is redone like any other. Looked at on every turn of the driver's loop, so one hung actor is found
+    while the others keep finishing batches."""
     now = time.time()
     for rank, item in list(in_flight.values()):
-        limit = batch_deadline(stats[rank]["batches"] == 0)
+        limit = batch_deadline(stats[rank]["engine_may_start"])
         if not item.ended and now - item.sent_at > limit:
             item.ended = True
             print(f"extract: actor {rank} has run batch {item.number} for {now - item.sent_at:.0f} s, past its "
@@ -300,7 +303,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
     stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
               "deaths": 0, "died_errors": 0, "restarts_seen": 0,
-              "unavailable": 0, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+              "unavailable": 0, "engine_may_start": True, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
              for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
@@ -327,8 +330,8 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                 raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
                                       f"{len(pending)} batches not done")
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_POLL_S)
+            _end_hung_actors(ray, actors, in_flight, stats)
             if not ready:
-                _end_hung_actors(ray, actors, in_flight, stats)
                 continue
             for ref in ready:
                 rank, item = in_flight.pop(ref)
@@ -342,6 +345,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         # run one at a time: never a second writer of the same files on another actor.
                         item.unavailable += 1
                         stats[rank]["unavailable"] += 1
+                        stats[rank]["engine_may_start"] = True  # it may be a restarted incarnation
                         if item.unavailable > MAX_UNAVAILABLE:
                             raise RayExtractError(
                                 f"batch {item.number}: actor {rank} stayed unavailable through {MAX_UNAVAILABLE} "
@@ -353,12 +357,21 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         item.sent_at, item.ended = time.time(), False
                         continue
                     died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
-                    item.tries += 1
-                    item.errors.append(f"actor {rank}: {text}")
                     st = stats[rank]
                     st["failures"] += 1
+                    st["engine_may_start"] = True  # restarted, or its failed engine is not reused
                     st["died_errors"] += died
                     st["deaths"] = max(st["died_errors"], st["restarts_seen"])
+                    # dead for good: more deaths than restarts, however Ray reported them; or ActorDiedError twice
+                    # in a row (a restarting actor answers ActorUnavailableError, a live one answers)
+                    st["died_in_a_row"] = st.get("died_in_a_row", 0) + 1 if died else 0
+                    out_of_restarts = died and (st["died_errors"] > MAX_RESTARTS or st["restarts_seen"] >= MAX_RESTARTS
+                                                or st["died_in_a_row"] >= 2)
+                    if out_of_restarts:
+                        alive.discard(rank)  # however Ray reported its earlier deaths
+                    else:  # a dead-for-good actor's refusal says nothing about the batch: not a try
+                        item.tries += 1
+                    item.errors.append(f"actor {rank}: {text}")
                     print(f"extract: batch {item.number} failed on actor {rank} (try {item.tries} of {MAX_TRIES}): "
                           f"{text.splitlines()[0][:300] if text else type(exc).__name__}"
                           f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
@@ -366,8 +379,6 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         raise RayExtractError(
                             f"batch {item.number} (samples {item.batch[0][0]}..{item.batch[-1][0]}) failed "
                             f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
-                    if died and st["died_errors"] > MAX_RESTARTS:
-                        alive.discard(rank)
                     pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
                 else:
                     if progress is None:  # rates count from the first engine's first batch, as a local run's
@@ -375,6 +386,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
                         t_work = time.time() - r["forward"]
                     st = stats[rank]
                     st["batches"] += 1
+                    st["engine_may_start"], st["died_in_a_row"] = False, 0
                     st["samples"] += r["samples"]
                     st["tokens"] += r["tokens"]
                     st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)

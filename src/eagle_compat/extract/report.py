@@ -45,7 +45,9 @@ def of_directory(out_dir: str) -> dict:
     from . import writer
     manifest = writer.read_manifest(out_dir)
     if manifest and manifest.get("report"):
-        return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}"}
+        # the report covers the whole input; an unfinished directory holds only part of it
+        return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": manifest.get("status"),
+                "samples_present": manifest.get("samples_present")}
     import torch
     names = writer.sample_files(out_dir)
     if not names:
@@ -97,6 +99,9 @@ def text(report: dict, title: str = "data report") -> str:
     """The report as the lines `extract` and `eagle-compat report` print."""
     lines = [f"{title}: {report['samples']} samples, {report['tokens']:,} tokens, {report['loss_tokens']:,} in the "
              f"loss mask ({100 * report['loss_share']:.1f}%)"]
+    if report.get("status") not in (None, "complete"):
+        lines.append(f"  NOTE: the directory is {report['status']} ({report.get('samples_present')} of "
+                     f"{report['samples']} samples have their file): these figures describe the whole input")
     if report.get("samples_without_loss_tokens"):
         lines.append(f"  {report['samples_without_loss_tokens']} samples have no token in the loss mask: nothing to "
                      "train on (kept: --min-loss-tokens 0)")

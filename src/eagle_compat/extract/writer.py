@@ -184,32 +184,38 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
     return out
 
 
-def token_ids_in(path: str) -> list[int]:
-    """The token ids a sample file holds (`input_ids`, or `token_ids` in --format arrow's hs files), read without
-    its hidden states."""
+def token_ids_in(path: str) -> tuple[list[int], list[int] | None]:
+    """The token ids and loss mask a sample file holds (`input_ids` / `loss_mask`; --format arrow's hs files hold
+    `token_ids` only: their masks are the Arrow rows'), read without its hidden states."""
     import torch
 
     if path.endswith(".pt"):
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)["input_ids"].tolist()
+        sample = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+        return sample["input_ids"].tolist(), torch.as_tensor(sample["loss_mask"]).tolist()
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
-        key = "input_ids" if "input_ids" in f.keys() else "token_ids"
-        return f.get_tensor(key).tolist()
+        keys = set(f.keys())
+        if "input_ids" in keys:
+            return f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
+        return f.get_tensor("token_ids").tolist(), None
 
 
 def first_mismatch(expected: Any) -> tuple[str, Any] | None:
-    """(path, what) of the first file whose token ids differ from the sample it stands for: `expected` yields
-    (path, token ids, what names the sample). Files are bound to samples by position; a resume with another
+    """(path, what) of the first file whose token ids (or loss mask) differ from the sample it stands for:
+    `expected` yields (path, token ids, loss mask or None, what names the sample). Files are bound to samples by position; a resume with another
     tokenizer, transformers, chat template or option that changes the sample set would pair them wrongly."""
-    for path, ids, what in expected:
+    for path, ids, mask, what in expected:
         try:
-            got = token_ids_in(path)
+            got, got_mask = token_ids_in(path)
         except Exception as exc:  # noqa: BLE001 - an unreadable file is not this sample's either
             return path, f"{what}: the file cannot be read ({type(exc).__name__}: {exc})"
         if got != list(ids):
             return path, (f"{what}: the file holds {len(got)} tokens {got[:6]}..., the sample now tokenizes to "
                           f"{len(ids)} tokens {list(ids)[:6]}...")
+        if got_mask is not None and mask is not None and got_mask != list(mask):
+            return path, (f"{what}: the same tokens, but another loss mask ({sum(got_mask)} loss tokens in the file, "
+                          f"{sum(mask)} now: the assistant's spans moved)")
     return None
 
 
@@ -257,7 +263,7 @@ def read_manifest(out_dir: str) -> dict | None:
     return records[0] if records else None
 
 
-def check_directory(out_dir: str, settings: dict) -> dict | None:
+def check_directory(out_dir: str, settings: dict, same_sample_set: dict[str, bool] | None = None) -> dict | None:
     """Refuse a directory whose samples were made with other settings, or by a run that left no record.
 
     Returns the existing record (None for a directory without one and without samples). Reads only."""
@@ -272,7 +278,7 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
                 "says which model, data and layers made them, so adding files to them could mix two extractions. "
                 "Move them away or choose another --out")
         return None
-    diffs = settings_differences(record["settings"], settings)
+    diffs = settings_differences(record["settings"], settings, same_sample_set)
     if diffs:
         raise OutputDirectoryConflict(
             f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
@@ -305,14 +311,20 @@ def wait_for_other_writers(out_dir: str, timeout: float | None = None, on_wait: 
     path = os.path.join(out_dir, WRITERS_LOCK)
     if not os.path.exists(path):
         return 0.0
-    fd = os.open(path, os.O_RDONLY)
+    try:  # for writing: on NFS flock is emulated with POSIX locks, whose exclusive lock needs it
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
     start = time.monotonic()
     try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return time.monotonic() - start
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise OutputWriteError(f"cannot lock {path} to check for writers of an earlier run: "
+                                           f"{exc.strerror or exc}") from exc
                 waited = time.monotonic() - start
                 if waited > timeout:
                     raise OutputDirectoryBusy(
@@ -404,7 +416,13 @@ class DirectoryLock:
 SETTINGS_ADDED = {"validate": False, "min_loss_tokens": 0}
 
 
-def settings_differences(old: dict, new: dict) -> list[str]:
+def settings_differences(old: dict, new: dict, same_sample_set: dict[str, bool] | None = None) -> list[str]:
+    """One line per setting that differs. A setting the old record predates is taken at its old behaviour
+    (SETTINGS_ADDED), unless `same_sample_set[key]` says this run's value leaves the sample set as the old one did
+    (e.g. --min-loss-tokens 1 leaving nothing out), or is None: not decidable yet (the data is not read)."""
+    same_sample_set = same_sample_set or {}
     keys = sorted(set(old) | set(new))
+    skip = {k for k in SETTINGS_ADDED if k not in old and same_sample_set.get(k, False) in (True, None)}
     old = {**{k: v for k, v in SETTINGS_ADDED.items() if k not in old}, **old}
-    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys
+            if old.get(k) != new.get(k) and k not in skip]
