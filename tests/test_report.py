@@ -121,3 +121,16 @@ def test_a_directory_made_before_min_loss_tokens_resumes_where_nothing_would_be_
     json.dump(record, open(out2 / "manifest.json", "w"))
     with pytest.raises(writer.OutputDirectoryConflict, match=r"min_loss_tokens: was 0, now 1"):
         job.run(_opts(model, empty, out2, max_len=MAX_LEN, resume=True))
+
+
+def test_the_length_histogram_plot_needs_matplotlib_and_says_so(model, chats, tmp_path, fake_engine):
+    import importlib.util
+    out = tmp_path / "out"
+    job.run(_opts(model, chats, out, max_len=MAX_LEN))
+    png = tmp_path / "lengths.png"
+    proc = _report(out, "--plot", png)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert proc.returncode == 2 and "needs matplotlib, which is not installed: pip install matplotlib" in proc.stderr
+        pytest.skip("matplotlib is not installed here: the refusal was checked, not the drawing")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
