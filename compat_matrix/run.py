@@ -74,8 +74,8 @@ def _cpu_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("eagle_compat_cpu", os.path.join(ROOT, "src", "eagle_compat",
                                                                                    "cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)  # (registered first: its dataclasses look their module up)
     return module
 
 
