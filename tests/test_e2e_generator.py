@@ -245,10 +245,11 @@ def test_an_engine_built_at_a_scripts_top_level_is_refused_with_the_fix(tmp_path
 
 
 def test_a_missed_deadline_closes_the_generator_rather_than_read_replies_out_of_step(tmp_path):
-    """vLLM's step deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, here 0: every step misses it) raises TimeoutError
-    without reading the reply, so each later reply would be read as the answer to the call after it (seen: the
-    hand-over ring got a step's ModelRunnerOutput as its buffer's reply). The generator closes instead and says so;
-    it stays closed. A subprocess: vLLM may cache its environment once an engine core ran in this one."""
+    """vLLM's step deadline (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, here 0 once the engine is up: every call misses it)
+    raises TimeoutError without reading the reply, so each later reply would be read as the answer to the call after
+    it (seen: the hand-over ring got a step's ModelRunnerOutput as its buffer's reply). The generator closes instead
+    and says so; it stays closed. (Set after the engine starts: eagle_compat's own calls carry the same deadline,
+    its start-up calls included.) A subprocess: vLLM may cache its environment once an engine core ran in this one."""
     import subprocess
     import sys
 
@@ -256,13 +257,13 @@ def test_a_missed_deadline_closes_the_generator_rather_than_read_replies_out_of_
     script = tmp_path / "deadline.py"
     script.write_text(
         "import os, sys\n"
-        "os.environ['VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'] = '0'\n"
         f"sys.path.insert(0, {here!r})\n"
         "from helpers import prompts\n"
         "from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models\n"
         "if __name__ == '__main__':\n"
         "    gen = VllmHiddenStatesGenerator(tiny_models.build_tiny_model('llama'), layer_ids=[1, 3],\n"
         "                                    max_model_len=256, gpu_memory_utilization=0.3)\n"
+        "    os.environ['VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'] = '0'\n"
         "    try:\n"
         "        list(gen.generate_batches(iter([prompts(8, 100, 200, seed=k) for k in range(6)]), prefetch=0))\n"
         "        print('RESULT no error')\n"
