@@ -44,7 +44,7 @@ def model():
     try:
         return tiny_models.build_real_model("smollm2")
     except ModuleNotFoundError as exc:
-        pytest.skip(f"{exc} (scripts/_env.sh installs it in the test environments)")
+        pytest.skip(f"{exc} (compat_matrix/make_env.py installs it in the test environments)")
 
 
 @pytest.fixture(scope="module")
