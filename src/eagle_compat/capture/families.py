@@ -73,6 +73,11 @@ _DEEPSEEK_V3 = dict(
     norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
     rope_parameters=_YARN_1, rope_scaling={**_YARN_1, "type": "yarn"})
 
+# For FP8 block checkpoints (quantized_models): vLLM fuses q_a_proj with kv_a_proj_with_mqa, whose 128 x 128 scale
+# blocks then line up only where q_lora_rank is a multiple of 128 (with 96 its scales land on the wrong rows: silently
+# wrong states, vLLM 0.20.0 layers/linear.py), as in DeepSeek-V3's own 1536.
+_DEEPSEEK_V3_B128 = dict(_DEEPSEEK_V3, q_lora_rank=128)
+
 # Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
 # states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
 _DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
@@ -127,7 +132,11 @@ FAMILIES: tuple[Family, ...] = (
                Tiny("deepseek_v3_plain_rope", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_PLAIN_ROPE,
                     matrix=()),
                Tiny("kimi_k25", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3, wraps="deepseek_v3",
-                    matrix=("shim", "generator")))),
+                    matrix=("shim", "generator")),
+               # the bases of the quantized checkpoints (quantized_models.QUANTIZED)
+               Tiny("deepseek_v3_b128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_B128, matrix=()),
+               Tiny("kimi_k25_b128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_B128,
+                    wraps="deepseek_v3_b128", matrix=()))),
     # layer signature (hidden_states, positions, residual): hidden states first
     Family("gpt_oss", ("TransformerBlock",), ("GptOssForCausalLM",), tiny=(
         Tiny("gpt_oss", "GptOssForCausalLM", "GptOssConfig",

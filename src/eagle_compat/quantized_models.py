@@ -1,0 +1,314 @@
+"""Tiny quantized checkpoints in the formats the large targets ship, and their independent reference.
+
+Schemes (each written by hand in its published format, from a tiny float32 checkpoint of `tiny_models`):
+  fp8_block    DeepSeek-V3/R1's own format: float8_e4m3fn weights with a float32 `weight_scale_inv` per 128 x 128
+               block (`quant_method: fp8`). vLLM runs it W8A8: each layer's input rounded to fp8 at run time, one
+               scale per token and 128 inputs.
+  fp8_dynamic  compressed-tensors `float-quantized` (llm-compressor's FP8_DYNAMIC): fp8 weights with one scale per
+               output channel; inputs rounded to fp8 at run time, one scale per token.
+  w4a16        compressed-tensors `pack-quantized`, int4 symmetric, one scale per 32 inputs, eight values an int32
+               (Kimi-K2-Thinking / Kimi-K2.5 ship their routed experts so); inputs stay bf16.
+
+The reference (`build` returns its path) is a plain float32 checkpoint of the same model with the dequantized
+weights: what the quantized model computes, without any rounding of activations. A W8A8 engine is then judged, like
+any low-precision engine (check.py), against HF's own error at the engine's arithmetic: HF in bf16 with each
+quantized layer's input rounded to fp8 the same way (`ActivationRounding`, applied by `tiny_models.hf_reference`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+BLOCK = 128  # DeepSeek-V3's weight blocks and activation groups
+W4_GROUP = 32
+BUILD_REVISION = 2  # bump when the way quantized checkpoints are written changes (part of the cache key)
+
+# Every projection inside a decoder layer; not the router (`mlp.gate`), norms, embeddings or lm_head.
+ALL_PROJECTIONS = r"(^|\.)layers\.\d+\..*_proj(_with_mqa)?\.weight$"
+ROUTED_EXPERTS = r"(^|\.)layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight$"
+# compressed-tensors' `ignore` of Kimi-K2.5's own config (only the routed experts are quantized): vLLM matches these
+# against its module names, fused ones through their shards
+EXPERTS_ONLY_IGNORE = (r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                       r"re:.*lm_head.*", r"re:vision_tower.*", r"re:mm_projector.*")
+# Inputs a W8A8 engine keeps in 16 bits although their weight is fp8: vLLM's MLA dequantizes kv_b_proj and absorbs
+# it into attention (vLLM 0.20.0 layers/attention/mla_attention.py, process_weights_after_loading)
+UNROUNDED_INPUTS = r"\.kv_b_proj\.weight$"
+
+
+@dataclass(frozen=True)
+class QuantizedTiny:
+    name: str
+    base: str  # a tiny model of the family table (tiny_models.build_family)
+    scheme: str  # fp8_block | fp8_dynamic | w4a16
+    quantize: str  # regex over the checkpoint's tensor names: the weights quantized
+    ignore: tuple[str, ...] = ("lm_head",)  # compressed-tensors' ignore list (its schemes only)
+    note: str = ""
+
+
+QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
+    QuantizedTiny("llama_w4a16", "llama", "w4a16", ALL_PROJECTIONS, note="dense W4A16, group 32 (Marlin on GPU)"),
+    QuantizedTiny("llama_fp8", "llama", "fp8_dynamic", ALL_PROJECTIONS,
+                  note="dense FP8: per-channel weights, per-token dynamic activations"),
+    QuantizedTiny("deepseek_v3_fp8", "deepseek_v3_b128", "fp8_block", ALL_PROJECTIONS,
+                  note="DeepSeek-V3/R1's FP8: 128x128 weight blocks, experts and attention included"),
+    QuantizedTiny("kimi_k25_w4a16", "kimi_k25_b128", "w4a16", ROUTED_EXPERTS, ignore=EXPERTS_ONLY_IGNORE,
+                  note="Kimi-K2.5's shape: INT4 W4A16 routed experts (group 32, symmetric), the rest bf16"),
+)}
+
+
+@dataclass(frozen=True)
+class ActivationRounding:
+    """How a W8A8 engine rounds each quantized layer's input: to fp8 e4m3, one scale (amax / 448) per token and
+    `group` inputs (0: the whole row, i.e. per token). `weights` names the quantized weights (checkpoint names,
+    the wrapper's `language_model.` prefix dropped)."""
+    group: int
+    weights: frozenset = field(default_factory=frozenset)
+
+
+def _fp8_round(x, group: int):
+    """x rounded to fp8 e4m3 with a dynamic scale per row and `group` columns (0 = per row), back in x's dtype."""
+    import torch
+    shape, k = x.shape, x.shape[-1]
+    g = group or k
+    if k % g:
+        raise ValueError(f"activation rounding: {k} inputs are not a multiple of the group {g}")
+    v = x.reshape(-1, k // g, g).float()
+    scale = v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    q = (v / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(shape).to(x.dtype)
+
+
+class rounded_activations:
+    """Context manager for an HF forward: inputs of the quantized weights go through `_fp8_round` first. Works on
+    `F.linear` (HF's nn.Linear and its eager experts loop both call it), matching weights by storage address, so
+    fused expert tensors (transformers 5: `experts.gate_up_proj[e]`) are matched slice by slice."""
+
+    def __init__(self, model, rounding: ActivationRounding):
+        self.rounding = rounding
+        self.addresses = _quantized_addresses(model, rounding.weights)
+        if not self.addresses:
+            raise ValueError("activation rounding matched no weight of the reference model")
+
+    def __enter__(self):
+        import torch.nn.functional as F
+        self._original = original = F.linear
+        addresses, group = self.addresses, self.rounding.group
+
+        def linear(input, weight, bias=None):
+            if weight.data_ptr() in addresses:
+                input = _fp8_round(input, group)
+            return original(input, weight, bias)
+
+        F.linear = linear
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+        F.linear = self._original
+
+
+def _quantized_addresses(model, weights: frozenset) -> set[int]:
+    out = set()
+    expert = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+    for name, param in model.named_parameters():
+        if name in weights:
+            out.add(param.data_ptr())
+            continue
+        m = expert.match(name)  # fused experts: one slice per expert, quantized where expert 0's weight was
+        if m and param.dim() == 3:
+            first = "gate_proj" if m.group(2) == "gate_up_proj" else "down_proj"
+            if f"{m.group(1)}.0.{first}.weight" in weights:
+                out.update(param[e].data_ptr() for e in range(param.shape[0]))
+    return out
+
+
+def activation_rounding(model_dir: str) -> ActivationRounding | None:
+    """The run-time input rounding a checkpoint's `quantization_config` asks for (None: inputs stay in the engine's
+    dtype), with the names of its quantized weights. Read from the checkpoint, so it serves any checkpoint."""
+    config = _read_json(os.path.join(model_dir, "config.json"))
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return None
+    group = None
+    if quant.get("quant_method") == "fp8" and quant.get("activation_scheme", "dynamic") == "dynamic":
+        group = (quant.get("weight_block_size") or [0, 0])[1]
+    elif quant.get("quant_method") == "compressed-tensors":
+        for g in (quant.get("config_groups") or {}).values():
+            act = g.get("input_activations") or {}
+            if act.get("type") == "float" and act.get("num_bits") == 8:
+                group = int(act.get("group_size") or 0) if act.get("strategy") == "group" else 0
+    if group is None:
+        return None
+    from safetensors import safe_open
+    weights = set()
+    for file in _weight_files(model_dir):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key.endswith((".weight_scale_inv", ".weight_scale")):
+                    weight = _drop_wrapper(key.rsplit(".", 1)[0] + ".weight")
+                    if not re.search(UNROUNDED_INPUTS, weight):
+                        weights.add(weight)
+    return ActivationRounding(group, frozenset(weights))
+
+
+def _drop_wrapper(name: str) -> str:
+    return name[len("language_model."):] if name.startswith("language_model.") else name
+
+
+def _weight_files(model_dir: str) -> list[str]:
+    return sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- the formats: each returns (tensors to write under the weight's module name, the dequantized weight)
+
+def quantize_fp8_block(w):
+    """DeepSeek-V3's format: `weight` (fp8) and `weight_scale_inv` (float32, one per 128 x 128 block; the last row
+    and column of blocks may be partial)."""
+    import torch
+    out, k = w.shape
+    rows, cols = math.ceil(out / BLOCK), math.ceil(k / BLOCK)
+    padded = torch.zeros(rows * BLOCK, cols * BLOCK, dtype=torch.float32)
+    padded[:out, :k] = w.float()
+    blocks = padded.reshape(rows, BLOCK, cols, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, None, :, None]).reshape(rows * BLOCK, cols * BLOCK)[:out, :k]
+    q = q.reshape(rows * BLOCK, cols * BLOCK)[:out, :k].contiguous()
+    return {"weight": q, "weight_scale_inv": scale.contiguous()}, deq
+
+
+def quantize_fp8_channel(w):
+    """compressed-tensors `float-quantized`, channel strategy: `weight` (fp8) and `weight_scale` [out, 1] float32."""
+    import torch
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
+def pack_int4(q):
+    """int8 values in [-8, 7] -> int32, eight per word along the inputs: element 8j+i in bits 4i..4i+3, offset by 8
+    (compressed-tensors' `pack_to_int32`)."""
+    import torch
+    rows, cols = q.shape
+    if cols % 8:
+        raise ValueError(f"int4 packing needs a multiple of 8 inputs, got {cols}")
+    u = (q.to(torch.int32) + 8).reshape(rows, cols // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    words = (u.to(torch.int64) << shifts.to(torch.int64)).sum(dim=2)  # unsigned 32-bit values
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def quantize_w4_group(w, group: int = W4_GROUP):
+    """compressed-tensors `pack-quantized`, int4 symmetric, group strategy: `weight_packed` (int32 [out, in/8]),
+    `weight_scale` (bf16 [out, in/group]), `weight_shape` (int64 [2]). Scales are stored in bf16 as the format
+    does; the dequantized weight uses those stored scales."""
+    import torch
+    out, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 groups of {group} need a multiple of {group} inputs, got {k}")
+    g = w.float().reshape(out, k // group, group)
+    scale = (g.abs().amax(dim=-1) / 7.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(g / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
+    deq = (q.float() * scale.float()[..., None]).reshape(out, k)
+    return {"weight_packed": pack_int4(q.reshape(out, k)), "weight_scale": scale.contiguous(),
+            "weight_shape": torch.tensor([out, k], dtype=torch.int64)}, deq
+
+
+_QUANTIZERS = {"fp8_block": quantize_fp8_block, "fp8_dynamic": quantize_fp8_channel, "w4a16": quantize_w4_group}
+
+
+def quantization_config(q: QuantizedTiny) -> dict:
+    if q.scheme == "fp8_block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK]}
+    if q.scheme == "fp8_dynamic":
+        scheme = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                              "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
+                              "observer": "minmax"},
+                  "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                        "dynamic": True, "group_size": None, "block_structure": None,
+                                        "actorder": None, "observer": None},
+                  "output_activations": None, "targets": ["Linear"], "format": "float-quantized"}
+        fmt = "float-quantized"
+    else:
+        scheme = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                              "group_size": W4_GROUP, "dynamic": False, "block_structure": None, "actorder": None,
+                              "observer": "minmax"},
+                  "input_activations": None, "output_activations": None, "targets": ["Linear"],
+                  "format": "pack-quantized"}
+        fmt = "pack-quantized"
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme}, "ignore": list(q.ignore), "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}}
+
+
+def cache_key(q: QuantizedTiny) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps([q.name, q.base, q.scheme, q.quantize, list(q.ignore), BUILD_REVISION])
+                          .encode()).hexdigest()[:10]
+
+
+def build(name: str) -> tuple[str, str, int]:
+    """(quantized checkpoint for the engine, float32 checkpoint with its dequantized weights for the HF reference,
+    number of decoder layers). Built once, cached beside the tiny models."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from . import tiny_models
+    if name not in QUANTIZED:
+        raise ValueError(f"unknown quantized tiny model {name!r}; known: {sorted(QUANTIZED)}")
+    q = QUANTIZED[name]
+    engine_src, reference_src, n = tiny_models.build_family(q.base)
+    out = os.path.join(os.path.dirname(engine_src), f"{os.path.basename(engine_src)}-{name}-{cache_key(q)}")
+    ref_out = out + "-reference"
+    if os.path.exists(os.path.join(out, ".complete")) and os.path.exists(os.path.join(ref_out, ".complete")):
+        return out, ref_out, n
+    pattern = re.compile(q.quantize)
+    tensors = load_file(os.path.join(engine_src, "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for key, value in tensors.items():
+        if pattern.search(key) and value.dim() == 2:
+            parts, deq = _QUANTIZERS[q.scheme](value)
+            module = key[: -len(".weight")]
+            quantized.update({f"{module}.{suffix}": t for suffix, t in parts.items()})
+            dequantized[_drop_wrapper(key)] = deq
+        else:
+            quantized[key] = value.to(torch.bfloat16) if value.is_floating_point() and value.dim() >= 2 else value
+    if not dequantized:
+        raise ValueError(f"{name}: the pattern {q.quantize!r} matched no weight of {engine_src}")
+    for d in (out, ref_out):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(engine_src, out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    shutil.copytree(reference_src, ref_out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    reference = load_file(os.path.join(reference_src, "model.safetensors"))
+    missing = set(dequantized) - set(reference)
+    if missing:
+        raise ValueError(f"{name}: dequantized weights missing from the reference checkpoint: {sorted(missing)[:3]}")
+    reference.update(dequantized)
+    save_file(reference, os.path.join(ref_out, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(out, "config.json")
+    config = _read_json(config_path)
+    # where the real checkpoints keep it: Kimi-K2.5 in its text_config, the others at the top
+    (config.get("text_config") or config)["quantization_config"] = quantization_config(q)
+    for holder in (config, config.get("text_config") or {}):  # the checkpoint's dtype: bf16, as quantized ones ship
+        for key in ("dtype", "torch_dtype"):
+            if key in holder:
+                holder[key] = "bfloat16"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=1)
+    for d in (out, ref_out):
+        open(os.path.join(d, ".complete"), "w").close()
+    return out, ref_out, n
