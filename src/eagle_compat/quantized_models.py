@@ -29,37 +29,12 @@ BLOCK = 128  # DeepSeek-V3's weight blocks and activation groups
 W4_GROUP = 32
 BUILD_REVISION = 2  # bump when the way quantized checkpoints are written changes (part of the cache key)
 
-# Every projection inside a decoder layer; not the router (`mlp.gate`), norms, embeddings or lm_head.
-ALL_PROJECTIONS = r"(^|\.)layers\.\d+\..*_proj(_with_mqa)?\.weight$"
-ROUTED_EXPERTS = r"(^|\.)layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight$"
-# compressed-tensors' `ignore` of Kimi-K2.5's own config (only the routed experts are quantized): vLLM matches these
-# against its module names, fused ones through their shards
-EXPERTS_ONLY_IGNORE = (r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                       r"re:.*lm_head.*", r"re:vision_tower.*", r"re:mm_projector.*")
+# The quantized tiny models are rows of the family table (capture/families.py: QUANTIZED), read here.
+from .capture.families import QUANTIZED, QuantizedTiny  # noqa: E402
+
 # Inputs a W8A8 engine keeps in 16 bits although their weight is fp8: vLLM's MLA dequantizes kv_b_proj and absorbs
 # it into attention (vLLM 0.20.0 layers/attention/mla_attention.py, process_weights_after_loading)
 UNROUNDED_INPUTS = r"\.kv_b_proj\.weight$"
-
-
-@dataclass(frozen=True)
-class QuantizedTiny:
-    name: str
-    base: str  # a tiny model of the family table (tiny_models.build_family)
-    scheme: str  # fp8_block | fp8_dynamic | w4a16
-    quantize: str  # regex over the checkpoint's tensor names: the weights quantized
-    ignore: tuple[str, ...] = ("lm_head",)  # compressed-tensors' ignore list (its schemes only)
-    note: str = ""
-
-
-QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
-    QuantizedTiny("llama_w4a16", "llama", "w4a16", ALL_PROJECTIONS, note="dense W4A16, group 32 (Marlin on GPU)"),
-    QuantizedTiny("llama_fp8", "llama", "fp8_dynamic", ALL_PROJECTIONS,
-                  note="dense FP8: per-channel weights, per-token dynamic activations"),
-    QuantizedTiny("deepseek_v3_fp8", "deepseek_v3_b128", "fp8_block", ALL_PROJECTIONS,
-                  note="DeepSeek-V3/R1's FP8: 128x128 weight blocks, experts and attention included"),
-    QuantizedTiny("kimi_k25_w4a16", "kimi_k25_b128", "w4a16", ROUTED_EXPERTS, ignore=EXPERTS_ONLY_IGNORE,
-                  note="Kimi-K2.5's shape: INT4 W4A16 routed experts (group 32, symmetric), the rest bf16"),
-)}
 
 
 @dataclass(frozen=True)
