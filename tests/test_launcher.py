@@ -19,63 +19,109 @@ from helpers import assert_matches_hf, prompts
 SCRIPT = os.path.join(os.path.dirname(__file__), "data", "speculators_shaped_script.py")
 EAGLE_COMPAT = os.path.join(os.path.dirname(sys.executable), "eagle-compat")
 
-# What a fresh interpreter reports about itself: whether our start-up hook ran and what it patched.
+# What a fresh interpreter reports about itself: whether our start-up hook ran, what it patched, what it left in
+# the environment for its own children.
 PROBE = """
-import json, sys
+import json, os, sys
 import transformers.configuration_utils as cu
 from eagle_compat import installer
-print(json.dumps({"eagle_compat_imported": "eagle_compat.startup" in sys.modules,
+print(json.dumps({"eagle_compat_imported": "eagle_compat.installer" in sys.modules and installer.is_started_up(),
                   "started_up": installer.is_started_up(), "installed": installer.is_installed(),
                   "torch_in_configuration_utils": "torch" in vars(cu),
-                  "units": {u.name: u.state for u in installer.status() if u.state != "not installed"}}))
+                  "units": {u.name: u.state for u in installer.status() if u.state != "not installed"},
+                  "variable": os.environ.get(installer.INSTALLED_ENV), "pythonpath": os.environ.get("PYTHONPATH"),
+                  "chained": os.environ.get("CHAINED_SITECUSTOMIZE_RAN")}))
 """
+RUN_VALUE = "run:12345"
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != INSTALLED_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (INSTALLED_ENV, "PYTHONPATH")}
     env.update(extra)
     return env
 
 
-def _probe(env):
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+def _probe(env, *argv):
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def hook_written():
-    return startup.ensure_pth()
+@pytest.fixture
+def hook_dir(tmp_path):
+    return startup.write_hook(str(tmp_path))
 
 
-def test_startup_hook_does_nothing_without_the_variable(hook_written):
-    seen = _probe(_env())
-    assert seen["eagle_compat_imported"] is False and seen["started_up"] is False
-    assert seen["units"] == {}
+def test_startup_hook_does_nothing_without_the_variable(hook_dir):
+    seen = _probe(_env(PYTHONPATH=hook_dir), startup.SPAWNED_CHILD_FLAG)
+    assert seen["started_up"] is False and seen["units"] == {}
 
 
-def test_startup_hook_applies_only_import_time_units_with_the_variable(hook_written):
+def test_startup_hook_applies_only_import_time_units_in_a_spawned_child_of_a_run(hook_dir):
     from eagle_compat.patches import REGISTRY
-    seen = _probe(_env(**{INSTALLED_ENV: "1"}))
+    seen = _probe(_env(PYTHONPATH=hook_dir, **{INSTALLED_ENV: RUN_VALUE}), startup.SPAWNED_CHILD_FLAG)
     assert seen["started_up"] is True and seen["installed"] is False
     assert set(seen["units"]) == {u.name for u in REGISTRY if u.at_startup}
+    assert seen["variable"] == RUN_VALUE  # a child of the run passes it on (vLLM's workers need it)
     import transformers
     if int(transformers.__version__.split(".")[0]) >= 5:  # the break the hook is for
         assert seen["torch_in_configuration_utils"] is True
         assert seen["units"]["transformers5_pydantic_torch"] == "applied"
 
 
-def test_startup_hook_line_is_inert_where_eagle_compat_is_missing(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / startup.PTH_NAME).write_text(startup.PTH_LINE)
-    code = "import site, sys; site.addsitedir(sys.argv[1]); print('ok')"
-    # -S: no site-packages, so eagle_compat cannot be found; the line must not print an error
-    env = _env(**{INSTALLED_ENV: "1"})
-    env.pop("PYTHONPATH", None)
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(site)], env=env,
+def test_other_processes_started_from_a_run_are_left_alone_and_so_are_their_children(hook_dir, tmp_path):
+    """Issue 22, item 10: pip, an eval script or a vLLM server started from the run is not patched, and the run's
+    variable and directory are gone from its environment (its own children never see them)."""
+    other = str(tmp_path / "user-path")
+    env = _env(PYTHONPATH=os.pathsep.join([hook_dir, other]), **{INSTALLED_ENV: RUN_VALUE})
+    seen = _probe(env)  # no --multiprocessing-fork: not a spawned child of the run
+    assert seen["started_up"] is False and seen["units"] == {}
+    assert seen["variable"] is None and seen["pythonpath"] == other  # the user's own entries stay
+
+
+def test_a_sitecustomize_the_hook_shadows_still_runs(hook_dir, tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['CHAINED_SITECUSTOMIZE_RAN'] = '1'\n")
+    seen = _probe(_env(PYTHONPATH=os.pathsep.join([hook_dir, str(theirs)]), **{INSTALLED_ENV: RUN_VALUE}),
+                  startup.SPAWNED_CHILD_FLAG)
+    assert seen["chained"] == "1" and seen["started_up"] is True
+
+
+def test_startup_hook_is_inert_where_eagle_compat_is_missing(hook_dir):
+    base = getattr(sys, "_base_executable", sys.executable)  # this venv's base interpreter: no eagle_compat there
+    env = _env(PYTHONPATH=hook_dir, **{INSTALLED_ENV: RUN_VALUE})
+    found = subprocess.run([base, "-c", "import importlib.util; print(importlib.util.find_spec('eagle_compat'))"],
+                           env=_env(), capture_output=True, text=True, timeout=60)
+    if found.stdout.strip() != "None":
+        pytest.skip(f"the base interpreter {base} has eagle_compat too")
+    out = subprocess.run([base, "-c", "print('ok')", startup.SPAWNED_CHILD_FLAG], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok" and "Error" not in out.stderr, out.stderr
+
+
+def test_install_leaves_nothing_in_site_packages_and_uninstall_removes_the_run_hook():
+    code = """
+import json, os, sys, sysconfig
+import eagle_compat
+from eagle_compat import startup
+before = sorted(os.listdir(sysconfig.get_paths()["purelib"]))
+eagle_compat.install()
+during = {"dir": startup.run_dir(), "exists": os.path.isdir(startup.run_dir()),
+          "first_on_path": os.environ["PYTHONPATH"].split(os.pathsep)[0], "variable": os.environ.get("%s")}
+eagle_compat.uninstall()
+after = sorted(os.listdir(sysconfig.get_paths()["purelib"]))
+print(json.dumps({"during": during, "same_site_packages": before == after, "gone": not os.path.exists(during["dir"]),
+                  "pythonpath": os.environ.get("PYTHONPATH"), "variable": os.environ.get("%s")}))
+""" % (INSTALLED_ENV, INSTALLED_ENV)
+    out = subprocess.run([sys.executable, "-c", code], env=_env(PYTHONPATH="/kept"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["during"]["exists"] and seen["during"]["first_on_path"] == seen["during"]["dir"]
+    assert seen["during"]["variable"].startswith("run:")
+    assert seen["same_site_packages"] and seen["gone"]
+    assert seen["pythonpath"] == "/kept" and seen["variable"] is None
 
 
 def test_bad_command_lines_are_refused_before_anything_runs(tmp_path):
@@ -92,7 +138,7 @@ def test_exit_status_and_exceptions_pass_through(tmp_path):
                       "if sys.argv[1] == 'raise':\n    raise KeyError('boom')\nsys.exit(int(sys.argv[1]))\n")
     ok = subprocess.run([sys.executable, "-m", "eagle_compat", str(script), "0"], capture_output=True, text=True,
                         timeout=120, env=_env())
-    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1] == "1", ok.stderr  # the variable is set
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("run:"), ok.stderr  # the run's
     assert subprocess.run([EAGLE_COMPAT, "run", str(script), "7"], capture_output=True, timeout=120,
                           env=_env()).returncode == 7
     boom = subprocess.run([EAGLE_COMPAT, "run", str(script), "raise"], capture_output=True, text=True, timeout=120,

@@ -92,8 +92,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
             "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
     from . import startup
-    report["startup_hook"] = {"path": startup.pth_path(), "installed": startup.pth_installed(),
-                              "active_in_this_process": installer.is_started_up()}
+    report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}
+    if report["startup_hook"]["legacy_pth"]:
+        if args.fix:
+            startup.remove_legacy_pth()
+            print(f"doctor --fix: removed {report['startup_hook']['legacy_pth']} (an older release's start-up "
+                  "hook; today's leaves nothing in site-packages)", file=sys.stderr)
+            report["startup_hook"]["legacy_pth"] = None
+        else:  # inert (it waits for a value the variable no longer takes): a note, not a problem
+            report["startup_hook"]["note"] = "an older release's start-up hook, inert; `doctor --fix` removes it"
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))

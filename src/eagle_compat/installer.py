@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 
 import wrapt
 
-from . import detect
+from . import detect, startup
 from .errors import IncompatibleEnvironment
 from .patches import REGISTRY, Patcher, PatchUnit
+# The run's variable: spawned vLLM workers inherit it; the `vllm.general_plugins` entry point re-applies install()
+# there (startup.py scopes it to the run's processes).
+from .startup import INSTALLED_ENV  # noqa: F401
 
 log = logging.getLogger("eagle_compat")
 
-# Spawned vLLM workers inherit this; the `vllm.general_plugins` entry point re-applies install() there.
-INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"
 SUPPORTED_SPECULATORS = ">=0.3.0,<0.4"
 
 # every vLLM name speculators 0.3.0's generator and worker extension import (present in 0.11.0-0.32.0)
@@ -145,9 +146,8 @@ def install(*, side: str = "driver") -> InstallReport:
             _state.status = {}
         _state.installed = True
         _state.side = side
-        os.environ[INSTALLED_ENV] = "1"
-        if side == "driver":
-            _ensure_startup_hook()
+        if side == "driver":  # the processes this one spawns: the start-up hook, for this run only
+            startup.begin_run()
         try:
             for unit in REGISTRY:
                 if unit.name not in _state.status:
@@ -156,16 +156,6 @@ def install(*, side: str = "driver") -> InstallReport:
             uninstall()
             raise
         return InstallReport(side, versions, list(_state.status.values()))
-
-
-def _ensure_startup_hook() -> None:
-    """Processes this one spawns re-import its __main__ script first; the start-up hook patches their imports of
-    speculators before that (eagle_compat.startup). Best effort here; `eagle-compat run` insists."""
-    from . import startup
-    try:
-        startup.ensure_pth()
-    except IncompatibleEnvironment as exc:
-        log.info("%s", exc)
 
 
 def activate_at_startup() -> None:
@@ -241,7 +231,7 @@ def uninstall() -> list[str]:
         _state.installed = False
         _state.started_up = False
         _state.generation += 1
-        os.environ.pop(INSTALLED_ENV, None)
+        startup.end_run()
         for p in problems:
             log.warning(p)
         return problems

@@ -35,13 +35,11 @@ def parse(argv: list[str]) -> tuple[str, str, list[str]]:
 
 
 def prepare(argv: list[str]) -> tuple[str, str, list[str]]:
-    """Everything that can refuse, before the script runs: the command line, the start-up hook, install()."""
+    """Everything that can refuse, before the script runs: the command line, install()."""
     kind, target, args = parse(argv)
-    from . import startup
     from .installer import install
 
-    startup.ensure_pth()
-    install()
+    install()  # also the start-up hook, for this run's spawned processes (startup.py)
     return kind, target, args
 
 

@@ -1,6 +1,6 @@
 """The `vllm.general_plugins` entry point. vLLM calls it in the driver and in every worker process it spawns,
 before the worker extension class is resolved. If install() ran in the parent (it sets EAGLE_COMPAT_INSTALLED,
-which the spawned worker inherits), the worker-side patches are applied here too. Otherwise it does nothing, so
+which a spawned worker of the run inherits; startup.py keeps it from other processes), the worker-side patches are applied here too. Otherwise it does nothing, so
 vLLM's own engines are never changed by merely having eagle_compat installed.
 """
 from __future__ import annotations
@@ -28,10 +28,11 @@ def quiet_worker_stdout() -> None:
 
 def register() -> None:
     from .remote_errors import record_worker_errors
-    from .installer import INSTALLED_ENV, install, is_installed
+    from .installer import install, is_installed
+    from .startup import run_active
 
     record_worker_errors()  # only if a driver of ours asked (environment variable)
     quiet_worker_stdout()
 
-    if os.environ.get(INSTALLED_ENV) == "1" and not is_installed():
+    if run_active() and not is_installed():
         install(side="worker")

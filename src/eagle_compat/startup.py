@@ -1,64 +1,142 @@
-"""The start-up hook: reaches every Python process of a run before it imports anything of the user's.
+"""The start-up hook: reaches the processes a run spawns before they import anything of the user's, and no others.
 
 Why: vLLM starts its workers with `spawn`, and a spawned child first re-imports its parent's `__main__` script
 (multiprocessing's `_fixup_main_from_path`). A script shaped like speculators' imports speculators at its top, and
 speculators 0.3.0 cannot be imported on transformers 5 unpatched, so the child dies before vLLM loads our worker
-plugin. A `.pth` file in site-packages runs in every interpreter at start-up (coverage.py measures subprocesses
-the same way); ours does nothing unless `EAGLE_COMPAT_INSTALLED=1`, which `install()` sets for the processes it
-spawns and `uninstall()` clears. Then it applies only the import-time patch units (`PatchUnit.at_startup`);
-`install()` and the worker plugin do the rest, as before.
+plugin.
 
-The file is written once, by `eagle-compat run` / `python -m eagle_compat` (and `eagle-compat doctor --fix`), into
-the site-packages of the running interpreter; it stays there, inert without the variable.
+How, leaving nothing behind (as `opentelemetry-instrument` does): `install()` makes a directory of its own holding a
+`sitecustomize.py` and puts it first on `PYTHONPATH` for the processes it starts; `uninstall()` (or the process's
+exit) removes both. Python imports `sitecustomize` at start-up, before `__main__`. Ours first runs any other
+`sitecustomize` it shadows, then:
+* in a multiprocessing child of the run (`--multiprocessing-fork` on its command line: vLLM's workers, the script's
+  re-import) it applies only the import-time patch units (`PatchUnit.at_startup`); `install()` and the worker plugin
+  do the rest, as before;
+* in any other process started from the run (pip, an evaluation script, a vLLM server of the user's) it removes the
+  run's variable and directory from that process's environment, so neither it nor its children are touched.
+Nothing is written into site-packages. Older releases wrote `eagle_compat_startup.pth` there; it is inert with the
+variable's values of today (it waits for "1"), and `eagle-compat doctor --fix` removes it.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
 import sysconfig
+import tempfile
 
-from .installer import INSTALLED_ENV
+INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"  # "run:<pid of the driver>": a run's processes; unset elsewhere
+SPAWNED_CHILD_FLAG = "--multiprocessing-fork"  # multiprocessing's spawn puts it on the child's command line
+LEGACY_PTH_NAME = "eagle_compat_startup.pth"
 
-PTH_NAME = "eagle_compat_startup.pth"
-# One line: site executes .pth lines that start with `import`. It must not fail where eagle_compat was removed.
-PTH_LINE = (f"import os, importlib.util; os.environ.get({INSTALLED_ENV!r}) == '1' and "
-            "importlib.util.find_spec('eagle_compat') is not None and "
-            "__import__('eagle_compat.startup').startup.process_startup()\n")
+SITECUSTOMIZE = '''"""eagle_compat's start-up hook for one run (eagle_compat/startup.py); removed when the run ends."""
+import os as _os
+import sys as _sys
+
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
 
 
-def process_startup() -> None:
-    """Called by the .pth line in every new interpreter where the run's variable is set."""
-    if os.environ.get(INSTALLED_ENV) != "1":
+def _chain():
+    """Run the sitecustomize this one shadows, if any."""
+    import importlib.machinery
+    import importlib.util
+    path = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+def _scope():
+    if not _os.environ.get({env!r}):
         return
-    from .installer import activate_at_startup
-    activate_at_startup()
+    if {flag!r} in _sys.argv:
+        try:
+            from eagle_compat.installer import activate_at_startup
+        except ImportError:  # eagle_compat is not importable by this interpreter: nothing to do
+            return
+        activate_at_startup()
+        return
+    _os.environ.pop({env!r}, None)  # not a process of the run: it and its children stay untouched
+    kept = [p for p in _os.environ.get("PYTHONPATH", "").split(_os.pathsep) if p and _os.path.abspath(p) != _HERE]
+    if kept:
+        _os.environ["PYTHONPATH"] = _os.pathsep.join(kept)
+    else:
+        _os.environ.pop("PYTHONPATH", None)
 
 
-def pth_path() -> str:
-    return os.path.join(sysconfig.get_paths()["purelib"], PTH_NAME)
+try:
+    _chain()
+finally:
+    _scope()
+'''.format(env=INSTALLED_ENV, flag=SPAWNED_CHILD_FLAG)
+
+_run_dir: str | None = None
+_saved_pythonpath: tuple[bool, str] | None = None  # (was set, value) before the run's directory went first
 
 
-def pth_installed() -> bool:
+def run_active() -> bool:
+    """Whether this process belongs to a run (install() in it or in its multiprocessing parent)."""
+    return bool(os.environ.get(INSTALLED_ENV))
+
+
+def write_hook(directory: str) -> str:
+    """Write the start-up hook (a sitecustomize.py) into `directory`; returns the directory."""
+    with open(os.path.join(directory, "sitecustomize.py"), "w") as f:
+        f.write(SITECUSTOMIZE)
+    return directory
+
+
+def begin_run() -> str:
+    """Make the run's start-up directory and put it first on PYTHONPATH, with the run's variable (idempotent).
+    Returns the directory."""
+    global _run_dir, _saved_pythonpath
+    if _run_dir is None or not os.path.isdir(_run_dir):
+        _run_dir = write_hook(tempfile.mkdtemp(prefix="eagle-compat-startup-"))
+        atexit.register(end_run)
+    if _saved_pythonpath is None:
+        _saved_pythonpath = ("PYTHONPATH" in os.environ, os.environ.get("PYTHONPATH", ""))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_run_dir, _saved_pythonpath[1]) if p)
+    os.environ.setdefault(INSTALLED_ENV, f"run:{os.getpid()}")
+    return _run_dir
+
+
+def end_run() -> None:
+    """Undo begin_run(): the variable, PYTHONPATH as it was, the directory."""
+    global _run_dir, _saved_pythonpath
+    os.environ.pop(INSTALLED_ENV, None)
+    if _saved_pythonpath is not None:
+        was_set, value = _saved_pythonpath
+        current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _run_dir]
+        if was_set or current:
+            os.environ["PYTHONPATH"] = os.pathsep.join(current) if current else value
+        else:
+            os.environ.pop("PYTHONPATH", None)
+        _saved_pythonpath = None
+    if _run_dir is not None:
+        shutil.rmtree(_run_dir, ignore_errors=True)
+        _run_dir = None
+
+
+def run_dir() -> str | None:
+    return _run_dir
+
+
+def legacy_pth_path() -> str:
+    return os.path.join(sysconfig.get_paths()["purelib"], LEGACY_PTH_NAME)
+
+
+def remove_legacy_pth() -> bool:
+    """Remove the `.pth` an older release wrote into site-packages. Returns whether one was there."""
     try:
-        with open(pth_path()) as f:
-            return f.read() == PTH_LINE
-    except OSError:
+        os.remove(legacy_pth_path())
+        return True
+    except FileNotFoundError:
         return False
 
 
-def ensure_pth() -> str:
-    """Write the start-up hook into this interpreter's site-packages (atomically; once). Returns its path."""
-    path = pth_path()
-    if pth_installed():
-        return path
-    from .errors import IncompatibleEnvironment
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(PTH_LINE)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise IncompatibleEnvironment(
-            f"cannot write the start-up hook {path} ({exc.strerror}): processes spawned by the run would import "
-            f"speculators unpatched. Make {os.path.dirname(path)} writable once, or create {path} holding this "
-            f"line:\n{PTH_LINE}") from exc
-    return path
+def describe() -> dict:
+    return {"run_dir": _run_dir, "active_in_this_process": run_active(),
+            "legacy_pth": legacy_pth_path() if os.path.exists(legacy_pth_path()) else None,
+            "spawned_child": SPAWNED_CHILD_FLAG in sys.argv}
