@@ -33,8 +33,9 @@ def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
     import render
     from cell import classify
     from matrix import CHECKS
-    from eagle_compat import tiny_models
-    assert {f for _, f in CHECKS} <= set(tiny_models.FAMILIES) | set(tiny_models.REAL_MODELS)
+    from eagle_compat import quantized_models, tiny_models
+    assert {f for _, f in CHECKS} <= (set(tiny_models.FAMILIES) | set(tiny_models.REAL_MODELS)
+                                      | set(quantized_models.QUANTIZED))
     for result in render.load():
         for key, cell in result["cells"].items():
             assert cell["status"] in ("pass", "fail", "unsupported"), key

@@ -118,8 +118,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
                          "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
         hook = report["startup_hook"]
-        _print_table([("path", hook["path"]), ("installed", "yes" if hook["installed"] else
-                       "no (eagle-compat run writes it; needed only for scripts run through it)")],
+        _print_table([("this run's directory", hook["run_dir"] or "none (install() makes one per run, removed at "
+                                                                     "its end; nothing in site-packages)"),
+                      ("active in this process", "yes" if hook["active_in_this_process"] else "no"),
+                      ("older release's .pth", hook["legacy_pth"] or "none")],
                      "Start-up hook for spawned processes")
         if "model" in report:
             _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")

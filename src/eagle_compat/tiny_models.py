@@ -84,9 +84,13 @@ def cache_dir() -> str:
     return os.environ.get("EAGLE_COMPAT_TINY_MODELS", os.path.expanduser("~/.cache/eagle-compat/tiny-models"))
 
 
-def _dtype_kwarg(dtype) -> dict:
+def _transformers_major() -> int:
     import transformers
-    return {"dtype": dtype} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dtype}
+    return int(transformers.__version__.split(".")[0])
+
+
+def _dtype_kwarg(dtype) -> dict:
+    return {"dtype": dtype} if _transformers_major() >= 5 else {"torch_dtype": dtype}
 
 
 def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> str:
@@ -270,8 +274,8 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     from transformers import AutoModelForCausalLM
 
     kwargs = _dtype_kwarg(getattr(torch, dtype))
-    if rounding is not None:  # experts as a loop of F.linear calls, which the rounding sees
-        kwargs["experts_implementation"] = "eager"
+    if rounding is not None and _transformers_major() >= 5:  # experts as a loop of F.linear calls (transformers 4
+        kwargs["experts_implementation"] = "eager"         # has no other), which the rounding sees
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device)
     model.eval()
     if device != "cpu":  # a true fp32 reference: no TF32 matmuls
