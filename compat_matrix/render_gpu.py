@@ -29,6 +29,11 @@ arithmetic + 2e-3. Quantized checkpoints (`*_fp8`, `*_w4a16`: `eagle_compat.quan
 formats DeepSeek-V3 and Kimi-K2.5 ship) are judged against HF on their dequantized weights; for W8A8 (FP8) HF's own
 forward rounds the quantized layers' inputs to fp8 as the engine does. The last column shows, where recorded, the
 deepest layer's median per-token error: the engine's, then HF's own.
+
+CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel needs what vLLM 0.20.0's needs (the
+pins measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata). 0.20.0 and
+0.20.2 ran; 0.21.0-0.26.0 each ask for other packages (new kernel packages, other FlashInfer, xgrammar, llguidance
+pins), listed per release in `compat_matrix/results/gpu/bundle-requirements.md`: not carried yet.
 """
 
 

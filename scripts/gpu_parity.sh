@@ -5,13 +5,13 @@
 #   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model)
 #   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
 # Results: $OUT/gpu_parity.jsonl, $OUT/preflight.jsonl (+ errors.log, gpu.txt, setup.log).
-# Needs .gpu/ (bash ../shared/tools/gpu_bundle.sh .gpu) and .gpu/extra/ with the wheels the image lacks: wrapt for
+# Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and .gpu/extra/ with the wheels the image lacks: wrapt for
 # eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate, pydantic-settings, python-dotenv,
 # typer-slim) for the shim cells.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ ! -f /tmp/site/vllm/__init__.py ]; then
-  bash .gpu/setup.sh > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+  bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
 fi
 # eagle_compat as an installed distribution, so vLLM's workers load its vllm.general_plugins entry point

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds a bundle that puts a CUDA vLLM release and the Python packages it needs onto the lent H200 machine (no
+# network there), in parts small enough to carry (64 MiB a call). Parameterized by release; the package pins are
+# the ones measured for vLLM 0.20.0 on that image (torch 2.11.0+cu130, transformers 5.17: shared/notes/
+# gpu-vllm-recipe.md). A release whose wheel asks for other requirements than 0.20.0's is refused, naming each
+# difference (measured from the wheel's own metadata): its pins must be measured before it can be carried.
+# usage: bash scripts/gpu_bundle.sh RELEASE OUTDIR      (OUTDIR ignored by git, e.g. .gpu)
+# Then, one call each, within 30 s of the previous call's end (the machine goes back when idle):
+#   run carry [OUTDIR/part00]: mkdir -p /tmp/g && cp OUTDIR/part00 /tmp/g/   ... the same for each part ...
+#   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/extra: CELLS=... bash scripts/gpu_parity.sh
+#   (gpu_parity.sh runs setup.sh once per machine; .gpu/extra holds wrapt and speculators 0.3.0's wheels)
+set -euo pipefail
+release=${1:?usage: gpu_bundle.sh RELEASE OUTDIR}
+out=${2:?usage: gpu_bundle.sh RELEASE OUTDIR}
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+# the requirements of the release the pins below were measured with, and the release asked for
+pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/ref.json" vllm==0.20.0
+pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/want.json" "vllm==$release"
+python3 - "$work/ref.json" "$work/want.json" "$release" <<'PY'
+import json, sys
+def requires(path):
+    meta = json.load(open(path))["install"][0]["metadata"]
+    return sorted(r for r in meta.get("requires_dist", []) if "extra ==" not in r)
+ref, want = requires(sys.argv[1]), requires(sys.argv[2])
+new, gone = sorted(set(want) - set(ref)), sorted(set(ref) - set(want))
+if new or gone:
+    print(f"vLLM {sys.argv[3]} needs other packages than the measured 0.20.0 bundle carries; not built:")
+    for r in new:
+        print(f"  + {r}")
+    for r in gone:
+        print(f"  - {r}")
+    sys.exit(3)
+PY
+pip download -q --no-deps $plat -d "$work/vllm" "vllm==$release"
+mkdir -p "$work/whl"
+for p in annotated_types==0.8.0 apache_tvm_ffi==0.1.9 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 \
+  cloudpickle==3.1.3 compressed_tensors==0.15.0.1 depyf==0.20.0 dill==0.4.1 diskcache==5.6.3 distro==1.9.0 \
+  fastapi==0.118.0 gguf==0.19.0 ijson==3.6.0 interegular==0.3.3 jiter==0.19.0 jsonschema==4.26.0 \
+  jsonschema_specifications==2025.9.1 lark==1.2.2 llguidance==1.3.0 lm_format_enforcer==0.11.3 mistral_common==1.13.1 \
+  msgspec==0.23.0 openai==2.8.0 openai_harmony==0.0.8 outlines_core==0.2.14 partial_json_parser==0.2.1.1.post7 \
+  prometheus_client==0.26.0 prometheus_fastapi_instrumentator==8.1.0 py_cpuinfo==9.0.0 pybase64==1.5.1 \
+  pydantic==2.14.4 pydantic_core==2.50.5 python_json_logger==4.2.0 pyzmq==27.3.0 referencing==0.37.0 \
+  rpds_py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1 starlette==0.48.0 typing_inspection==0.4.5 \
+  watchfiles==1.3.0 xgrammar==0.1.32; do
+  pip download -q --no-deps $plat -d "$work/whl" "$p"
+done
+# the wheel unpacked, without what Hopper does not use (FlashAttention-2 kernels, DeepGEMM JIT headers, web assets)
+mkdir -p "$work/site" && (cd "$work/site" && unzip -q "$work"/vllm/vllm-*.whl)
+rm -f "$work/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+rm -rf "$work/site/vllm/third_party/deep_gemm/include" "$work/site/vllm/entrypoints/serve/instrumentator/static"
+mkdir -p "$work/bundle" && tar -czf "$work/bundle/vllm.tgz" -C "$work/site" . && cp -r "$work/whl" "$work/bundle/whl"
+tar -cf "$work/bundle.tar" -C "$work/bundle" .
+rm -f "$out"/part*
+split -b 60000000 -d "$work/bundle.tar" "$out/part"
+md5sum "$work/bundle.tar" | cut -c1-32 > "$out/bundle.md5"
+echo "$release" > "$out/release.txt"
+cat > "$out/setup.sh" <<'SETUP'
+set -e
+here=$(cd "$(dirname "$0")" && pwd)
+cd /tmp/g && cat part* > bundle.tar
+echo "$(cat "$here/bundle.md5")  bundle.tar" | md5sum -c
+rm -rf b && mkdir -p b && tar -xf bundle.tar -C b
+mkdir -p /tmp/site && tar -xzf b/vllm.tgz -C /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site b/whl/*.whl
+echo SETUP_OK
+SETUP
+ls -la "$out"
