@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from eagle_compat import check, detect, quantized_models, tiny_models
+from eagle_compat import check, detect, quantized_models, rounding, tiny_models
 from eagle_compat.quantized_models import QUANTIZED
 
 ON_0_32 = pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
@@ -54,21 +54,21 @@ def test_fp8_blocks_cover_partial_blocks_with_one_scale_each():
 
 def test_activation_rounding_is_read_from_the_checkpoint_and_matches_fused_experts():
     engine_model, reference_model, _ = quantized_models.build("deepseek_v3_fp8")
-    rounding = quantized_models.activation_rounding(engine_model)
-    assert rounding.group == 128
-    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in rounding.weights
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in rounding.weights
-    assert not any("kv_b_proj" in w for w in rounding.weights)  # vLLM's MLA runs it in 16 bits
-    assert not any(w.endswith("mlp.gate.weight") for w in rounding.weights)  # the router is not quantized
+    found = rounding.activation_rounding(engine_model)
+    assert found.group == 128
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in found.weights
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in found.weights
+    assert not any("kv_b_proj" in w for w in found.weights)  # vLLM's MLA runs it in 16 bits
+    assert not any(w.endswith("mlp.gate.weight") for w in found.weights)  # the router is not quantized
     from transformers import AutoModelForCausalLM
     fused = int(__import__("transformers").__version__.split(".")[0]) >= 5  # transformers 5 fuses the experts
     model = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.bfloat16,
                                                  **({"experts_implementation": "eager"} if fused else {}))
-    addresses = quantized_models._quantized_addresses(model, rounding.weights)
+    addresses = rounding._quantized_addresses(model, found.weights)
     # 4 layers x 4 attention projections, 3 dense-MLP ones, 3 x 3 shared-expert ones, then 3 layers x 8 experts:
     # x 2 fused tensors (gate_up, down) in transformers 5, x 3 linear layers in transformers 4
     assert len(addresses) == 16 + 3 + 9 + 3 * 8 * (2 if fused else 3)
-    assert quantized_models.activation_rounding(quantized_models.build("kimi_k25_w4a16")[0]) is None  # W4A16
+    assert rounding.activation_rounding(quantized_models.build("kimi_k25_w4a16")[0]) is None  # W4A16
 
 
 def test_the_quantized_configs_are_where_the_real_checkpoints_keep_them():

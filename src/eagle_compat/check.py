@@ -168,12 +168,12 @@ def judge(results: list[dict], reference_model: str, sequences: list[list[int]],
     """`results` (an engine's, in `precision`) against HF on `reference_model`: fp32, and for a low-precision engine
     also HF's own forward in that precision on the same tokens. Where `engine_model` is a W8A8 checkpoint (its
     inputs rounded to fp8 at run time), HF's own forward rounds the same inputs the same way
-    (quantized_models.activation_rounding)."""
+    (rounding.activation_rounding)."""
     from . import tiny_models
     reference = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device)
     low = None
     if precision != "fp32":
-        from .quantized_models import activation_rounding
+        from .rounding import activation_rounding
         rounding = activation_rounding(engine_model) if engine_model else None
         low = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device,
                                        dtype=LOW_DTYPES[precision], rounding=rounding)

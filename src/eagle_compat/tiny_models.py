@@ -263,7 +263,7 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
                  device: str = "cpu", dtype: str = "float32", rounding: Any = None) -> list[list[Any]]:
     """Per sequence, per layer id: the residual stream leaving that layer, from HF transformers in `dtype` (float32:
     the reference; bfloat16: HF's own low-precision error on the same tokens, see check.py). `rounding`
-    (quantized_models.ActivationRounding): the quantized layers' inputs rounded to fp8 as a W8A8 engine does.
+    (rounding.ActivationRounding): the quantized layers' inputs rounded to fp8 as a W8A8 engine does.
 
     Layer i <= N-2 is `output_hidden_states[i+1]`; the last layer N-1 is the input of the final norm (HF's
     `hidden_states[N]` is after the norm), taken with a forward pre-hook on the norm.
@@ -287,7 +287,7 @@ def hf_reference(model_dir: str, sequences: list[list[int]], layer_ids: list[int
     handle = base.norm.register_forward_pre_hook(lambda mod, args: norm_input.append(args[0].detach().clone()))
     out = []
     if rounding is not None:
-        from .quantized_models import rounded_activations
+        from .rounding import rounded_activations
         rounded = rounded_activations(model, rounding)
     else:
         rounded = contextlib.nullcontext()
