@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from .errors import (CaptureInvariantError, EagleCompatError, IncompatibleEnvironment, InvalidInput, UnsupportedModel,  # noqa: F401
                      WorkerError)
+from ._version import __version__  # noqa: F401
 from .installer import install, is_installed, status, uninstall  # noqa: F401
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._version import __version__
 from ..errors import IncompatibleEnvironment
 
 # Bump when the driver/worker hand-over of captured states changes shape.
@@ -20,9 +21,7 @@ HANDSHAKE_METHOD = "eagle_compat_handshake"
 
 def worker_report(kind: str) -> dict:
     """What a worker answers: runs inside the worker process."""
-    from .. import __version__, installer
-    return {"pid": os.getpid(), "version": __version__, "contract": CAPTURE_CONTRACT, "capture": kind,
-            "installed": installer.is_installed()}
+    return {"pid": os.getpid(), "version": __version__, "contract": CAPTURE_CONTRACT, "capture": kind}
 
 
 def plugin_fix() -> str:
@@ -45,7 +44,6 @@ def require_plugin_allowed() -> None:
 
 def check_reports(replies: Any, expected_capture: str) -> list[dict]:
     """Every worker must answer with our version and contract, running `expected_capture`."""
-    from .. import __version__
     replies = replies if isinstance(replies, list) else [replies]
     bad = []
     for rank, reply in enumerate(replies):

@@ -153,27 +153,6 @@ def resolve_max_len(model: str, text_config: Any, requested: int | None) -> tupl
                    "model_limit_from": source or "the model's config names no position limit"}
 
 
-def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
-    import torch
-
-    ids, mask, hs = sample["input_ids"], sample["loss_mask"], sample["hidden_states"]
-    t = ids.shape[0]
-    problems = []
-    if ids.dtype != torch.long or ids.min() < 0 or (vocab_size and ids.max() >= vocab_size):
-        problems.append("token ids outside the vocabulary")
-    if mask.shape[0] != t or not bool(((mask == 0) | (mask == 1)).all()):
-        problems.append("loss mask is not 0/1 of the sequence length")
-    if len(hs) != layer_count:
-        problems.append(f"{len(hs)} hidden-state tensors for {layer_count} layers")
-    for k, h in enumerate(hs):
-        if h.shape[0] != t or (hidden_size and h.shape[-1] != hidden_size):
-            problems.append(f"hidden_states[{k}] has shape {tuple(h.shape)}, expected [{t}, {hidden_size}]")
-        if not bool(torch.isfinite(h).all()):
-            problems.append(f"hidden_states[{k}] has NaN or Inf")
-    if problems:
-        raise RuntimeError("validation failed: " + "; ".join(problems))
-
-
 def speculators_data_config(opts: ExtractOptions, layer_ids: list[int], hidden_size: int, num_samples: int,
                             versions: dict, max_len: int) -> dict:
     """data_config.json in the shape speculators 0.3.0's data-generation script writes it (version 2.0)."""
@@ -447,7 +426,7 @@ def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[i
         sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
                   "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
         if opts.validate:
-            validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+            writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         try:
             save_of(s, sample)
         except OSError as exc:

@@ -181,7 +181,6 @@ class ExtractActor:
         """Extract and write one batch: [(sample index, input ids, loss mask)]. Returns counts and timings."""
         import torch
 
-        from . import job
         started = time.time()
         if self.gen is None:
             self._start()
@@ -203,7 +202,7 @@ class ExtractActor:
             sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
                       "loss_mask": torch.as_tensor(mask, dtype=torch.long)}
             if spec.validate:
-                job.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
+                writer.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
             path = writer.sample_path(spec.out, index, spec.format)
             try:
                 writer.save_sample(spec.out, index, sample, spec.format, spec.layer_ids)  # temp file + rename

@@ -426,3 +426,25 @@ def settings_differences(old: dict, new: dict, same_sample_set: dict[str, bool] 
     old = {**{k: v for k, v in SETTINGS_ADDED.items() if k not in old}, **old}
     return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys
             if old.get(k) != new.get(k) and k not in skip]
+
+
+def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
+    """`--validate`: a sample's ids, mask and states have the shapes and values the settings promise."""
+    import torch
+
+    ids, mask, hs = sample["input_ids"], sample["loss_mask"], sample["hidden_states"]
+    t = ids.shape[0]
+    problems = []
+    if ids.dtype != torch.long or ids.min() < 0 or (vocab_size and ids.max() >= vocab_size):
+        problems.append("token ids outside the vocabulary")
+    if mask.shape[0] != t or not bool(((mask == 0) | (mask == 1)).all()):
+        problems.append("loss mask is not 0/1 of the sequence length")
+    if len(hs) != layer_count:
+        problems.append(f"{len(hs)} hidden-state tensors for {layer_count} layers")
+    for k, h in enumerate(hs):
+        if h.shape[0] != t or (hidden_size and h.shape[-1] != hidden_size):
+            problems.append(f"hidden_states[{k}] has shape {tuple(h.shape)}, expected [{t}, {hidden_size}]")
+        if not bool(torch.isfinite(h).all()):
+            problems.append(f"hidden_states[{k}] has NaN or Inf")
+    if problems:
+        raise RuntimeError("validation failed: " + "; ".join(problems))
