@@ -40,7 +40,8 @@ def relabel_wheel(wheel: str, version: str, dest: str) -> str:
     old_info, new_info = f"{name}-{old}.dist-info/", f"{name}-{version}.dist-info/"
     out = os.path.join(dest, f"{name}-{version}-{rest}")
     records = []
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+    # stored, not deflated: recompressing a few hundred MB costs CI time, and pip takes either
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for item in src.infolist():
             path = item.filename.replace(old_info, new_info, 1)
             if path == new_info + "RECORD":
