@@ -1,7 +1,8 @@
 """The `vllm.general_plugins` entry point. vLLM calls it in the driver and in every worker process it spawns,
 before the worker extension class is resolved. If install() ran in the parent (it sets EAGLE_COMPAT_INSTALLED,
-which a spawned worker of the run inherits; startup.py keeps it from other processes), the worker-side patches are applied here too. Otherwise it does nothing, so
-vLLM's own engines are never changed by merely having eagle_compat installed.
+which a spawned worker of the run inherits; startup.py keeps it from other processes), the worker-side patches are
+applied here too. Otherwise it does nothing, so vLLM's own engines are never changed by merely having eagle_compat
+installed.
 """
 from __future__ import annotations
 
