@@ -563,3 +563,22 @@ def test_doctor_names_what_is_changed_on_any_release_from_the_contracts_alone(ca
     assert "patch unit two_phase_step" in new and "patch unit two_phase_step" not in old  # 0.11.1+
     assert cli.main(["doctor", "--release", "banana"]) == 2
     assert "is not a version" in capsys.readouterr().err
+
+
+def test_units_named_in_eagle_compat_disable_are_left_off_and_a_wrong_name_is_refused(monkeypatch):
+    """EAGLE_COMPAT_DISABLE=unit,... (issue 23): a unit's name, or its base name for all its sides, stays off; an
+    unknown name is refused before anything is patched, naming it and the units there are."""
+    from eagle_compat.errors import InvalidInput
+    monkeypatch.setenv(installer.DISABLE_ENV, "quiet_shutdown, worker_error_messages")
+    eagle_compat.install()
+    try:
+        states = {s.name: s.state for s in eagle_compat.status()}
+        off = {name for name, state in states.items() if state == f"disabled ({installer.DISABLE_ENV})"}
+        assert off == {"quiet_shutdown", "worker_error_messages[worker]", "worker_error_messages[generator]"}
+        assert "quiet_shutdown" not in {unit.name for unit, _ in installer._state.applied}
+    finally:
+        eagle_compat.uninstall()
+    monkeypatch.setenv(installer.DISABLE_ENV, "quiet_shutdown,no_such_unit")
+    with pytest.raises(InvalidInput, match=r"no patch unit no_such_unit; allowed: .*quiet_shutdown"):
+        eagle_compat.install()
+    assert not eagle_compat.is_installed() and installer.INSTALLED_ENV not in os.environ

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
 import wrapt
 
 from . import detect, startup
-from .errors import IncompatibleEnvironment
+from .errors import IncompatibleEnvironment, InvalidInput
 from .patches import REGISTRY, Patcher, PatchUnit
 # The run's variable: spawned vLLM workers inherit it; the `vllm.general_plugins` entry point re-applies install()
 # there (startup.py scopes it to the run's processes).
@@ -17,6 +18,9 @@ from .startup import INSTALLED_ENV  # noqa: F401
 log = logging.getLogger("eagle_compat")
 
 SUPPORTED_SPECULATORS = ">=0.3.0,<0.4"
+# Patch units to leave off, comma-separated (a unit's name, or its base name for every side of it), as dd-trace's
+# DD_TRACE_<X>_ENABLED and OpenTelemetry's OTEL_PYTHON_DISABLED_INSTRUMENTATIONS: for someone debugging a release.
+DISABLE_ENV = "EAGLE_COMPAT_DISABLE"
 
 # every vLLM name speculators 0.3.0's generator and worker extension import (present in 0.11.0-0.32.0)
 SPECULATORS_VLLM_IMPORTS = (
@@ -132,6 +136,21 @@ def check_environment() -> None:
             + ", ".join(missing))
 
 
+def disabled_units(strict: bool = True) -> set[str]:
+    """The units EAGLE_COMPAT_DISABLE names; an unknown name is refused (strict) or ignored (start-up hooks)."""
+    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    known = {u.name for u in REGISTRY} | {u.name.split("[")[0] for u in REGISTRY}
+    unknown = sorted(names - known)
+    if unknown and strict:
+        raise InvalidInput(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: no patch unit {', '.join(unknown)}; "
+                           f"allowed: {', '.join(sorted(known))}")
+    return names & known
+
+
+def _is_disabled(unit: PatchUnit, disabled: set[str]) -> bool:
+    return unit.name in disabled or unit.name.split("[")[0] in disabled
+
+
 def install(*, side: str = "driver") -> InstallReport:
     """Patch exactly what breaks speculators 0.3.0 on the installed vLLM. A second call does nothing."""
     with _state.lock:
@@ -140,6 +159,7 @@ def install(*, side: str = "driver") -> InstallReport:
             log.info("eagle_compat is already installed; nothing to do")
             return InstallReport(side, versions, list(_state.status.values()), already_installed=True)
         check_environment()
+        disabled = disabled_units()
         if not _state.started_up:  # else keep the start-up hooks' generation: they are this install's too
             _state.generation += 1
             _state.status = {}
@@ -150,7 +170,7 @@ def install(*, side: str = "driver") -> InstallReport:
         try:
             for unit in REGISTRY:
                 if unit.name not in _state.status:
-                    _register(unit, side)
+                    _register(unit, side, disabled)
         except Exception:
             uninstall()
             raise
@@ -168,15 +188,18 @@ def activate_at_startup() -> None:
         _state.started_up = True
         _state.generation += 1
         _state.status = {}
+        disabled = disabled_units(strict=False)
         for unit in REGISTRY:
             if unit.at_startup:
-                _register(unit, "startup")
+                _register(unit, "startup", disabled)
 
 
-def _register(unit: PatchUnit, side: str) -> None:
+def _register(unit: PatchUnit, side: str, disabled: set[str]) -> None:
     status = UnitStatus(unit.name, "", unit.broke, unit.affects, unit.target)
     _state.status[unit.name] = status
-    if side != "startup" and side not in unit.sides:
+    if _is_disabled(unit, disabled):
+        status.state = f"disabled ({DISABLE_ENV})"
+    elif side != "startup" and side not in unit.sides:
         status.state = "not for this side"
     elif unit.target is None:
         _apply(unit, None, status)
