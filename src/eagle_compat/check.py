@@ -207,13 +207,13 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
         prompts = prompts or real_prompts(model)
     if model is None and family in QUANTIZED:  # a quantized checkpoint; the reference: its dequantized weights
         model, reference_model, num_layers = quantized_models.build(family)
-        trust_remote_code = trust_remote_code or QUANTIZED[family].base.startswith("kimi_k25")
+        trust_remote_code = trust_remote_code or tiny_models.needs_remote_code(family)
     elif model is None:
         if family not in tiny_models.FAMILIES:
             raise InvalidInput(f"family {family!r}; allowed: "
                                f"{', '.join(tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS) + tuple(QUANTIZED))}")
         model, reference_model, num_layers = tiny_models.build_family(family)
-        trust_remote_code = trust_remote_code or family == "kimi_k25"
+        trust_remote_code = trust_remote_code or tiny_models.needs_remote_code(family)
     else:
         from .generator import model_text_config
         num_layers = int(model_text_config(model, trust_remote_code).num_hidden_layers)

@@ -22,9 +22,10 @@ import math
 import os
 import re
 import shutil
+
 # The quantized tiny models are rows of the family table (capture/families.py: QUANTIZED), read here.
 from .capture.families import QUANTIZED, QuantizedTiny
-from .rounding import FP8_MAX, _drop_wrapper, _read_json
+from .rounding import FP8_MAX, drop_wrapper_prefix, read_json
 
 BLOCK = 128  # DeepSeek-V3's weight blocks and activation groups
 W4_GROUP = 32
@@ -142,7 +143,7 @@ def build(name: str) -> tuple[str, str, int]:
             parts, deq = _QUANTIZERS[q.scheme](value)
             module = key[: -len(".weight")]
             quantized.update({f"{module}.{suffix}": t for suffix, t in parts.items()})
-            dequantized[_drop_wrapper(key)] = deq
+            dequantized[drop_wrapper_prefix(key)] = deq
         else:
             quantized[key] = value.to(torch.bfloat16) if value.is_floating_point() and value.dim() >= 2 else value
     if not dequantized:
@@ -160,7 +161,7 @@ def build(name: str) -> tuple[str, str, int]:
     reference.update(dequantized)
     save_file(reference, os.path.join(ref_out, "model.safetensors"), metadata={"format": "pt"})
     config_path = os.path.join(out, "config.json")
-    config = _read_json(config_path)
+    config = read_json(config_path)
     # where the real checkpoints keep it: Kimi-K2.5 in its text_config, the others at the top
     (config.get("text_config") or config)["quantization_config"] = quantization_config(q)
     for holder in (config, config.get("text_config") or {}):  # the checkpoint's dtype: bf16, as quantized ones ship

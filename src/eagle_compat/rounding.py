@@ -89,7 +89,7 @@ def _quantized_addresses(model, weights: frozenset) -> set[int]:
 def activation_rounding(model_dir: str) -> ActivationRounding | None:
     """The run-time input rounding a checkpoint's `quantization_config` asks for (None: inputs stay in the engine's
     dtype), with the names of its quantized weights. Read from the checkpoint, so it serves any checkpoint."""
-    config = _read_json(os.path.join(model_dir, "config.json"))
+    config = read_json(os.path.join(model_dir, "config.json"))
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not quant:
         return None
@@ -109,13 +109,13 @@ def activation_rounding(model_dir: str) -> ActivationRounding | None:
         with safe_open(file, "pt") as f:
             for key in f.keys():
                 if key.endswith((".weight_scale_inv", ".weight_scale")):
-                    weight = _drop_wrapper(key.rsplit(".", 1)[0] + ".weight")
+                    weight = drop_wrapper_prefix(key.rsplit(".", 1)[0] + ".weight")
                     if not re.search(UNROUNDED_INPUTS, weight):
                         weights.add(weight)
     return ActivationRounding(group, frozenset(weights))
 
 
-def _drop_wrapper(name: str) -> str:
+def drop_wrapper_prefix(name: str) -> str:
     return name[len("language_model."):] if name.startswith("language_model.") else name
 
 
@@ -123,7 +123,7 @@ def _weight_files(model_dir: str) -> list[str]:
     return sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
 

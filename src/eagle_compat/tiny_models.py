@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .capture.families import FAMILIES as _FAMILY_TABLE
-from .capture.families import REAL_MODELS, TINY, VOCAB_SIZE, Tiny
+from .capture.families import QUANTIZED, REAL_MODELS, TINY, VOCAB_SIZE, Tiny
 
 BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
@@ -243,6 +243,13 @@ FAMILIES = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.matrix)
 
 # wrapper checkpoints around another tiny model's weights, by architecture
 _WRAPPERS = {"KimiK25ForConditionalGeneration": build_tiny_kimi_k25}
+
+
+def needs_remote_code(name: str) -> bool:
+    """Whether a tiny (or quantized) model's checkpoint loads through remote code: the wrappers do (Kimi-K2.5's
+    config class comes with the checkpoint, as in the real repository)."""
+    base = QUANTIZED[name].base if name in QUANTIZED else name
+    return bool(_tiny(base).wraps)
 
 
 def num_layers(family: str) -> int:
