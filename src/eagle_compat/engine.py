@@ -123,7 +123,7 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
                       trust_remote_code: bool = False, max_num_seqs: int = MAX_NUM_SEQS,
                       max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
                       tokenizer: str | None = None, seed: int | None = None, load_format: str = "auto",
-                      show_load_progress: bool = True):
+                      show_load_progress: bool = True, in_process: bool = False):
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -139,7 +139,8 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
              max_num_batched_tokens=max_num_batched_tokens or max(MIN_MAX_BATCHED_TOKENS, max_model_len)),
         is_encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False))))
     parallel_config = build(ParallelConfig, tensor_parallel_size=tensor_parallel_size,
-                            worker_extension_cls=worker_extension_cls)
+                            worker_extension_cls=worker_extension_cls,
+                            **({"distributed_executor_backend": "uni"} if in_process else {}))
     return VllmConfig(model_config=model_config, cache_config=cache_config, parallel_config=parallel_config,
                       scheduler_config=scheduler_config, device_config=DeviceConfig(),
                       load_config=build(LoadConfig, load_format=load_format, use_tqdm_on_load=show_load_progress))
@@ -150,6 +151,17 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
 
 _executors_by_config: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _local = threading.local()
+
+
+def executor_class(in_process: bool) -> Any:
+    """The executor the generator drives: vLLM's multiprocess executor (a spawned worker per rank, calls queued), or,
+    `in_process`, its one-rank executor, whose worker lives in this process: no process to spawn, no second import
+    of vLLM (most of a short run's start-up on the H200), calls answered as they are made."""
+    if in_process:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+        return UniProcExecutor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor
 
 
 def remember_executor(executor: Any) -> None:

@@ -161,13 +161,17 @@ class VllmHiddenStatesGenerator:
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
-                 load_format: str = "auto", shm_limit_bytes: int | None = None, show_load_progress: bool = True):
+                 load_format: str = "auto", shm_limit_bytes: int | None = None, show_load_progress: bool = True,
+                 in_process: bool = False):
         refuse_inside_a_spawned_import()
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise InvalidInput(f"tensor_parallel_size={tensor_parallel_size!r}; must be an int >= 1")
+        if in_process and tensor_parallel_size != 1:
+            raise InvalidInput(f"in_process=True runs one worker in this process; tensor_parallel_size="
+                               f"{tensor_parallel_size} needs one process per rank: leave in_process off")
         if not 0.0 < float(gpu_memory_utilization) <= 1.0:
             raise InvalidInput(f"gpu_memory_utilization={gpu_memory_utilization!r}; must be in (0, 1]")
         if not os.path.exists(model_path) and "/" not in model_path:
@@ -177,6 +181,7 @@ class VllmHiddenStatesGenerator:
         self.max_model_len = max_model_len
         self._request_counter = 0
         self.executor = None
+        self.worker_pids: list[int] = []  # each rank's process (this one's pid where in_process)
         self._ring = None
         self._busy = threading.Lock()  # one batch at a time reaches the engine
         self._sent: collections.deque[tuple[str, Future]] = collections.deque()  # (method, reply) maybe unread
@@ -202,15 +207,16 @@ class VllmHiddenStatesGenerator:
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                load_format=load_format, show_load_progress=show_load_progress)
-            from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+                load_format=load_format, show_load_progress=show_load_progress, in_process=in_process)
+            executor_cls = engine.executor_class(in_process)
 
             self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
             with self._worker_errors.spawning():
-                self.executor = MultiprocExecutor(vllm_config=self.vllm_config)
+                self.executor = executor_cls(vllm_config=self.vllm_config)
             engine.remember_executor(self.executor)
-            handshake.require_patched_workers(self._translated(self.executor.collective_rpc, "collective_rpc"),
-                                              "generator")
+            replies = handshake.require_patched_workers(
+                self._translated(self.executor.collective_rpc, "collective_rpc"), "generator")
+            self.worker_pids = [r.get("pid") for r in replies]
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
             self._ring = HostRing(self._rpc0, limit_bytes=shm_limit_bytes)
             budget = self._translated(engine.kv_budget, "determine_available_memory")(

@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Any
 
+from . import detect
 from .errors import InvalidInput
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
@@ -24,6 +25,10 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 # where multimodal wrappers keep their language model's config (Kimi-K2.5: text_config)
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 PROMPT_TOKENS = 16
+# The preflight engine's limits: one short prompt. The real run's defaults (8192 batched tokens, 32 sequences) size
+# the memory profile and the warm-up runs, which took most of a CPU preflight's engine time (measured: 11 s of 24).
+PREFLIGHT_MAX_MODEL_LEN = 256
+PREFLIGHT_MAX_SEQS = 1
 
 
 # config keys that make every k-th layer another kind (the first of each kind must be kept): Gemma-3's global
@@ -96,23 +101,36 @@ def config_only_copy(model: str, dest: str, keep: int | None = None) -> dict:
 
 
 def run(model: str, *, trust_remote_code: bool = False, dtype: str = "auto", gpu_memory_utilization: float = 0.3,
-        keep: int | None = None, tensor_parallel_size: int = 1) -> dict:
+        keep: int | None = None, tensor_parallel_size: int = 1, in_process: bool | None = None) -> dict:
     """The preflight of one checkpoint: the decoder contract resolved on the cut copy and one short capture.
-    Returns a record with "ok"; an engine or capture failure is its "error" (type and message)."""
+    Returns a record with "ok"; an engine or capture failure is its "error" (type and message).
+
+    With one rank the worker runs in this process (`in_process`, default for tensor_parallel_size 1): a spawned
+    worker imports vLLM a second time, which was most of a preflight's time on the H200. The model code, its
+    quantization kernels and the capture are the same either way; tensor parallel keeps one process per rank, and
+    so does a CPU vLLM whose starting worker scans every module the driver loaded (detect.py:
+    cpu_worker_scans_loaded_modules)."""
     import torch
 
     from .generator import VllmHiddenStatesGenerator
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="eagle-compat-preflight-") as tmp:
+        if in_process is None:
+            in_process = tensor_parallel_size == 1 and not detect.feature("cpu_worker_scans_loaded_modules")
         record: dict[str, Any] = {"model": os.path.abspath(model), **config_only_copy(model, tmp, keep),
-                                  "dtype": dtype, "tensor_parallel_size": tensor_parallel_size}
+                                  "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+                                  "worker": "in-process" if in_process else "spawned"}
         try:
-            with VllmHiddenStatesGenerator(tmp, layer_ids=list(range(record["kept_layers"])), max_model_len=256,
+            with VllmHiddenStatesGenerator(tmp, layer_ids=list(range(record["kept_layers"])),
+                                           max_model_len=PREFLIGHT_MAX_MODEL_LEN,
+                                           max_num_batched_tokens=PREFLIGHT_MAX_MODEL_LEN,
+                                           max_num_seqs=PREFLIGHT_MAX_SEQS,
                                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                            trust_remote_code=trust_remote_code, load_format="dummy",
-                                           tensor_parallel_size=tensor_parallel_size,
+                                           tensor_parallel_size=tensor_parallel_size, in_process=in_process,
                                            show_load_progress=False) as gen:
                 record["engine_seconds"] = round(time.time() - started, 1)
+                record["pids"] = {"driver": os.getpid(), "workers": gen.worker_pids}
                 record["contract"] = gen.describe()
                 vocab = max(8, min(int(gen.vocab_size or 512), 512))
                 result = gen.generate([list(range(7, 7 + PROMPT_TOKENS)) if vocab > 7 + PROMPT_TOKENS
