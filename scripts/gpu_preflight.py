@@ -1,5 +1,6 @@
 """Time `--preflight` (issue 26, item 4) on checkpoints of real size, config only (no weights exist here), and on the
-tiny quantized checkpoints. One JSON line per checkpoint to OUT/preflight.jsonl.
+tiny quantized checkpoints, each as a fresh command timed from outside (what a user waits for), with the default
+in-process worker and, for the ratio in the same run, a spawned one. One JSON line per run to OUT/preflight.jsonl.
 
   python scripts/gpu_preflight.py [--device cuda|cpu] [--only NAME,...]
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -75,11 +77,39 @@ def kimi_k25(dest: str) -> str:
     return dest
 
 
+def timed_command(path: str, name: str, worker: str, trust_remote_code: bool) -> dict:
+    """One preflight as a fresh command, timed from outside (Python start, every import, the engine, the exit)."""
+    if worker == "default":
+        cmd = [sys.executable, "-m", "eagle_compat.cli", "check", "--model", path, "--preflight", "--json",
+               *(["--trust-remote-code"] if trust_remote_code else [])]
+    else:
+        cmd = [sys.executable, "-c", "import json, sys; from eagle_compat import cli, preflight; "
+               f"r = preflight.run({path!r}, trust_remote_code={trust_remote_code}, in_process=False, "
+               "gpu_memory_utilization=cli._default_gmu()); print(json.dumps(r, default=str))"]
+    env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    seconds = round(time.time() - started, 1)
+    text = "\n" + proc.stdout
+    start = max(text.rfind("\n{\n"), text.rfind("\n{\""))
+    try:
+        record = json.loads(text[start:]) if start >= 0 else {}
+    except json.JSONDecodeError:
+        record = {}
+    if not record:
+        record = {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return {**record, "command": " ".join(cmd[1:4]) + " ...", "returncode": proc.returncode,
+            "command_seconds": seconds}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--workers", default="default,spawned",
+                    help="default: the user's command, `eagle-compat check --model PATH --preflight` (one rank: the "
+                         "worker in its process); spawned: the same preflight with a spawned worker, for the ratio")
     args = ap.parse_args()
     from eagle_compat import preflight, quantized_models
     work = os.path.join(os.environ.get("EAGLE_COMPAT_TINY_MODELS", "/tmp/tiny"), "config-only")
@@ -89,16 +119,15 @@ def main() -> int:
     cases.update({name: (lambda n=name: quantized_models.build(n)[0]) for name in quantized_models.QUANTIZED})
     wanted = [c for c in (args.only.split(",") if args.only else cases) if c]
     os.makedirs(args.out, exist_ok=True)
-    gmu = 0.85 if args.device == "cuda" else 0.3
     for name in wanted:
         path = cases[name]()
-        started = time.time()
-        record = preflight.run(path, trust_remote_code="kimi" in name, gpu_memory_utilization=gmu)
-        record.update(case=name, device=args.device, wall_seconds=round(time.time() - started, 1))
-        with open(os.path.join(args.out, "preflight.jsonl"), "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-        print(f"{name}: ok={record.get('ok')} {record['seconds']} s "
-              f"{(record.get('error') or '')[:300]}", flush=True)
+        for worker in args.workers.split(","):
+            record = timed_command(path, name, worker, trust_remote_code="kimi" in name)
+            record.update(case=name, device=args.device)
+            with open(os.path.join(args.out, "preflight.jsonl"), "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+            print(f"{name}: ok={record.get('ok')} worker={record.get('worker')} command {record['command_seconds']} s "
+                  f"(inside {record.get('seconds')} s) {(record.get('error') or '')[:300]}", flush=True)
     return 0
 
 

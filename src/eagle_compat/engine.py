@@ -246,8 +246,12 @@ def warm_up_if_separate(executor: Any) -> None:
         executor.compile_or_warm_up_model()
 
 
-def kv_budget(executor: Any, gpu_memory_utilization: float, fraction: float = 0.2) -> int:
-    """speculators' KV budget (a fraction of free GPU memory after load); on CPU, what the CPU worker reserved."""
+def kv_budget(executor: Any, gpu_memory_utilization: float, fraction: float = 0.2,
+              explicit_bytes: int | None = None) -> int:
+    """speculators' KV budget (a fraction of free GPU memory after load); on CPU, what the CPU worker reserved; the
+    caller's `kv_cache_memory_bytes` where given (before, a GPU engine ignored it)."""
+    if explicit_bytes is not None:
+        return int(explicit_bytes)
     if detect.feature("cuda_available"):
         import torch
         free, _ = torch.cuda.mem_get_info()

@@ -174,6 +174,9 @@ class VllmHiddenStatesGenerator:
                                f"{tensor_parallel_size} needs one process per rank: leave in_process off")
         if not 0.0 < float(gpu_memory_utilization) <= 1.0:
             raise InvalidInput(f"gpu_memory_utilization={gpu_memory_utilization!r}; must be in (0, 1]")
+        if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool) or not isinstance(
+                kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
+            raise InvalidInput(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r}; must be a positive int (bytes)")
         if not os.path.exists(model_path) and "/" not in model_path:
             raise InvalidInput(f"model_path {model_path!r} is neither a local directory nor a hub id")
         self.model_path = model_path
@@ -220,7 +223,7 @@ class VllmHiddenStatesGenerator:
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
             self._ring = HostRing(self._rpc0, limit_bytes=shm_limit_bytes)
             budget = self._translated(engine.kv_budget, "determine_available_memory")(
-                self.executor, gpu_memory_utilization)
+                self.executor, gpu_memory_utilization, explicit_bytes=kv_cache_memory_bytes)
             kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
             self.scheduler = engine.build_scheduler(self.vllm_config, kv_cache_config)
             self._translated(engine.initialize_workers, "initialize_from_config")(

@@ -29,6 +29,9 @@ PROMPT_TOKENS = 16
 # the memory profile and the warm-up runs, which took most of a CPU preflight's engine time (measured: 11 s of 24).
 PREFLIGHT_MAX_MODEL_LEN = 256
 PREFLIGHT_MAX_SEQS = 1
+# KV cache for that prompt, with room to spare (DeepSeek-V3's 4 kept layers without MLA: ~80 MB). Without it a CPU
+# worker reserves a share of the node's memory after load and refused an 8B-shaped config on a 24 GiB machine.
+PREFLIGHT_KV_BYTES = 1 << 30
 
 
 # config keys that make every k-th layer another kind (the first of each kind must be kept): Gemma-3's global
@@ -125,6 +128,7 @@ def run(model: str, *, trust_remote_code: bool = False, dtype: str = "auto", gpu
                                            max_model_len=PREFLIGHT_MAX_MODEL_LEN,
                                            max_num_batched_tokens=PREFLIGHT_MAX_MODEL_LEN,
                                            max_num_seqs=PREFLIGHT_MAX_SEQS,
+                                           kv_cache_memory_bytes=PREFLIGHT_KV_BYTES,
                                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                            trust_remote_code=trust_remote_code, load_format="dummy",
                                            tensor_parallel_size=tensor_parallel_size, in_process=in_process,
