@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", default="default,spawned",
                     help="default: the user's command, `eagle-compat check --model PATH --preflight` (one rank: the "
                          "worker in its process); spawned: the same preflight with a spawned worker, for the ratio")
@@ -121,9 +122,10 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     for name in wanted:
         path = cases[name]()
-        for worker in args.workers.split(","):
+        for round_ in range(1, args.rounds + 1):  # round 1 meets a fresh machine's empty kernel caches
+          for worker in args.workers.split(","):
             record = timed_command(path, name, worker, trust_remote_code="kimi" in name)
-            record.update(case=name, device=args.device)
+            record.update(case=name, device=args.device, round=round_)
             with open(os.path.join(args.out, "preflight.jsonl"), "a") as f:
                 f.write(json.dumps(record, default=str) + "\n")
             print(f"{name}: ok={record.get('ok')} worker={record.get('worker')} command {record['command_seconds']} s "
