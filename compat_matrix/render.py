@@ -122,7 +122,68 @@ def render(results: list[dict]) -> str:
                 for r in results if r.get("versions")]
     if versions:
         lines += ["", "Package versions per run:", ""] + versions
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + gpu_table()) + "\n"
+
+
+GPU_RESULTS = os.path.join(HERE, "results", "gpu")
+
+
+def _release_key(release: str) -> tuple:
+    return tuple(int(x) for x in release.split(".") if x.isdigit())
+
+
+def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
+    """The GPU columns: every CUDA release's cells on the lent H200 (`results/gpu/*.jsonl`), and for a release that
+    has none, why, from the measured carry probe (`results/gpu/carry-probe.jsonl`)."""
+    cells: dict[str, dict[str, list[dict]]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
+        if os.path.basename(path).startswith("carry-probe"):
+            continue
+        with open(path) as f:
+            for line in filter(str.strip, f):
+                cell = json.loads(line)
+                column = f"{cell['check']}/{cell['family']}"
+                cells.setdefault(cell["versions"]["vllm"], {}).setdefault(column, []).append(cell)
+    probes = {}
+    probe_path = os.path.join(directory, "carry-probe.jsonl")
+    if os.path.exists(probe_path):
+        with open(probe_path) as f:
+            probes = {p["release"]: p for p in map(json.loads, filter(str.strip, f))}
+    cols = sorted({c for r in cells.values() for c in r}, key=lambda c: (c.split("/")[0] != "generator", c))
+    lines = ["", "## GPU (NVIDIA H200, CUDA vLLM)", "",
+             "From `compat_matrix/results/gpu/` (runs of `scripts/gpu_parity.sh` on the lent H200; every run's "
+             "machine and errors per layer: docs/gpu-parity.md). Engine bf16 against HF fp32 on the same GPU; pass = "
+             "the criterion the cell ran with (docs/gpu-parity.md). `batch_order` = each prompt's states equal "
+             "alone and batched, pipelined and not, on vLLM's V2 model runner. A release with no cell says why: "
+             "what `scripts/gpu_requirements_probe.py` measured of carrying it (its wheel and every requirement "
+             "it adds over 0.20.0's, or its torch's, asked of this machine's package registry; the lent machine has "
+             "none; `results/gpu/carry-probe.md`).", "",
+             "| vLLM | status | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for release in sorted(set(cells) | set(probes), key=_release_key):
+        row = cells.get(release, {})
+        if row:
+            status = "ran"
+        else:
+            p = probes[release]
+            if not p.get("wheel_served", True):
+                status = "not run: no CUDA wheel for CPython 3.12 served"
+            elif p["not_served"]:
+                status = (f"not run: not served here: {', '.join(p['not_served'])} (else {p['carry_mb']} MB to carry, "
+                          f"{p['carry_calls']} calls; {p['torch']})")
+            else:
+                status = (f"not run yet: every requirement served ({p['carry_mb']} MB to carry, {p['carry_calls']} "
+                          f"calls; {p['torch']})")
+        lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
+    return lines
+
+
+def _gpu_cell(runs: list[dict] | None) -> str:
+    if not runs:
+        return "not run"
+    if any(r.get("status") != "pass" for r in runs):
+        return "FAIL"
+    worst = [e["max_rel_to_layer_max"] for r in runs for e in (r.get("errors") or {}).values()]
+    return f"pass (rel {max(worst):.0e})" if worst else "pass"
 
 
 def summary(releases: list[str] | None = None, directory: str = os.path.join(HERE, "results")) -> str:

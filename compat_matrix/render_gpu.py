@@ -32,14 +32,19 @@ deepest layer's median per-token error: the engine's, then HF's own.
 
 CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel needs what vLLM 0.20.0's needs (the
 pins measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata). 0.20.0 and
-0.20.2 ran; 0.21.0-0.26.0 each ask for other packages (new kernel packages, other FlashInfer, xgrammar, llguidance
-pins), listed per release in `compat_matrix/results/gpu/bundle-requirements.md`: not carried yet.
+0.20.2 ran. Whether the others can be carried was measured against this machine's package registry
+(`scripts/gpu_requirements_probe.py`, `compat_matrix/results/gpu/carry-probe.md`, session 8): 0.21.0's added
+requirements are all served (257 MB to carry); every release from 0.22.1 pins llguidance 1.7, which is not served;
+0.27-0.28 pin torch 2.13.0 and 0.33-0.34 torch 2.14.0, whose CUDA wheels pin nvidia-nccl-cu13 2.29.7 / 2.30.7, not
+served either (1.8 GB to carry otherwise). The GPU table of docs/compatibility.md shows each release's status.
 """
 
 
 def load() -> list[tuple[str, list[dict], str]]:
     out = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.jsonl"))):
+        if os.path.basename(path).startswith("carry-probe"):  # what carrying a release needs, not cells
+            continue
         with open(path) as f:
             cells = [json.loads(line) for line in f if line.strip()]
         machine = path[: -len(".jsonl")] + ".machine.txt"

@@ -29,6 +29,26 @@ def test_gpu_parity_page_is_generated_from_results(matrix_code):
         "run python compat_matrix/render_gpu.py"
 
 
+def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code, tmp_path):
+    import json
+
+    import render
+    cell = {"check": "generator", "family": "llama", "status": "pass", "versions": {"vllm": "0.20.0"},
+            "errors": {"0": {"max_rel_to_layer_max": 0.012}, "3": {"max_rel_to_layer_max": 0.03}}}
+    failed = {**cell, "family": "qwen3_moe", "status": "fail", "errors": {}}
+    (tmp_path / "h200-vllm-0.20.0.jsonl").write_text(json.dumps(cell) + "\n" + json.dumps(failed) + "\n")
+    probes = [{"release": "0.21.0", "wheel_served": True, "torch": "torch==2.11.0", "not_served": [], "carry_mb": 257,
+               "carry_calls": 5},
+              {"release": "0.27.1", "wheel_served": True, "torch": "torch==2.13.0",
+               "not_served": ["nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812, "carry_calls": 32}]
+    (tmp_path / "carry-probe.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
+    rows = {line.split(" | ")[0][2:]: line for line in render.gpu_table(str(tmp_path)) if line.startswith("| 0.")}
+    assert list(rows) == ["0.20.0", "0.21.0", "0.27.1"]
+    assert "| ran | pass (rel 3e-02) | FAIL |" in rows["0.20.0"]
+    assert "not run yet: every requirement served (257 MB" in rows["0.21.0"]
+    assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
+
+
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
     import render
     from cell import classify

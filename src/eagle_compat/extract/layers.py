@@ -14,16 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-LEAVING = "leaving"    # speculators 0.3.0, --layers
-ENTERING = "entering"  # vLLM native extract_hidden_states, EAGLE-3 drafter configs
-
-
 def to_entering(leaving: list[int]) -> list[int]:
     return [int(k) + 1 for k in leaving]
-
-
-def to_leaving(entering: list[int]) -> list[int]:
-    return [int(k) - 1 for k in entering]
 
 
 def record(layer_ids: list[int], num_layers: int) -> dict[str, Any]:
