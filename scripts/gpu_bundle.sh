@@ -19,14 +19,24 @@ plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 # the requirements of the release the pins below were measured with, and the release asked for
 pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/ref.json" vllm==0.20.0
 pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/want.json" "vllm==$release"
-python3 - "$work/ref.json" "$work/want.json" "$release" <<'PY'
+# Per-release pins over 0.20.0's, from what the release's wheel adds (compat_matrix/results/gpu/carry-probe.md):
+# a release listed here is built with them; its other added requirements are imported lazily by vLLM (the API
+# server, Blackwell-only MLA kernels), as 0.20.0's own unpinned ones were (nvidia-cutlass-dsl,
+# model-hosting-container-standards), and the run on the H200 shows whether that holds.
+case "$release" in
+  0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2" ;;  # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11
+  *) overrides="" ;;
+esac
+python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
 import json, sys
 def requires(path):
     meta = json.load(open(path))["install"][0]["metadata"]
     return sorted(r for r in meta.get("requires_dist", []) if "extra ==" not in r)
 ref, want = requires(sys.argv[1]), requires(sys.argv[2])
 new, gone = sorted(set(want) - set(ref)), sorted(set(ref) - set(want))
-if new or gone:
+if (new or gone) and sys.argv[4]:
+    print(f"vLLM {sys.argv[3]}: building with its pins over 0.20.0's ({sys.argv[4]}) for:", *new, sep="\n  + ")
+elif new or gone:
     print(f"vLLM {sys.argv[3]} needs other packages than the measured 0.20.0 bundle carries; not built:")
     for r in new:
         print(f"  + {r}")
@@ -45,6 +55,7 @@ for p in annotated_types==0.8.0 apache_tvm_ffi==0.1.9 astor==0.8.1 blake3==1.0.1
   pydantic==2.14.4 pydantic_core==2.50.5 python_json_logger==4.2.0 pyzmq==27.3.0 referencing==0.37.0 \
   rpds_py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1 starlette==0.48.0 typing_inspection==0.4.5 \
   watchfiles==1.3.0 xgrammar==0.1.32; do
+  for o in $overrides; do [ "${o%%==*}" = "${p%%==*}" ] && p=$o; done  # a release's own pin replaces 0.20.0's
   pip download -q --no-deps $plat -d "$work/whl" "$p"
 done
 # the wheel unpacked, without what Hopper does not use (FlashAttention-2 kernels, DeepGEMM JIT headers, web assets)
