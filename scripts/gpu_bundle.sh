@@ -24,7 +24,10 @@ pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat -
 # server, Blackwell-only MLA kernels), as 0.20.0's own unpinned ones were (nvidia-cutlass-dsl,
 # model-hosting-container-standards), and the run on the H200 shows whether that holds.
 case "$release" in
-  0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2" ;;  # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11
+  # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:
+  # compat_matrix/results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt.*), 0.20.0's did not
+  0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.8.post1 cuda_tile \
+                     nvidia_cudnn_frontend" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
@@ -46,6 +49,7 @@ elif new or gone:
 PY
 pip download -q --no-deps $plat -d "$work/vllm" "vllm==$release"
 mkdir -p "$work/whl"
+pinned=""
 for p in annotated_types==0.8.0 apache_tvm_ffi==0.1.9 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor2==6.3.0 \
   cloudpickle==3.1.3 compressed_tensors==0.15.0.1 depyf==0.20.0 dill==0.4.1 diskcache==5.6.3 distro==1.9.0 \
   fastapi==0.118.0 gguf==0.19.0 ijson==3.6.0 interegular==0.3.3 jiter==0.19.0 jsonschema==4.26.0 \
@@ -57,6 +61,10 @@ for p in annotated_types==0.8.0 apache_tvm_ffi==0.1.9 astor==0.8.1 blake3==1.0.1
   watchfiles==1.3.0 xgrammar==0.1.32; do
   for o in $overrides; do [ "${o%%==*}" = "${p%%==*}" ] && p=$o; done  # a release's own pin replaces 0.20.0's
   pip download -q --no-deps $plat -d "$work/whl" "$p"
+  pinned="$pinned ${p%%==*}"
+done
+for o in $overrides; do  # and the packages a release needs that 0.20.0 did not
+  case " $pinned " in *" ${o%%==*} "*) ;; *) pip download -q --no-deps $plat --platform any -d "$work/whl" "$o" ;; esac
 done
 # the wheel unpacked, without what Hopper does not use (FlashAttention-2 kernels, DeepGEMM JIT headers, web assets)
 mkdir -p "$work/site" && (cd "$work/site" && unzip -q "$work"/vllm/vllm-*.whl)
