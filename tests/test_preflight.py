@@ -137,3 +137,22 @@ def test_preflight_fails_naming_the_cause_without_waiting_for_weights(tmp_path):
     proc, record = _preflight("--model", str(model))
     assert proc.returncode == 1 and record and not record["ok"], proc.stdout[-2000:]
     assert "NoSuchModelForCausalLM" in record["error"], record
+
+
+@pytest.mark.engine
+def test_an_in_process_generator_returns_the_spawned_generator_s_states(tiny_llama):
+    # the in-process option is public: its states are the spawned engine's, bit for bit (same kernels, one process);
+    # the spawned engine's are judged against HF by test_e2e_generator
+    code = f"""
+import torch
+from eagle_compat.generator import VllmHiddenStatesGenerator as G
+out = []
+for in_process in (False, True):
+    with G({str(tiny_llama)!r}, layer_ids=[0, 1], max_model_len=64, in_process=in_process, dtype="float32",
+           kv_cache_memory_bytes=1 << 28) as g:
+        out.append(g.generate([[1, 2, 3, 4, 5], [6, 7, 8]]))
+pairs = [(a, b) for x, y in zip(*out) for a, b in zip(x["hidden_states"], y["hidden_states"])]
+print("EQUAL", len(pairs), all(torch.equal(a, b) for a, b in pairs))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "EQUAL 4 True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
