@@ -7,6 +7,7 @@ change), and when it can be deleted. Reverting is generic: the Patcher restores 
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -184,3 +185,22 @@ class PatchUnit:
 
     def module(self) -> ModuleType | None:
         return sys.modules.get(self.target) if self.target else None
+
+
+ENVIRON = MappingAttributes(os.environ, "os.environ")
+
+
+def worker_environment_unit(*, variable: str, **contract: Any) -> PatchUnit:
+    """A unit whose whole fix is one variable that vLLM's workers inherit when speculators' engine spawns them: needed
+    where `engine.default_worker_env` (what the stable generator's engines get) has it, applied only where the user
+    has not set it, reverted by uninstall()."""
+    def needed() -> bool:
+        from .. import engine
+        return variable in engine.default_worker_env()  # speculators always runs dtype="auto"
+
+    def apply(patcher: Patcher, module: ModuleType | None) -> None:
+        from .. import engine
+        if variable not in os.environ:
+            patcher.set(ENVIRON, variable, engine.default_worker_env()[variable])
+
+    return PatchUnit(target=None, needed=needed, apply=apply, **contract)

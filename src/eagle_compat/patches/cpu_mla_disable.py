@@ -9,31 +9,13 @@ unaffected. uninstall() restores the environment.
 """
 from __future__ import annotations
 
-import os
+from ._base import worker_environment_unit
 
-from ._base import MappingAttributes, PatchUnit
-
-
-def _needed() -> bool:
-    from .. import engine
-    return "VLLM_MLA_DISABLE" in engine.default_worker_env()  # speculators always runs dtype="auto"
-
-
-ENVIRON = MappingAttributes(os.environ, "os.environ")
-
-
-def _apply(patcher, module) -> None:
-    if "VLLM_MLA_DISABLE" not in os.environ:
-        patcher.set(ENVIRON, "VLLM_MLA_DISABLE", "1")
-
-
-UNIT = PatchUnit(
+UNIT = worker_environment_unit(
+    variable="VLLM_MLA_DISABLE",
     name="cpu_mla_disable",
     broke="CPU vLLM has no MLA backend: DeepSeek/Kimi models refuse to start on CPU",
     affects="<0.29",
     condition="a machine without CUDA",
     delete_when="the vLLM floor is 0.29 (usable CPU MLA backend)",
-    target=None,
-    needed=_needed,
-    apply=_apply,
 )
