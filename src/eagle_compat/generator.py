@@ -169,6 +169,8 @@ class VllmHiddenStatesGenerator:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise InvalidInput(f"tensor_parallel_size={tensor_parallel_size!r}; must be an int >= 1")
+        # in_process: vLLM's one-rank executor in this process (no spawned worker to import vLLM again: start-up in
+        # seconds); its calls run in the caller's thread, one at a time and without a deadline: for short runs
         if in_process and tensor_parallel_size != 1:
             raise InvalidInput(f"in_process=True runs one worker in this process; tensor_parallel_size="
                                f"{tensor_parallel_size} needs one process per rank: leave in_process off")
