@@ -327,6 +327,13 @@ def _feature_cpu_worker_scans_loaded_modules() -> bool:
     return "_rebind_kernels" in (module_source("vllm.triton_utils.dispatcher") or "")
 
 
+def _feature_transformers_generates_config_init() -> bool:
+    # transformers 5 (configuration_utils.PreTrainedConfig.__init_subclass__): every config subclass becomes a
+    # dataclass, and one without an __init__ of its own gets a generated one that sets each field itself.
+    source = module_source("transformers.configuration_utils") or ""
+    return "def __init_subclass__" in source and "wrap_init_to_accept_kwargs(cls)" in source
+
+
 def _feature_cuda_available() -> bool:
     import torch
     return bool(torch.cuda.is_available())
@@ -359,6 +366,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "transformers_generates_config_init": (
+        _feature_transformers_generates_config_init, "transformers gives config subclasses without an __init__ a "
+                                                     "generated one (transformers 5)"),
     "cpu_int4_runs_as_w4a8": (
         _feature_cpu_int4_runs_as_w4a8, "CPU vLLM runs W4A16 checkpoints with int8 activations on AMX unless "
                                         "VLLM_CPU_INT4_W4A8=0 (0.32 CPU)"),

@@ -8,7 +8,8 @@ from __future__ import annotations
 from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv_budget, cpu_mla_disable,
                cpu_tp_thread_binding,
                kv_cache_config_helpers, platform_block_size, prefix_caching_off, quiet_shutdown, request_eos_token_id,
-               scheduler_block_size, scheduler_config_encoder_decoder, sliding_window_block_size, step_deadline, text_only_model,
+               scheduler_block_size, scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
+               step_deadline, text_only_model,
                transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
                warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
@@ -16,6 +17,7 @@ from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 REGISTRY: tuple[PatchUnit, ...] = (
     transformers5_pydantic_torch.UNIT,
     transformers_attn_mask_utils.UNIT,
+    speculators_config_init.UNIT,
     cpu_mla_disable.UNIT,
     cpu_int4_w4a16.UNIT,
     scheduler_config_encoder_decoder.UNIT,

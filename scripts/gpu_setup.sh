@@ -1,0 +1,24 @@
+# Sourced by the scripts that run on the lent H200 (device tool): sets the carried vLLM bundle up once per machine
+# (shared/notes/gpu-vllm-recipe.md; built by scripts/gpu_bundle.sh RELEASE .gpu), installs .gpu/extra/*.whl (the
+# wheels the image lacks: wrapt for eagle_compat; speculators 0.3.0 and what it imports), and makes eagle_compat an
+# installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
+# Needs: $out (a folder for setup.log). Exports PYTHONPATH=/tmp/site:$PWD/src.
+gpu_setup() {
+  if [ ! -f /tmp/site/vllm/__init__.py ]; then
+    bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; return 1; }
+    if ls "${BUNDLE:-.gpu}"/extra/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site "${BUNDLE:-.gpu}"/extra/*.whl \
+        >> "$out/setup.log" 2>&1
+    fi
+    # bytecode, as pip writes it when it installs vLLM: the bundle is unpacked without it, and the first import
+    # after set-up compiled every module (most of the 78 s the first preflight took on a fresh machine)
+    local compile_start=$(date +%s)
+    python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
+    echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
+  fi
+  local d=/tmp/site/eagle_compat-0.1.0.dist-info
+  mkdir -p $d
+  printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > $d/METADATA
+  printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > $d/entry_points.txt
+  export PYTHONPATH=/tmp/site:$PWD/src
+}
