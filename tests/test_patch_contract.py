@@ -290,9 +290,10 @@ def test_unit_contract(unit):
     if unit.target is None:
         module = None
     else:
-        if unit.target == GENERATOR_MODULE or unit.target == WORKER_MODULE:
+        if unit.target.startswith("speculators"):
             eagle_compat.install()  # speculators may need the transformers unit to import at all
             _import_speculators()
+            importlib.import_module(unit.target)
             eagle_compat.uninstall()
         module = importlib.import_module(unit.target)
     if not needed:
@@ -305,9 +306,14 @@ def test_unit_contract(unit):
     unit.apply(patcher, module)
     assert patcher.changes or unit.name == "cpu_mla_disable", f"{unit.name} applied nothing although needed"
     for change in patcher.changes:
-        assert getattr(change.owner, change.attribute) is change.replacement or \
-            getattr(change.owner, change.attribute) == change.replacement
+        owner = change.owner  # a class is read in its own namespace (getattr would bind a classmethod)
+        current = vars(owner).get(change.attribute) if isinstance(owner, type) else getattr(owner, change.attribute)
+        assert current is change.replacement or current == change.replacement
+    changed = [(c.owner, c.attribute, c.existed, c.original) for c in patcher.changes if isinstance(c.owner, type)]
     assert patcher.revert() == []
+    for owner, attribute, existed, original in changed:  # classes a unit changes are restored exactly too
+        assert (vars(owner).get(attribute) is original) if existed else attribute not in vars(owner), \
+            f"{unit.name} left {owner.__name__}.{attribute} changed"
     after = dict(vars(module)) if module is not None else dict(os.environ)
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] or after[k] == before[k] for k in before)
@@ -582,3 +588,70 @@ def test_units_named_in_eagle_compat_disable_are_left_off_and_a_wrong_name_is_re
     with pytest.raises(InvalidInput, match=r"no patch unit no_such_unit; allowed: .*quiet_shutdown"):
         eagle_compat.install()
     assert not eagle_compat.is_installed() and installer.INSTALLED_ENV not in os.environ
+
+
+SPECULATORS_CONFIG_SCRIPT = """
+import json, sys, tempfile
+import eagle_compat
+eagle_compat.install()
+from transformers import LlamaConfig
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+layer = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+try:
+    config = Eagle3SpeculatorConfig(  # as speculators 0.3.0's scripts/train.py builds it
+        transformer_layer_config=layer, draft_vocab_size=32, norm_before_residual=True,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy", speculative_tokens=3)],
+            verifier=VerifierConfig(name_or_path="verifier", architectures=["LlamaForCausalLM"])))
+    out = tempfile.mkdtemp()
+    config.save_pretrained(out)  # what the trainer's checkpointer does each epoch
+    back = Eagle3SpeculatorConfig.from_pretrained(out)
+    print("RESULT " + json.dumps({"ok": True, "draft_vocab": back.draft_vocab_size,
+                                  "layers": back.transformer_layer_config.num_hidden_layers}))
+except Exception as exc:
+    print("RESULT " + json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}))
+"""
+
+
+def _speculators_config_result(env_extra: dict) -> dict:
+    import json
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", SPECULATORS_CONFIG_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env_extra})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_speculators_trainer_builds_saves_and_reloads_its_drafter_config_under_install():
+    """speculators 0.3.0's scripts/train.py builds an Eagle3SpeculatorConfig and its checkpointer saves it each epoch;
+    under transformers 5 both fail without the speculators_config_init unit (and pass with it)."""
+    assert _speculators_config_result({}) == {"ok": True, "draft_vocab": 32, "layers": 1}
+    if not detect.feature("transformers_generates_config_init"):
+        pytest.skip("this transformers keeps speculators' own config __init__ (transformers 4): nothing to break")
+    broken = _speculators_config_result({"EAGLE_COMPAT_DISABLE": "speculators_config_init"})
+    assert not broken["ok"] and "__pydantic_fields_set__" in broken["error"], broken
+
+
+def test_the_trainers_target_norm_is_the_verifiers_final_rmsnorm():
+    """The pre-hook speculators_trainer_target_norm puts on the verifier's lm_head computes what the verifier's own
+    final norm computes (transformers' LlamaRMSNorm, the norm of every family the unit accepts)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle_compat.patches import speculators_trainer_target_norm as unit_module
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    norm.weight.data = torch.randn(16)
+    head = torch.nn.Linear(16, 8, bias=False)
+    head.register_buffer(unit_module.BUFFER, norm.weight.detach().clone(), persistent=False)
+    head.eagle_compat_verifier_norm_eps = 1e-5
+    head.register_forward_pre_hook(unit_module.normed_lm_head_input)
+    hidden = torch.randn(3, 5, 16) * 40  # pre-norm states are large; the norm takes that scale away
+    assert torch.allclose(head(hidden), torch.nn.functional.linear(norm(hidden), head.weight), atol=1e-5)
+    assert unit_module.BUFFER not in head.state_dict()  # checkpoints the trainer saves are unchanged

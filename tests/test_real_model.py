@@ -182,3 +182,36 @@ def test_a_capture_wrong_on_a_few_tokens_only_fails(bf16_states, references):
     layers = check.compare(_as_results(broken, LAYERS), ref, LAYERS, "bf16", low)
     assert not any(e.ok for e in layers), [(e.layer_id, e.worst_token, e.limits()) for e in layers]
     assert all(e.median <= e.limits()[0] and e.high <= e.limits()[1] for e in layers)  # only the worst token shows it
+
+
+def test_speculators_0_3_0_trainer_reads_our_files_and_trains_on_the_verifiers_next_token(model, tmp_path):
+    """speculators 0.3.0's trainer (its scripts/train.py helpers, dataset reader and drafter) on `extract` files of
+    the real model, under `python -m eagle_compat`: the files load unchanged, one training forward runs, the drafter
+    saves and reloads (tests/data/speculators_trainer_forward.py). Its target's top token is the verifier's own
+    with the speculators_trainer_target_norm unit, and mostly not without it (0.3.0's pre-norm target; the GPU
+    run that showed what it costs: docs/training-proof.md)."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", str(data),
+                           "--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--max-len", "512",
+                           "--gpu-memory-utilization", "0.3", "--no-progress"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    script = os.path.join(os.path.dirname(__file__), "data", "speculators_trainer_forward.py")
+
+    def trainer(save: str, **env: str) -> dict:
+        run = subprocess.run([sys.executable, "-m", "eagle_compat", script, model, str(out), "256", save],
+                             capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+        lines = [line for line in run.stdout.splitlines() if line.startswith("TRAINER_FORWARD ")]
+        assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
+        return json.loads(lines[-1][len("TRAINER_FORWARD "):])
+
+    fixed = trainer(str(tmp_path / "drafter"))
+    assert fixed["samples"] == len(CONVERSATIONS) and fixed["aux_width"] == 3 * fixed["hidden"]
+    assert fixed["loss_tokens"] > 0 and fixed["loss"] == fixed["loss"]  # finite, not NaN
+    assert fixed["reloaded_draft_vocab"] == 256
+    assert fixed["saved_aux_ids"] is None  # 0.3.0 saves none: the drafter config must get the manifest's
+    assert fixed["target_top1_agreement_with_verifier"] > 0.95, fixed
+    unfixed = trainer(str(tmp_path / "drafter-0.3.0"), EAGLE_COMPAT_DISABLE="speculators_trainer_target_norm")
+    assert unfixed["target_top1_agreement_with_verifier"] < 0.5, unfixed

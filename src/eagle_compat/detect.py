@@ -334,6 +334,13 @@ def _feature_transformers_generates_config_init() -> bool:
     return "def __init_subclass__" in source and "wrap_init_to_accept_kwargs(cls)" in source
 
 
+def _feature_speculators_target_skips_final_norm() -> bool:
+    # speculators 0.3.0 (models/eagle3/core.py): `targets = self.verifier_lm_head(verifier_last_hidden_states)` on
+    # a pre-norm state; #313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
+    source = module_source("speculators.models.eagle3.core") or ""
+    return "self.verifier_lm_head(verifier_last_hidden_states)" in source and "verifier_norm" not in source
+
+
 def _feature_cuda_available() -> bool:
     import torch
     return bool(torch.cuda.is_available())
@@ -366,6 +373,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "speculators_target_skips_final_norm": (
+        _feature_speculators_target_skips_final_norm, "speculators' EAGLE-3 trainer takes its target logits without "
+                                                      "the verifier's final norm (0.3.0; fixed in #313)"),
     "transformers_generates_config_init": (
         _feature_transformers_generates_config_init, "transformers gives config subclasses without an __init__ a "
                                                      "generated one (transformers 5)"),

@@ -9,7 +9,7 @@ from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv
                cpu_tp_thread_binding,
                kv_cache_config_helpers, platform_block_size, prefix_caching_off, quiet_shutdown, request_eos_token_id,
                scheduler_block_size, scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
-               step_deadline, text_only_model,
+               speculators_trainer_target_norm, step_deadline, text_only_model,
                transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
                warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
@@ -18,6 +18,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     transformers5_pydantic_torch.UNIT,
     transformers_attn_mask_utils.UNIT,
     speculators_config_init.UNIT,
+    speculators_trainer_target_norm.UNIT,
     cpu_mla_disable.UNIT,
     cpu_int4_w4a16.UNIT,
     scheduler_config_encoder_decoder.UNIT,

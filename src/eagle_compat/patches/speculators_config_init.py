@@ -76,7 +76,7 @@ UNIT = PatchUnit(
           "replaced its __init__) and saving it (validate() is pydantic's)",
     affects="",
     condition="transformers >= 5 (it generates config __init__s; vLLM >= 0.24 requires it, 0.20-0.23 allow it)",
-    delete_when="the speculators floor builds its configs under transformers 5 (speculators >= 0.4)",
+    delete_when="the speculators floor builds and saves its configs under transformers 5",
     target="speculators.config",
     sides=("driver",),
     needed=_needed,
