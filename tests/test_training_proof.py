@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -15,8 +16,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def proof():
     spec = importlib.util.spec_from_file_location("training_proof", ROOT / "benchmarks" / "training_proof.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop(spec.name, None)
 
 
 def test_held_out_prompts_share_no_topic_with_training_prompts(proof):
