@@ -42,6 +42,7 @@ STAGES = ["model", "prompts", "responses", "extract", "hf_states", "vocab", "tra
 # (2, 15, 27) in the entering count, i.e. one layer earlier than these: the off-by-one control.
 LAYERS = [2, 15, 27, 29]
 TRAININGS = {"ours": "data_ours", "ours_seed2": "data_ours", "hf": "data_hf"}
+TRAINER_UNITS = ("speculators_config_init", "speculators_trainer_target_norm")  # eagle_compat's, for the trainer
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,7 @@ class Run:
 
     # -- train: speculators 0.3.0's trainer, unmodified, three runs side by side on one GPU
     def stage_train(self, deadline_s: float | None = None) -> None:
+        self.record_trainer_units()
         procs = {}
         for name, data in TRAININGS.items():
             if os.path.exists(self.path(f"ckpt_{name}", str(self.scale.epochs - 1), "config.json")):
@@ -380,6 +382,16 @@ class Run:
                 failed.append(f"{name} (deadline)")
         if failed:
             raise SystemExit(f"training did not finish: {failed}; see train_*.log (run the stage again to resume)")
+
+    def record_trainer_units(self) -> None:
+        """Which of eagle_compat's speculators-trainer units the trainer runs with here (run 1 of the committed
+        proof ran before speculators_trainer_target_norm existed: docs/training-proof.md)."""
+        sys.path.insert(0, os.path.join(REPO, "src"))
+        from eagle_compat.patches import REGISTRY
+        disabled = os.environ.get("EAGLE_COMPAT_DISABLE", "")
+        units = {u.name: ("disabled" if u.name in disabled.split(",") else u.needed())
+                 for u in REGISTRY if u.name in TRAINER_UNITS}
+        json.dump(units, open(self.path("trainer_units.json"), "w"), indent=1)
 
     # -- serve
     def drafter_dirs(self) -> dict[str, str]:
@@ -485,13 +497,15 @@ class Run:
             tokens += len(s["input_ids"])
             loss += int(s["loss_mask"].sum())
         training = {n: last_metrics(self.path(f"train_{n}.log")) for n in TRAININGS}
+        trainer_units = json.load(open(self.path("trainer_units.json"))) if os.path.exists(
+            self.path("trainer_units.json")) else None
         result = {
             "scale": self.scale_name, "settings": asdict(self.scale), "layers_speculators": LAYERS,
             "eagle_aux_hidden_state_layer_ids": manifest["layers"]["eagle_aux_hidden_state_layer_ids"],
             "data": {"samples": n_files, "tokens": tokens, "loss_tokens": loss},
             "ours_vs_hf_states": json.load(open(self.path("data_hf", "hf_states.json"))) if
             os.path.exists(self.path("data_hf", "hf_states.json")) else None,
-            "training_last_metrics": training, "serving": variants, "comparisons": comparisons,
+            "training_last_metrics": training, "trainer_units": trainer_units, "serving": variants, "comparisons": comparisons,
             "timings_s": json.load(open(self.timings_path)) if os.path.exists(self.timings_path) else {},
             "versions": versions(),
         }

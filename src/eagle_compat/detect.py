@@ -10,6 +10,7 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -115,6 +116,22 @@ def module_source(name: str) -> str | None:
                                "it to decide which workarounds this vLLM needs. Install a build that ships .py files.")
     with open(spec.origin) as f:
         return f.read()
+
+
+def package_module_source(name: str) -> str | None:
+    """The source text of a submodule (`speculators.models.eagle3.core`), found from its top-level package's
+    location without importing any package on the way (`find_spec` of a dotted name imports its parents, and
+    speculators 0.3.0's `__init__` fails under transformers 5 until install() has run). None if absent."""
+    top, _, rest = name.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = os.path.join(list(spec.submodule_search_locations)[0], *rest.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    return None
 
 
 def function_source(fn: Any) -> str:
@@ -330,14 +347,14 @@ def _feature_cpu_worker_scans_loaded_modules() -> bool:
 def _feature_transformers_generates_config_init() -> bool:
     # transformers 5 (configuration_utils.PreTrainedConfig.__init_subclass__): every config subclass becomes a
     # dataclass, and one without an __init__ of its own gets a generated one that sets each field itself.
-    source = module_source("transformers.configuration_utils") or ""
+    source = package_module_source("transformers.configuration_utils") or ""
     return "def __init_subclass__" in source and "wrap_init_to_accept_kwargs(cls)" in source
 
 
 def _feature_speculators_target_skips_final_norm() -> bool:
     # speculators 0.3.0 (models/eagle3/core.py): `targets = self.verifier_lm_head(verifier_last_hidden_states)` on
     # a pre-norm state; #313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
-    source = module_source("speculators.models.eagle3.core") or ""
+    source = package_module_source("speculators.models.eagle3.core") or ""
     return "self.verifier_lm_head(verifier_last_hidden_states)" in source and "verifier_norm" not in source
 
 
