@@ -19,7 +19,8 @@ skipped, so a run cut by a time limit continues where it stopped):
     python benchmarks/training_proof.py all --work /tmp/proof --scale full --out results.json
     python benchmarks/training_proof.py extract hf_states --work /tmp/proof   # stages by name
 
-Scales: `full` (the committed run, on a GPU) and `smoke` (a few samples, a minute of CPU: the pipeline's wiring).
+Scales: `full` (the committed run, on a GPU), `cpu` (the data stages on CPU: how far 0.3.0's training target is from
+the verifier's, benchmarks/results/cpu-trainer-target-smollm2-vllm-0.32.0.json) and `smoke` (the wiring, a minute).
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ class Scale:
 SCALES = {
     "full": Scale(n_train=4000, n_heldout=256, max_tokens=256, draft_vocab=8192, epochs=10, lr=3e-4, groups=8,
                   batch_size=64),
+    "cpu": Scale(n_train=64, n_heldout=16, max_tokens=128, draft_vocab=4096, epochs=1, lr=3e-4, groups=2,
+                 batch_size=16),
     "smoke": Scale(n_train=24, n_heldout=8, max_tokens=24, draft_vocab=1024, epochs=1, lr=3e-4, groups=2,
                    batch_size=8),
 }
@@ -304,6 +307,9 @@ class Run:
         samples = [(p, torch.load(p, weights_only=True)) for p in files]
         samples.sort(key=lambda s: len(s[1]["input_ids"]))
         errors = {i: [] for i in LAYERS}
+        # speculators 0.3.0's training target is lm_head over the pre-norm last state; the verifier's own next token
+        # is lm_head over the normed one (its logits): how often their top tokens agree on loss tokens
+        agree = loss_tokens = 0
         batch = 32
         with torch.no_grad():
             for start in range(0, len(samples), batch):
@@ -316,8 +322,13 @@ class Run:
                     mask[row, :len(s["input_ids"])] = 1
                 norm_input.clear()
                 res = model(ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True)
+                unnormed_top = model.lm_head(norm_input[-1]).argmax(-1)
+                verifier_top = res.logits.argmax(-1)
                 for row, (path, s) in enumerate(chunk):
                     length = len(s["input_ids"])
+                    in_loss = s["loss_mask"].bool().to(self.device)
+                    agree += int((unnormed_top[row, :length] == verifier_top[row, :length])[in_loss].sum())
+                    loss_tokens += int(in_loss.sum())
                     states = [(norm_input[-1] if i == n - 1 else res.hidden_states[i + 1])[row, :length]
                               .to(s["hidden_states"][0].dtype).cpu() for i in LAYERS]
                     for i, mine, theirs in zip(LAYERS, s["hidden_states"], states):
@@ -329,7 +340,9 @@ class Run:
         import statistics
         summary = {str(i): {"median": statistics.median(v), "max": max(v)} for i, v in errors.items()}
         json.dump({"layers": LAYERS, "dtype": "bfloat16", "ours_vs_hf_max_rel_error": summary,
-                   "samples": len(samples)}, open(os.path.join(out, "hf_states.json"), "w"), indent=1)
+                   "samples": len(samples), "loss_tokens": loss_tokens,
+                   "unnormed_target_top1_is_verifiers": agree / max(loss_tokens, 1)},
+                  open(os.path.join(out, "hf_states.json"), "w"), indent=1)
         open(os.path.join(out, ".complete"), "w").close()
 
     # -- vocab: speculators 0.3.0's own mapping script over the loss-masked token counts

@@ -10,20 +10,9 @@
 # typer-slim) for the shim cells.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-if [ ! -f /tmp/site/vllm/__init__.py ]; then
-  bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
-  # bytecode, as pip writes it when it installs vLLM: the bundle is unpacked without it, and the first import after
-  # set-up compiled every module (most of the 78 s the first preflight took on a fresh machine)
-  compile_start=$(date +%s)
-  python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
-  echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
-fi
-# eagle_compat as an installed distribution, so vLLM's workers load its vllm.general_plugins entry point
-d=/tmp/site/eagle_compat-0.1.0.dist-info; mkdir -p $d
-printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > $d/METADATA
-printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > $d/entry_points.txt
-export PYTHONPATH=/tmp/site:$PWD/src EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
+source scripts/gpu_setup.sh
+gpu_setup || exit 1
+export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
 for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do

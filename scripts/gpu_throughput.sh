@@ -23,19 +23,11 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 started=$(date +%s)
 say() { echo "[$(( $(date +%s) - started ))s] $*" | tee -a "$out/steps.log"; }
 if [ -z "${SMOKE:-}" ]; then
-  if [ ! -f /tmp/site/vllm/__init__.py ]; then
-    bash .gpu/setup.sh > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
-    if ls .gpu/extra/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >> "$out/setup.log" 2>&1
-    fi
-    python3 -c "import wrapt" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import wrapt" || say "wrapt missing: see .gpu/extra above"
-    say "setup done"
-  fi
-  # eagle_compat as an installed distribution, so vLLM's workers load its vllm.general_plugins entry point
-  d=/tmp/site/eagle_compat-0.1.0.dist-info; mkdir -p $d
-  printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > $d/METADATA
-  printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > $d/entry_points.txt
-  export PYTHONPATH=/tmp/site:$PWD/src EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
+  source scripts/gpu_setup.sh
+  gpu_setup || exit 1
+  python3 -c "import wrapt" 2>/dev/null || say "wrapt missing: see .gpu/extra above"
+  say "setup done"
+  export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
   PY=python3
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
