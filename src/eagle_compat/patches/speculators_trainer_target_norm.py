@@ -74,6 +74,7 @@ def _apply(patcher, module) -> None:
 
 UNIT = PatchUnit(
     name="speculators_trainer_target_norm",
+    needs_vllm=False,
     broke="speculators 0.3.0's trainer computes its target logits without the verifier's final norm (fixed "
           "upstream in #313): the drafter learns another distribution than the verifier's",
     affects="",

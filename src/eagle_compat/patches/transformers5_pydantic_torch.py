@@ -24,6 +24,7 @@ def _apply(patcher, module) -> None:
 
 UNIT = PatchUnit(
     name="transformers5_pydantic_torch",
+    needs_vllm=False,
     broke="speculators 0.3.0 fails at import under transformers 5 (pydantic cannot resolve `torch`)",
     affects="",
     condition="transformers >= 5 (vLLM >= 0.24 requires it; 0.20-0.23 allow it)",

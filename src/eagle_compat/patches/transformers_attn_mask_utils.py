@@ -64,6 +64,7 @@ def _apply(patcher, module) -> None:
 
 UNIT = PatchUnit(
     name="transformers_attn_mask_utils",
+    needs_vllm=False,
     broke="speculators 0.3.0 fails at import: transformers 5.24 removed `transformers.modeling_attn_mask_utils`",
     affects="",
     condition="transformers >= 5.24 (vLLM 0.20-0.30 allow it; 0.31 and 0.32 pin older transformers)",
