@@ -592,9 +592,15 @@ def test_units_named_in_eagle_compat_disable_are_left_off_and_a_wrong_name_is_re
 
 SPECULATORS_CONFIG_SCRIPT = """
 import json, os, sys, tempfile
+if os.environ.get("AS_IF_NO_VLLM"):  # a training environment: speculators and transformers, no vLLM to import
+    class NoVllm:
+        def find_spec(self, name, path=None, target=None):
+            if name == "vllm" or name.startswith("vllm."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    sys.meta_path.insert(0, NoVllm())
 import eagle_compat
 from eagle_compat import detect
-if os.environ.get("AS_IF_NO_VLLM"):  # a training environment: speculators and transformers, no vLLM
+if os.environ.get("AS_IF_NO_VLLM"):
     versions = detect.installed_versions()
     detect.installed_versions = lambda: versions.__class__(**{**vars(versions), "vllm": None,
                                                               "vllm_distribution": None})
