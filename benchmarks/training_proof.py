@@ -42,7 +42,9 @@ STAGES = ["model", "prompts", "responses", "extract", "hf_states", "vocab", "tra
 # the verifier's last hidden state it is trained against. vLLM's default aux ids for a 30-layer Llama are
 # (2, 15, 27) in the entering count, i.e. one layer earlier than these: the off-by-one control.
 LAYERS = [2, 15, 27, 29]
-TRAININGS = {"ours": "data_ours", "ours_seed2": "data_ours", "hf": "data_hf"}
+# name -> (its files, torch seed): ours and HF's start from the same initial weights; the second training of ours
+# differs from the first by its seed alone, which measures the training noise
+TRAININGS = {"ours": ("data_ours", 0), "ours_seed2": ("data_ours", 1), "hf": ("data_hf", 0)}
 TRAINER_UNITS = ("speculators_config_init", "speculators_trainer_target_norm")  # eagle_compat's, for the trainer
 
 
@@ -204,12 +206,15 @@ class Run:
         return os.path.join(self.work, *parts)
 
     def timed(self, stage: str, fn) -> None:
+        """Run a stage and add its time to the stage's total (a stage cut by a deadline runs in several calls)."""
         start = time.time()
-        fn()
-        timings = json.load(open(self.timings_path)) if os.path.exists(self.timings_path) else {}
-        timings[stage] = round(time.time() - start, 1)
-        json.dump(timings, open(self.timings_path, "w"), indent=1)
-        log(f"{stage}: {timings[stage]} s")
+        try:
+            fn()
+        finally:
+            timings = json.load(open(self.timings_path)) if os.path.exists(self.timings_path) else {}
+            timings[stage] = round(timings.get(stage, 0) + time.time() - start, 1)
+            json.dump(timings, open(self.timings_path, "w"), indent=1)
+            log(f"{stage}: {timings[stage]} s in all")
 
     def python(self, *args: str, env: dict | None = None, log_name: str | None = None,
                timeout: float | None = None) -> subprocess.CompletedProcess:
@@ -331,15 +336,18 @@ class Run:
                     loss_tokens += int(in_loss.sum())
                     states = [(norm_input[-1] if i == n - 1 else res.hidden_states[i + 1])[row, :length]
                               .to(s["hidden_states"][0].dtype).cpu() for i in LAYERS]
-                    for i, mine, theirs in zip(LAYERS, s["hidden_states"], states):
-                        scale = theirs.float().abs().max().clamp_min(1e-6)
-                        errors[i].append(float((mine.float() - theirs.float()).abs().max() / scale))
+                    for i, mine, theirs in zip(LAYERS, s["hidden_states"], states):  # per token, relative
+                        diff = (mine.float() - theirs.float()).norm(dim=-1)
+                        errors[i].append(diff / theirs.float().norm(dim=-1).clamp_min(1e-6))
                     torch.save({"input_ids": s["input_ids"], "hidden_states": states, "loss_mask": s["loss_mask"]},
                                os.path.join(out, os.path.basename(path)))
         handle.remove()
-        import statistics
-        summary = {str(i): {"median": statistics.median(v), "max": max(v)} for i, v in errors.items()}
-        json.dump({"layers": LAYERS, "dtype": "bfloat16", "ours_vs_hf_max_rel_error": summary,
+        summary = {}
+        for i, per_sample in errors.items():
+            tokens = torch.cat(per_sample)
+            summary[str(i)] = {"median": float(tokens.median()), "p95": float(tokens.quantile(0.95)),
+                               "max": float(tokens.max())}
+        json.dump({"layers": LAYERS, "dtype": "bfloat16", "ours_vs_hf_per_token_rel_error": summary,
                    "samples": len(samples), "loss_tokens": loss_tokens,
                    "unnormed_target_top1_is_verifiers": agree / max(loss_tokens, 1)},
                   open(os.path.join(out, "hf_states.json"), "w"), indent=1)
@@ -370,10 +378,12 @@ class Run:
     def stage_train(self, deadline_s: float | None = None) -> None:
         self.record_trainer_units()
         procs = {}
-        for name, data in TRAININGS.items():
-            if os.path.exists(self.path(f"ckpt_{name}", str(self.scale.epochs - 1), "config.json")):
+        for name, (data, seed) in TRAININGS.items():
+            if os.path.exists(self.path(f"ckpt_{name}", str(self.scale.epochs - 1), SCHEDULER_STATE)):
                 continue
-            cmd = [sys.executable, "-m", "eagle_compat", os.path.join(SPECULATORS_SCRIPTS, "train.py"),
+            drop_unfinished_epoch(self.path(f"ckpt_{name}"))
+            cmd = [sys.executable, "-m", "eagle_compat", os.path.join(HERE, "seeded.py"), str(seed),
+                   os.path.join(SPECULATORS_SCRIPTS, "train.py"),
                    "--verifier-name-or-path", self.model, "--data-path", self.path(data),
                    "--save-path", self.path(f"ckpt_{name}"), "--epochs", str(self.scale.epochs),
                    "--lr", str(self.scale.lr), "--total-seq-len", "8192",
@@ -509,7 +519,7 @@ class Run:
             s = torch.load(p, weights_only=True)
             tokens += len(s["input_ids"])
             loss += int(s["loss_mask"].sum())
-        training = {n: last_metrics(self.path(f"train_{n}.log")) for n in TRAININGS}
+        training = {n: val_per_epoch(self.path(f"train_{n}.log")) for n in TRAININGS}
         trainer_units = json.load(open(self.path("trainer_units.json"))) if os.path.exists(
             self.path("trainer_units.json")) else None
         result = {
@@ -518,7 +528,8 @@ class Run:
             "data": {"samples": n_files, "tokens": tokens, "loss_tokens": loss},
             "ours_vs_hf_states": json.load(open(self.path("data_hf", "hf_states.json"))) if
             os.path.exists(self.path("data_hf", "hf_states.json")) else None,
-            "training_last_metrics": training, "trainer_units": trainer_units, "serving": variants, "comparisons": comparisons,
+            "training_val_per_epoch": training, "training_seeds": {n: seed for n, (_, seed) in TRAININGS.items()},
+            "trainer_units": trainer_units, "serving": variants, "comparisons": comparisons,
             "timings_s": json.load(open(self.timings_path)) if os.path.exists(self.timings_path) else {},
             "versions": versions(),
         }
@@ -566,12 +577,31 @@ class Vec(list):
         return self.__radd__(other)
 
 
-def last_metrics(path: str) -> str | None:
-    """The trainer's last validation line, as it printed it."""
+SCHEDULER_STATE = "scheduler_state_dict.pt"  # the last file speculators 0.3.0's trainer writes for an epoch
+
+
+def drop_unfinished_epoch(ckpt: str) -> None:
+    """A trainer killed while saving leaves its newest epoch without the scheduler state; it would resume from that
+    epoch and fail. Remove it, so the trainer resumes from the last complete one."""
+    epochs = [int(d) for d in os.listdir(ckpt) if d.isdigit()] if os.path.isdir(ckpt) else []
+    if epochs and not os.path.exists(os.path.join(ckpt, str(max(epochs)), SCHEDULER_STATE)):
+        import shutil
+        log(f"{ckpt}: epoch {max(epochs)} was not saved whole; resuming from the one before")
+        shutil.rmtree(os.path.join(ckpt, str(max(epochs))))
+
+
+def val_per_epoch(path: str) -> list[dict]:
+    """The trainer's validation metrics, epoch by epoch, from its log."""
+    import re
     if not os.path.exists(path):
-        return None
-    lines = [line.strip() for line in open(path, errors="replace") if "val" in line.lower() and "loss" in line]
-    return lines[-1][-400:] if lines else None
+        return []
+    text = open(path, errors="replace").read()
+    out = []
+    for block in re.split(r"Validation epoch \d+/\d+ completed", text)[:-1]:
+        found = dict(re.findall(r"val/([a-z_0-9]+)_epoch=([0-9.]+)", block[-3000:]))
+        if found:
+            out.append({k: float(v) for k, v in found.items()})
+    return out
 
 
 def versions() -> dict:

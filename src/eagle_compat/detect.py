@@ -123,15 +123,22 @@ def package_module_source(name: str) -> str | None:
     location without importing any package on the way (`find_spec` of a dotted name imports its parents, and
     speculators 0.3.0's `__init__` fails under transformers 5 until install() has run). None if absent."""
     top, _, rest = name.partition(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
         return None
-    base = os.path.join(list(spec.submodule_search_locations)[0], *rest.split("."))
-    for path in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
-    return None
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or []:
+        base = os.path.join(location, *rest.split("."))
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    return f.read()
+    # the package is there but not this file as source (a zip, .pyc only, or a layout of another release): refuse
+    # rather than let a probe read "" and skip a needed unit in silence
+    raise UndecidableProbe(f"{name} is not readable as source under {top}'s install ({spec.origin}); eagle_compat "
+                           "reads it to decide which workarounds apply. Install a build that ships .py files.")
 
 
 def function_source(fn: Any) -> str:
@@ -354,8 +361,8 @@ def _feature_transformers_generates_config_init() -> bool:
 def _feature_speculators_target_skips_final_norm() -> bool:
     # speculators 0.3.0 (models/eagle3/core.py): `targets = self.verifier_lm_head(verifier_last_hidden_states)` on
     # a pre-norm state; #313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
-    source = package_module_source("speculators.models.eagle3.core") or ""
-    return "self.verifier_lm_head(verifier_last_hidden_states)" in source and "verifier_norm" not in source
+    # Fails closed: the correction applies unless the trainer applies the verifier's norm itself.
+    return "verifier_norm" not in (package_module_source("speculators.models.eagle3.core") or "")
 
 
 def _feature_cuda_available() -> bool:

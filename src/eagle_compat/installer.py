@@ -108,6 +108,7 @@ def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:
 def check_environment() -> None:
     """Refuse combinations that cannot be made correct, naming the versions and what is missing."""
     import importlib
+    import importlib.util
 
     from packaging.specifiers import SpecifierSet
 
@@ -120,6 +121,15 @@ def check_environment() -> None:
             f"install() adapts speculators {SUPPORTED_SPECULATORS}; installed: {v.describe()}. "
             "Use eagle_compat.VllmHiddenStatesGenerator instead, which does not depend on speculators' internals.")
     if v.vllm is None:  # a training environment: only the units that need no vLLM apply (PatchUnit.needs_vllm)
+        try:
+            importable = importlib.util.find_spec("vllm") is not None
+        except (ImportError, ValueError):
+            importable = False
+        if importable:  # importable without a record: its units would be skipped
+            raise IncompatibleEnvironment(
+                "vLLM can be imported here but has no installed distribution record (a source tree on PYTHONPATH?); "
+                "eagle_compat reads the record to decide which vLLM units apply. Install it (pip install -e) or "
+                "remove it from the path.")
         return
     require_cpu_platform_ready(v)
     from .capture.handshake import require_plugin_allowed

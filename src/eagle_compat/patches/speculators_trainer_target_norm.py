@@ -5,7 +5,7 @@ Its drafter's training target is the verifier's `lm_head` over the verifier's la
 in the same convention) are taken *before* the final norm: the target skips the norm the verifier applies before its
 `lm_head`. speculators fixed it after 0.3.0 (commit a54a7283, #313: `verifier_lm_head(verifier_norm(h))`).
 Measured on SmolLM2-135M-Instruct: the unnormed target's top token is the verifier's own next token on 10% of loss
-tokens, and a drafter trained by 0.3.0's trainer on the H200 was accepted 0.10 tokens per draft
+tokens, and a drafter trained by 0.3.0's trainer on the H200 had 0.12 tokens accepted per draft
 (benchmarks/results/h200-training-proof-vllm-0.20.0-run1.json, docs/training-proof.md).
 
 Applied when `speculators.models.eagle3.core` is imported: after the drafter loads the verifier's `lm_head`, the
@@ -21,7 +21,8 @@ TARGET = "speculators.models.eagle3.core"
 NORM_KEY = "model.norm.weight"
 # verifier families whose final norm is `weight * x * rsqrt(mean(x^2) + eps)` (Gemma's `1 + weight` is not)
 RMS_NORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-                                  "deepseek_v2", "deepseek_v3", "kimi_k2", "granite", "olmo2", "phi3"})
+                                  "deepseek_v2", "deepseek_v3", "kimi_k2", "granite", "olmo2", "phi3",
+                                  "gpt_oss"})
 BUFFER = "eagle_compat_verifier_norm_weight"
 
 
@@ -38,7 +39,7 @@ def normed_lm_head_input(module, args):
     import torch
     h = hidden.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eagle_compat_verifier_norm_eps)
-    return ((getattr(module, BUFFER).float() * h).to(hidden.dtype),)
+    return (getattr(module, BUFFER) * h.to(hidden.dtype),)  # in LlamaRMSNorm's order: normalize, cast, scale
 
 
 def _attach_verifier_norm(wrapped, instance, args, kwargs):
@@ -57,7 +58,10 @@ def _attach_verifier_norm(wrapped, instance, args, kwargs):
             "would train against logits without it. Use a newer speculators trainer, or set "
             "EAGLE_COMPAT_DISABLE=speculators_trainer_target_norm to train 0.3.0's way knowingly.")
     core = __import__(TARGET, fromlist=["load_model_layers"])
-    weights = core.load_model_layers([NORM_KEY], config.name_or_path)
+    try:
+        weights = core.load_model_layers([NORM_KEY], config.name_or_path)
+    except ValueError:  # a sharded checkpoint whose index lacks the key
+        weights = {}
     if NORM_KEY not in weights:
         raise IncompatibleEnvironment(f"speculators_trainer_target_norm: {NORM_KEY!r} is not in the verifier's "
                                       f"checkpoint {config.name_or_path}; cannot apply its final norm to the target")
