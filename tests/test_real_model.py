@@ -135,10 +135,10 @@ def test_speculators_0_3_0_under_install_on_the_real_model(model, batch):
     assert result.precision == "bf16" and result.ok, result.failures()
 
 
-def test_extract_through_the_real_chat_template_masks_exactly_the_replies(model, tmp_path):
-    from transformers import AutoTokenizer
-
-    from eagle_compat.extract import writer
+@pytest.fixture(scope="module")
+def extracted(model, tmp_path_factory):
+    """`eagle-compat extract --validate` of CONVERSATIONS through the real chat template (one run, shared)."""
+    tmp_path = tmp_path_factory.mktemp("extract")
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
     out = tmp_path / "out"
@@ -147,6 +147,14 @@ def test_extract_through_the_real_chat_template_masks_exactly_the_replies(model,
                            "--gpu-memory-utilization", "0.3", "--no-progress", "--validate"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return out
+
+
+def test_extract_through_the_real_chat_template_masks_exactly_the_replies(model, extracted):
+    from transformers import AutoTokenizer
+
+    from eagle_compat.extract import writer
+    out = extracted
     tok = AutoTokenizer.from_pretrained(model)
     samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(len(CONVERSATIONS))]
     for conv, sample in zip(CONVERSATIONS, samples):
@@ -184,20 +192,13 @@ def test_a_capture_wrong_on_a_few_tokens_only_fails(bf16_states, references):
     assert all(e.median <= e.limits()[0] and e.high <= e.limits()[1] for e in layers)  # only the worst token shows it
 
 
-def test_speculators_0_3_0_trainer_reads_our_files_and_trains_on_the_verifiers_next_token(model, tmp_path):
+def test_speculators_0_3_0_trainer_reads_our_files_and_trains_on_the_verifiers_next_token(model, extracted, tmp_path):
     """speculators 0.3.0's trainer (its scripts/train.py helpers, dataset reader and drafter) on `extract` files of
     the real model, under `python -m eagle_compat`: the files load unchanged, one training forward runs, the drafter
     saves and reloads (tests/data/speculators_trainer_forward.py). Its target's top token is the verifier's own
     with the speculators_trainer_target_norm unit, and mostly not without it (0.3.0's pre-norm target; the GPU
     run that showed what it costs: docs/training-proof.md)."""
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", str(data),
-                           "--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--max-len", "512",
-                           "--gpu-memory-utilization", "0.3", "--no-progress"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = extracted
     script = os.path.join(os.path.dirname(__file__), "data", "speculators_trainer_forward.py")
 
     def trainer(save: str, **env: str) -> dict:
