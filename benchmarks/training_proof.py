@@ -465,6 +465,7 @@ class Run:
         held = self.prompts("prompts_heldout.jsonl")
         size = -(-len(held) // self.scale.groups)
         groups, texts, generated, elapsed = [], [], 0, 0.0
+        at_start = counters(llm)
         for g in range(self.scale.groups):
             chunk = held[g * size:(g + 1) * size]
             before = counters(llm)
@@ -472,17 +473,15 @@ class Run:
             outs = llm.chat([[{"role": "user", "content": p}] for p in chunk], params, use_tqdm=False)
             elapsed += time.perf_counter() - start
             after = counters(llm)
-            delta = {k: _sub(after[k], before.get(k)) for k in after}
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             generated += tokens
             texts += [list(o.outputs[0].token_ids) for o in outs]
-            groups.append({"prompts": len(chunk), "tokens": tokens, **(acceptance(delta) if drafter else {})})
+            groups.append({"prompts": len(chunk), "tokens": tokens, **(acceptance(since(before, after)) if drafter else {})})
         result = {"variant": variant, "drafter": drafter, "groups": groups, "generated_tokens": generated,
                   "generate_s": elapsed, "tokens_per_s": generated / elapsed, "token_ids": texts}
         if drafter:
             result["mean_acceptance_length"] = summarize_groups([g["mean_acceptance_length"] for g in groups])
-            total = acceptance({k: sum(_get(g, k) for g in groups) for k in _COUNTER_KEYS})
-            result["overall"] = total
+            result["overall"] = acceptance(since(at_start, counters(llm)))
         json.dump(result, open(self.path(f"serve_{variant}.json"), "w"))
 
     # -- report
@@ -553,28 +552,10 @@ def counters(llm) -> dict:
     return {k: found.get(k, 0) for k in _COUNTER_KEYS}
 
 
-def _sub(a, b):
-    if isinstance(a, list):
-        b = b or [0] * len(a)
-        return [x - y for x, y in zip(a, b)]
-    return a - (b or 0)
-
-
-def _get(group: dict, key: str):
-    short = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-    if key in short:
-        return group.get(short[key], 0)
-    return Vec([p * group.get("drafts", 0) for p in group.get("per_position", [])])
-
-
-class Vec(list):
-    """Per-position accepted counts, summed across groups."""
-    def __radd__(self, other):
-        return self if other == 0 else Vec([a + b for a, b in zip(other, self)])
-
-    def __add__(self, other):
-        return self.__radd__(other)
+def since(before: dict, after: dict) -> dict:
+    """What vLLM's spec-decode counters counted between two readings (the per-position one is a list)."""
+    return {k: [a - b for a, b in zip(v, before[k] or [0] * len(v))] if isinstance(v, list) else v - before[k]
+            for k, v in after.items()}
 
 
 SCHEDULER_STATE = "scheduler_state_dict.pt"  # the last file speculators 0.3.0's trainer writes for an epoch

@@ -12,6 +12,7 @@ Applied when `speculators.models.eagle3.core` is imported: after the drafter loa
 verifier's final norm (its RMSNorm weight from the same checkpoint, the config's epsilon) is applied to the input of
 that `lm_head` by a forward pre-hook, as #313 does; the weight is a non-persistent buffer, so checkpoints are
 unchanged. A verifier whose norm is not `weight * x / rms(x)` is refused by name rather than trained wrong.
+uninstall() restores speculators' method; a drafter built while installed keeps its hook (it is that training's).
 """
 from __future__ import annotations
 
