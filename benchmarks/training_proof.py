@@ -192,6 +192,26 @@ def summarize_groups(values: list[float]) -> dict:
     return {"mean": mean, "sd": sd, "se": sd / len(values) ** 0.5, "groups": values}
 
 
+def verdict(result: dict) -> dict:
+    """Issue 25's done criteria, read from a report. The noise is the seed-to-seed difference (two trainings of ours
+    that differ only in seed: the training noise) plus two paired standard errors over the held-out groups (the
+    sampling noise); ours and HF's must be closer than that, and the off-by-one control lower than ours by more."""
+    c, serving = result["comparisons"], result["serving"]
+    seed_noise = abs(c["ours_minus_ours_seed2"]["mean"])
+    drafted = [row for name, row in serving.items() if name != "none"]
+    checks = {
+        "ours_accepted_above_1": serving["ours"]["mean_acceptance_length"]["mean"] > 1.0,
+        "ours_equals_hf_within_noise":
+            abs(c["ours_minus_hf"]["mean"]) <= seed_noise + 2 * c["ours_minus_hf"]["se"],
+        "offbyone_lower_by_more_than_noise":
+            c["ours_minus_offbyone"]["mean"] > seed_noise + 2 * c["ours_minus_offbyone"]["se"],
+        # greedy speculative decoding must not change a token: a drafter that did would be a broken engine, not a win
+        "outputs_equal_to_no_drafter": all(
+            len(set(row["outputs_equal_to_no_drafter"].split("/"))) == 1 for row in drafted),
+    }
+    return {"seed_noise": seed_noise, "checks": checks, "proof": all(checks.values())}
+
+
 # ---------------------------------------------------------------------------------------------------- stages ----
 
 class Run:
@@ -529,6 +549,8 @@ class Run:
             os.path.exists(self.path("data_hf", "hf_states.json")) else None,
             "training_val_per_epoch": training, "training_seeds": {n: seed for n, (_, seed) in TRAININGS.items()},
             "trainer_units": trainer_units, "serving": variants, "comparisons": comparisons,
+            "verdict": verdict({"serving": variants, "comparisons": comparisons}) if {
+                "ours_minus_hf", "ours_minus_offbyone"} <= set(comparisons) else None,
             "timings_s": json.load(open(self.timings_path)) if os.path.exists(self.timings_path) else {},
             "versions": versions(),
         }

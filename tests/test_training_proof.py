@@ -51,3 +51,17 @@ def test_acceptance_length_is_one_plus_accepted_tokens_per_draft(proof):
     assert proof.acceptance({**counters, "vllm:spec_decode_num_drafts": 0})["mean_acceptance_length"] is None
     summary = proof.summarize_groups([1.0, 2.0, 3.0])
     assert summary["mean"] == 2.0 and summary["se"] == pytest.approx(1.0 / 3 ** 0.5)
+
+
+@pytest.mark.parametrize("run, proof_expected, failing", [
+    # run 1 trained on speculators 0.3.0's pre-norm target: accepted, equal to HF, but blind to the layer convention
+    ("h200-training-proof-vllm-0.20.0-run1.json", False, {"offbyone_lower_by_more_than_noise"}),
+    ("h200-training-proof-vllm-0.20.0-run2.json", True, set()),
+])
+def test_the_committed_h200_runs_meet_the_done_criteria_or_say_which_they_miss(proof, run, proof_expected, failing):
+    import json
+    result = json.loads((ROOT / "benchmarks" / "results" / run).read_text())
+    got = proof.verdict(result)
+    assert {name for name, ok in got["checks"].items() if not ok} == failing
+    assert got["proof"] is proof_expected
+    assert result["versions"]["vllm"] == "0.20.0" and "H200" in result["versions"]["device"]
