@@ -4,6 +4,7 @@
 # (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against HF transformers fp32 on the same GPU.
 #   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model)
 #   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
+#   CELL_TIMEOUT_S=400                       per cell; its log is $OUT/cell-CHECK-MODEL.log while it runs
 # Results: $OUT/gpu_parity.jsonl, $OUT/preflight.jsonl (+ errors.log, gpu.txt, setup.log).
 # Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and .gpu/extra/ with the wheels
 # the image lacks: wrapt for eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate, pydantic-settings, python-dotenv,
@@ -15,15 +16,20 @@ gpu_setup || exit 1
 export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
+# each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
+# the running cell got (vLLM 0.21.0's first cell, session 10, came back with nothing from /tmp)
 for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
   start=$(date +%s)
-  timeout 400 python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda > /tmp/cell.log 2>&1
-  if grep -q '^EAGLE_COMPAT_CELL ' /tmp/cell.log; then
-    grep '^EAGLE_COMPAT_CELL ' /tmp/cell.log | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
+  log="$out/cell-${cell/:/-}.log"
+  timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
+    > "$log" 2>&1
+  if grep -q '^EAGLE_COMPAT_CELL ' "$log"; then
+    grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
+    [ -n "${KEEP_CELL_LOGS:-}" ] || rm -f "$log"
   else
-    { echo "== $cell (no result)"; tail -60 /tmp/cell.log; } >> "$out/errors.log"
+    { echo "== $cell (no result after $(( $(date +%s) - start )) s)"; tail -60 "$log"; } >> "$out/errors.log"
   fi
-  echo "$cell $(( $(date +%s) - start ))s $(grep -o '"status": "[a-z]*"' /tmp/cell.log | tail -1)"
+  echo "$cell $(( $(date +%s) - start ))s $(grep -o '"status": "[a-z]*"' "$out/gpu_parity.jsonl" 2>/dev/null | tail -1)"
 done
 if [ -n "${PREFLIGHT:-}" ]; then
   timeout 500 python3 scripts/gpu_preflight.py --device cuda --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
