@@ -13,9 +13,8 @@ import torch
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import arrow, convert, job, writer
 
-from test_extract_integrity import (THINK_TEMPLATE, FakeEngine, _opts, _with_template, _write_lines,  # noqa: F401
-                                    fake_engine, no_engine)  # the stand-in engine's fixtures
-from helpers import prompts
+from test_extract_integrity import THINK_TEMPLATE, _opts, _with_template, _write_lines
+from helpers import FakeEngine, prompts
 
 NUM_LAYERS = 6  # the tiny Llama
 LAYERS = [0, 2, 5]  # leaving; 5 = N-1, the final pre-norm state

@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,67 +21,8 @@ from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.errors import EagleCompatError
 from eagle_compat.extract import inputs, job, writer
 
-from helpers import prompts
-
-HIDDEN = 256  # the tiny Llama's hidden size
+from helpers import HIDDEN, FakeEngine, prompts  # noqa: F401 - FakeEngine: the stand-in engine, also for other suites
 N = 12  # samples in the dataset; batch size 4: three batches
-
-
-class FakeEngine:
-    """Stands in for VllmHiddenStatesGenerator: hidden states are a pure function of (token, position, layer)."""
-    started = 0
-    block: threading.Event | None = None  # set by a test to hold the run inside generate()
-
-    def __init__(self, model_path, layer_ids=None, max_model_len=2048, **kwargs):
-        FakeEngine.started += 1
-        FakeEngine.max_model_len = max_model_len
-        self.layer_ids = list(layer_ids)
-        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32"))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def describe(self):
-        return {"stand_in": True}
-
-    def generate(self, token_ids):
-        if FakeEngine.block is not None:
-            FakeEngine.block.wait(30)
-        out = []
-        for ids in token_ids:
-            t = torch.tensor(ids, dtype=torch.long)
-            base = t.float()[:, None] + torch.arange(len(ids)).float()[:, None] / 7 + torch.arange(HIDDEN) / 100
-            out.append({"input_ids": t, "hidden_states": [base * (lid + 1) for lid in self.layer_ids]})
-        return out
-
-
-    def generate_batches(self, batches, prefetch=1):  # the real one pipelines; the files are the same
-        for batch in batches:
-            yield self.generate(batch)
-
-
-class NoEngine:
-    def __init__(self, *args, **kwargs):
-        raise AssertionError("an engine was started")
-
-
-@pytest.fixture
-def fake_engine(monkeypatch):
-    import eagle_compat.generator
-
-    FakeEngine.started, FakeEngine.block = 0, None
-    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", FakeEngine)
-    return FakeEngine
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    import eagle_compat.generator
-
-    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NoEngine)
 
 
 @pytest.fixture(scope="module")
@@ -478,15 +418,12 @@ def test_writes_left_undone_by_a_failure_log_no_traceback_each(caplog):
 @pytest.mark.parametrize("fmt", ["pt", "safetensors", "arrow", "arrow-fp8"])
 def test_non_finite_states_are_refused_naming_the_sample_and_layer(tmp_path, fmt):
     """One Inf would otherwise be written as it is (and in fp8 make its token's scale Inf: the token zeros or NaN)."""
-    from eagle_compat.extract import arrow
+    from eagle_compat.extract import formats
     states = [torch.randn(5, 8), torch.randn(5, 8)]
     states[1][3, 2] = float("inf")
-    sample = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long), "hidden_states": states}
     with pytest.raises(writer.NonFiniteStates, match=r"sample 7: layer id 12 has 1 NaN/Inf values, at tokens \[3\]"):
-        if fmt in arrow.ARROW_FORMATS:
-            arrow.save_hs(str(tmp_path), 7, sample["input_ids"], states, fmt, layer_ids=[4, 12])
-        else:
-            writer.save_sample(str(tmp_path), 7, sample, fmt, layer_ids=[4, 12])
+        formats.get(fmt).save(str(tmp_path), 7, 7, torch.arange(5), torch.ones(5, dtype=torch.long), states,
+                              layer_ids=[4, 12])
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing of it was written
 
 

@@ -153,8 +153,8 @@ def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
                                  model=str(tmp_path), out=str(tmp_path), format="pt", validate=False,
                                  gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="float32",
                                  trust_remote_code=False, progress=False)
-    sample = types.SimpleNamespace
-    todo = [[sample(index=10 * k + j, input_ids=[1, 2], loss_mask=[0, 1]) for j in range(10)] for k in range(batches)]
+    # (index, row, input ids, loss mask), as job.run places them
+    todo = [[(10 * k + j, 10 * k + j, [1, 2], [0, 1]) for j in range(10)] for k in range(batches)]
     this_run: dict = {}
     done, tokens = ray_runner.extract(opts, todo, [0], 8, 32, 16, {}, this_run, Progress)
     return fake, this_run["ray"]["per_actor"], done

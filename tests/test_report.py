@@ -13,7 +13,7 @@ import torch
 
 from eagle_compat.extract import job, report, writer
 
-from test_extract_integrity import _opts, _write_lines, fake_engine, model  # noqa: F401 (fixtures)
+from test_extract_integrity import _opts, _write_lines, model  # noqa: F401 (fixtures)
 
 MAX_LEN = 48
 

@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import InvalidInput
-from . import arrow, layers, writer
+from . import arrow, formats, layers, writer
 
-TARGETS = ("pt", "safetensors", "arrow", "arrow-fp8")
+TARGETS = tuple(formats.FORMATS)
 
 
 def source_format(src: str, record: dict | None) -> str:
@@ -114,9 +114,9 @@ def _read_source(src: str, num_layers: int | None = None) -> tuple[dict, str]:
 def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
     """Everything checked before DST is touched: formats, layers, the sample list, files present."""
     record, fmt = _read_source(src, num_layers)
-    target = to or ("pt" if fmt in arrow.ARROW_FORMATS else "arrow")
-    if target not in TARGETS:
-        raise InvalidInput(f"convert --to {target!r}; allowed: {', '.join(TARGETS)}")
+    source = formats.get(fmt)
+    target = to or ("pt" if source.arrow else "arrow")
+    destination = formats.get(target, "convert --to")
     if target == fmt:
         raise InvalidInput(f"{src} is already in format {fmt!r}; pass --to with another format")
     layer_ids = [int(k) for k in record["layer_ids"]]
@@ -124,7 +124,7 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
     if not n:
         raise InvalidInput(f"{src}/{writer.MANIFEST} does not record the model's number of layers")
     order = list(range(len(layer_ids)))  # source slot of each destination slot
-    if target in arrow.ARROW_FORMATS and fmt not in arrow.ARROW_FORMATS:
+    if destination.arrow and not source.arrow:
         if n - 1 not in layer_ids:
             raise InvalidInput(
                 f"{src} cannot become the Arrow layout: its files hold layers {layer_ids} (leaving; "
@@ -135,19 +135,11 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
         last = layer_ids.index(n - 1)
         order = [j for j in order if j != last] + [last]
     indices = _indices(record)
-    if fmt in arrow.ARROW_FORMATS:
-        found = arrow.hs_files(src)
-        expected = [os.path.basename(arrow.hs_path(src, r)) for r in range(len(indices))]
-        rows = len(arrow.read_rows(src))
-        if rows != len(indices):
-            raise InvalidInput(f"{src}: its Arrow dataset has {rows} rows, its manifest {len(indices)} "
-                               "samples; the directory is not one extraction")
-    else:
-        found = writer.sample_files(src)
-        expected = [os.path.basename(writer.sample_path(src, i, fmt)) for i in indices]
-    missing = sorted(set(expected) - set(found))
+    formats.SetReader(source, src).check_rows(len(indices))
+    missing = [os.path.relpath(path, src) for path in (source.path(src, i, r) for r, i in enumerate(indices))
+               if not os.path.exists(path)]
     if missing:
-        raise InvalidInput(f"{src} lacks {len(missing)} of its {len(expected)} sample files "
+        raise InvalidInput(f"{src} lacks {len(missing)} of its {len(indices)} sample files "
                            f"({', '.join(missing[:3])}, ...): finish it with eagle-compat extract ... --resume first")
     new_ids = [layer_ids[j] for j in order]
     with open(os.path.join(src, record.get("record_file", writer.MANIFEST)), "rb") as f:
@@ -162,12 +154,10 @@ def _dst_record(src: str, p: dict) -> dict:
     rec["settings"]["format"] = p["to"]
     rec["settings"]["layer_ids"] = rec["layer_ids"] = p["layer_ids"]
     rec["layers"] = layers.record(p["layer_ids"], p["num_layers"])
-    if p["to"] in arrow.ARROW_FORMATS:
-        rec["arrow_rows"] = ("row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold the r-th smallest "
-                             "sample index present (indices count the input's non-blank lines from 0; those in "
-                             "skipped_uncovered have no row)")
-    else:
-        rec.pop("arrow_rows", None)
+    for fmt in formats.FORMATS.values():  # the notes of the destination's format only
+        for key in fmt.manifest_notes:
+            rec.pop(key, None)
+    rec.update(formats.get(p["to"]).manifest_notes)
     rec["converted_from"] = {"path": os.path.abspath(src), "format": p["from"],
                              "manifest_sha256": p["src_manifest_sha256"],
                              "slot_order": p["order"],
@@ -179,7 +169,6 @@ def _dst_record(src: str, p: dict) -> dict:
 
 
 def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num_layers: int | None = None) -> dict:
-    import torch
 
     p = plan(src, to, num_layers)
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -200,7 +189,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
     elif writer.sample_files(dst):
         raise InvalidInput(f"DST {dst} holds training files but no settings record; choose an empty DST")
     os.makedirs(dst, exist_ok=True)
-    to_arrow = p["to"] in arrow.ARROW_FORMATS
+    source, destination = formats.get(p["from"]), formats.get(p["to"])
     order, indices = p["order"], p["indices"]
     written = 0
     with writer.DirectoryLock(dst):
@@ -208,52 +197,22 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         rec = existing or fresh
         rec["status"] = "converting"
         writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
-        if p["from"] in arrow.ARROW_FORMATS:
-            rows = arrow.read_rows(src)
+        reader = formats.SetReader(source, src)
         for r, i in enumerate(indices):  # one sample in memory at a time
-            out_path = arrow.hs_path(dst, r) if to_arrow else writer.sample_path(dst, i, p["to"])
-            if os.path.exists(out_path):  # --resume: files are written whole or not at all
+            if os.path.exists(destination.path(dst, i, r)):  # --resume: files are written whole or not at all
                 continue
-            if p["from"] in arrow.ARROW_FORMATS:
-                hs = arrow.load_hs(arrow.hs_path(src, r))
-                row = rows[r]
-                if hs["token_ids"].tolist() != list(row["input_ids"]):
-                    raise InvalidInput(f"{src}: hs_{r}.safetensors' token ids differ from row {r} of the "
-                                       "Arrow dataset; the directory is not one extraction")
-                ids = hs["token_ids"]
-                states = hs["hidden_states"][:, order]
-                mask = torch.tensor(row["loss_mask"], dtype=torch.long)
-            else:
-                s = writer.load_sample(writer.sample_path(src, i, p["from"]))
-                ids, mask = s["input_ids"], s["loss_mask"]
-                states = torch.stack([s["hidden_states"][j] for j in order], dim=1)
-            if to_arrow:
-                arrow.save_hs(dst, r, ids, states, p["to"])
-            else:
-                writer.save_sample(dst, i, {"input_ids": ids, "loss_mask": mask,
-                                            "hidden_states": [states[:, k].clone() for k in range(states.shape[1])]},
-                                   p["to"])
+            ids, mask, states = reader.sample(i, r)
+            destination.save(dst, i, r, ids, mask, states[:, order])
             written += 1
-        if to_arrow:
-            def dataset_rows():
-                if p["from"] in arrow.ARROW_FORMATS:
-                    yield from ((row["input_ids"], row["loss_mask"]) for row in rows)
-                    return
-                for i in indices:  # input ids and loss masks only (memory-mapped: states are not read)
-                    ids, mask = _ids_and_mask(writer.sample_path(src, i, p["from"]))
-                    yield ids, mask
-            arrow.write_dataset(dst, dataset_rows())
-        else:
-            from . import job
-
-            st = rec["settings"]
-            opts = job.ExtractOptions(model=st["model"], data=st["data"], out=dst, format=p["to"],
-                                      tensor_parallel_size=st.get("tensor_parallel_size", 1))
-            hidden = int((rec.get("model_config") or {}).get("hidden_size") or 0)
-            cfg = job.speculators_data_config(opts, p["layer_ids"], hidden, len(indices), rec.get("versions", {}),
-                                              st.get("max_len"))
-            cfg["reproducibility"]["command"] = f"eagle-compat convert {src} {dst}"
-            writer.atomic_write_json(os.path.join(dst, "data_config.json"), cfg)
+        st = rec["settings"]
+        destination.finish(dst, lambda: (reader.ids_and_mask(i, r) for r, i in enumerate(indices)),
+                           formats.DataDescription(
+                               model=st["model"], data=st["data"], layer_ids=p["layer_ids"],
+                               hidden_size=int((rec.get("model_config") or {}).get("hidden_size") or 0),
+                               num_samples=len(indices), max_len=st.get("max_len"),
+                               versions=rec.get("versions", {}),
+                               tensor_parallel_size=st.get("tensor_parallel_size", 1),
+                               command=f"eagle-compat convert {src} {dst}"))
         rec.update(status="complete", samples_present=len(indices))
         rec.setdefault("runs", []).append({"convert": True, "at": datetime.now(timezone.utc).isoformat(),
                                            "written": written, "temp_files_swept": len(swept)})
@@ -262,15 +221,3 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
             "layer_ids": p["layer_ids"], "eagle_aux_hidden_state_layer_ids":
                 rec["layers"]["eagle_aux_hidden_state_layer_ids"]}
 
-
-def _ids_and_mask(path: str) -> tuple[list[int], list[int]]:
-    import torch
-
-    if path.endswith(".pt"):
-        s = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    else:
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            s = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask")}
-    return s["input_ids"].tolist(), s["loss_mask"].tolist()

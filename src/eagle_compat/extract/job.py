@@ -15,9 +15,9 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import arrow, inputs, layers, pipeline, report, writer
+from . import formats, inputs, layers, pipeline, report, writer
 
-FORMATS = ("pt", "safetensors", *arrow.ARROW_FORMATS)
+FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
 # the config keys vLLM derives a model's length limit from (the smallest wins)
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -73,11 +73,7 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 
 def _check(opts: ExtractOptions) -> None:
-    if opts.format not in FORMATS:
-        raise InvalidInput(f"--format {opts.format!r}; allowed: {', '.join(FORMATS)}")
-    if opts.ray is not None and opts.format in arrow.ARROW_FORMATS:
-        raise InvalidInput(f"--ray with --format {opts.format}: Ray actors write pt or safetensors files; extract with "
-                           "--format pt on the cluster, then `eagle-compat convert SRC DST` to the Arrow layout")
+    formats.get(opts.format)
     if opts.batch_size < 1:
         raise InvalidInput(f"--batch-size {opts.batch_size}; must be >= 1")
     if not isinstance(opts.min_loss_tokens, int) or opts.min_loss_tokens < 0:
@@ -153,31 +149,12 @@ def resolve_max_len(model: str, text_config: Any, requested: int | None) -> tupl
                    "model_limit_from": source or "the model's config names no position limit"}
 
 
-def speculators_data_config(opts: ExtractOptions, layer_ids: list[int], hidden_size: int, num_samples: int,
-                            versions: dict, max_len: int) -> dict:
-    """data_config.json in the shape speculators 0.3.0's data-generation script writes it (version 2.0)."""
-    return {
-        "version": "2.0", "generated_at": datetime.now(timezone.utc).isoformat(),
-        "speculators_version": versions.get("speculators"),
-        "reproducibility": {"command": " ".join(["eagle-compat", *sys.argv[1:]]),
-                            "package_versions": {k: versions.get(k) for k in ("torch", "vllm", "transformers",
-                                                                             "speculators")},
-                            "gpu": "CPU only" if not detect.feature("cuda_available") else "cuda"},
-        "model": {"target_model_path": opts.model, "tensor_parallel_size": opts.tensor_parallel_size,
-                  "gpu_memory_utilization": opts.gpu_memory_utilization, "hidden_size": hidden_size},
-        "data": {"train_data_path": opts.data, "seq_length": max_len, "max_samples": None,
-                 "num_samples": num_samples, "seed": 0,
-                 "chat_template_note": "Uses tokenizer's built-in chat template"},
-        "hidden_states": {"layer_ids": layer_ids,
-                          "description": "Layers selected for EAGLE3 fusion and target logits"},
-        "generation": {"cache_dir": ""},
-        "format": {"file_pattern": "data_{idx}.pt" if opts.format == "pt" else "data_{idx}.safetensors",
-                   "data_format_version": 1,
-                   "schema": {"input_ids": {"dtype": "torch.long", "shape": "[seq_len]"},
-                              "hidden_states": {"shape": f"list of [seq_len, {hidden_size}]",
-                                                "num_tensors": len(layer_ids)},
-                              "loss_mask": {"dtype": "torch.long", "shape": "[seq_len]"}}},
-    }
+def data_description(opts: ExtractOptions, layer_ids: list[int], hidden_size: int, num_samples: int,
+                     versions: dict, max_len: int) -> formats.DataDescription:
+    return formats.DataDescription(
+        model=opts.model, data=opts.data, layer_ids=layer_ids, hidden_size=hidden_size, num_samples=num_samples,
+        max_len=max_len, versions=versions, tensor_parallel_size=opts.tensor_parallel_size,
+        gpu_memory_utilization=opts.gpu_memory_utilization)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -247,8 +224,8 @@ def run(opts: ExtractOptions) -> dict:
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
                  else generator.validate_layer_ids(opts.layers, num_layers))
-    if opts.format in arrow.ARROW_FORMATS:
-        arrow.check_layers(layer_ids, num_layers, f"--format {opts.format}")
+    fmt = formats.get(opts.format)
+    fmt.check_layers(layer_ids, num_layers, f"--format {opts.format}")
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below, with what
@@ -266,20 +243,15 @@ def run(opts: ExtractOptions) -> dict:
     batches = [samples[k: k + opts.batch_size] for k in range(0, len(samples), opts.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
 
-    row_of = {s.index: r for r, s in enumerate(samples)}  # --format arrow: hs_{row}, rows in input order
+    row_of = {s.index: r for r, s in enumerate(samples)}  # a sample's row: its rank in input order
 
     def path_of(s: inputs.Sample) -> str:
-        if opts.format in arrow.ARROW_FORMATS:
-            return arrow.hs_path(opts.out, row_of[s.index])
-        return writer.sample_path(opts.out, s.index, opts.format)
+        return fmt.path(opts.out, s.index, row_of[s.index])
 
     def save_of(s: inputs.Sample, sample: dict) -> None:
         try:
-            if opts.format in arrow.ARROW_FORMATS:
-                arrow.save_hs(opts.out, row_of[s.index], sample["input_ids"], sample["hidden_states"], opts.format,
-                              layer_ids)
-            else:
-                writer.save_sample(opts.out, s.index, sample, opts.format, layer_ids)
+            fmt.save(opts.out, s.index, row_of[s.index], sample["input_ids"], sample["loss_mask"],
+                     sample["hidden_states"], layer_ids)
         except writer.NonFiniteStates as exc:
             raise writer.NonFiniteStates(f"{opts.data}:{s.line}: {exc}") from None
 
@@ -329,10 +301,8 @@ def run(opts: ExtractOptions) -> dict:
         left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
         manifest["report"] = report.of_samples(samples, max_len, left_out)  # the directory's: the whole input
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
-        if opts.format in arrow.ARROW_FORMATS:
-            manifest.setdefault("arrow_rows", "row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold "
-                                "the r-th smallest sample index present (indices count the input's non-blank "
-                                "lines from 0; those in skipped_uncovered have no row)")
+        for key, note in fmt.manifest_notes.items():
+            manifest.setdefault(key, note)
         this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                     "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume, "versions": versions,
                     "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
@@ -347,7 +317,9 @@ def run(opts: ExtractOptions) -> dict:
         try:
             if todo and opts.ray is not None:  # the same batches on a pool of Ray actors (extract/ray_runner.py)
                 from . import ray_runner
-                done_samples, done_tokens = ray_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
+                placed = [[(s.index, row_of[s.index], list(s.input_ids), list(s.loss_mask)) for s in b]
+                          for b in todo]
+                done_samples, done_tokens = ray_runner.extract(opts, placed, layer_ids, max_len, vocab_size,
                                                                hidden_size, manifest, this_run, _progress)
             elif todo:
                 done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
@@ -373,33 +345,25 @@ def run(opts: ExtractOptions) -> dict:
         this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
                         report=report.of_samples([s for b in todo for s in b], max_len))
-        if complete and opts.format in arrow.ARROW_FORMATS:  # the dataset ArrowDataset opens: only for a whole set
-            # every hs_{r} file (other shards' included) must hold row r's tokens: rows are bound by position
-            wrong = writer.first_mismatch((path_of(s), s.input_ids, None,
-                                           f"row {row_of[s.index]} (input line {s.line})") for s in samples)
-            if wrong:
+        if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
+            try:        # fails here leaves the directory "incomplete", and --resume finishes it
+                fmt.check_whole_set(opts.out, ((s.index, row_of[s.index], s.input_ids, f"input line {s.line}")
+                                               for s in samples))
+                fmt.finish(opts.out, lambda: ((s.input_ids, s.loss_mask) for s in samples),
+                           data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
+            except writer.OutputDirectoryConflict:
                 manifest.update(status="incomplete", samples_present=present)
                 this_run.update(status="failed: the files of this directory were made from differing sample sets")
                 _best_effort_json(manifest_path, manifest)
-                raise writer.OutputDirectoryConflict(
-                    f"{wrong[0]} does not hold its row's sample: {wrong[1]}; the shards of this directory were made "
-                    "from differing sample sets (another tokenizer, transformers version or option). The Arrow "
-                    "dataset is not written")
-            # before the manifest says "complete": a run that fails here leaves the directory "incomplete"
-            try:
-                arrow.write_dataset(opts.out, ((s.input_ids, s.loss_mask) for s in samples))
+                raise
             except OSError as exc:
                 manifest.update(status="incomplete", samples_present=present)
-                this_run.update(status=f"failed: the Arrow dataset could not be written: {exc.strerror or exc}")
+                this_run.update(status=f"failed: {fmt.finishes} could not be written: {exc.strerror or exc}")
                 _best_effort_json(manifest_path, manifest)
-                raise writer.OutputWriteError(f"could not write the Arrow dataset in {opts.out}: "
-                                              f"{exc.strerror or exc}; rerun the same command with --resume") from exc
+                raise writer.OutputWriteError(f"could not write {fmt.finishes} in {opts.out}: {exc.strerror or exc}; "
+                                              "rerun the same command with --resume") from exc
         manifest.update(status="complete" if complete else "incomplete", samples_present=present)
         _write_json(manifest_path, manifest)
-        if complete and opts.format not in arrow.ARROW_FORMATS:
-            # the set speculators' trainer reads is whole: describe it (whichever shard finished last)
-            _write_json(os.path.join(opts.out, "data_config.json"),
-                        speculators_data_config(opts, layer_ids, hidden_size, len(samples), versions, max_len))
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import engine
 from ..errors import EagleCompatError, InvalidInput
-from . import writer
+from . import formats, writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -177,8 +177,9 @@ class ExtractActor:
             gen, self.gen = self.gen, None
             gen.close()
 
-    def run_batch(self, batch: list[tuple[int, list[int], list[int]]]) -> dict:
-        """Extract and write one batch: [(sample index, input ids, loss mask)]. Returns counts and timings."""
+    def run_batch(self, batch: list[tuple[int, int, list[int], list[int]]]) -> dict:
+        """Extract and write one batch: [(sample index, row, input ids, loss mask)], in the run's format (the same
+        writer as a local run's, formats.py). Returns counts and timings."""
         import torch
 
         started = time.time()
@@ -187,7 +188,7 @@ class ExtractActor:
         spec = self.spec
         t = time.time()
         try:
-            results = self.gen.generate([ids for _, ids, _ in batch])
+            results = self.gen.generate([ids for _, _, ids, _ in batch])
         except BaseException:
             # an engine that failed mid-batch (a dead vLLM worker) is not reused: the next batch starts a new one
             gen, self.gen = self.gen, None
@@ -198,14 +199,16 @@ class ExtractActor:
             raise
         forward = time.time() - t
         tokens = 0
-        for (index, ids, mask), r in zip(batch, results, strict=True):
+        fmt = formats.get(spec.format)
+        for (index, row, ids, mask), r in zip(batch, results, strict=True):
             sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
                       "loss_mask": torch.as_tensor(mask, dtype=torch.long)}
             if spec.validate:
                 writer.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
-            path = writer.sample_path(spec.out, index, spec.format)
-            try:
-                writer.save_sample(spec.out, index, sample, spec.format, spec.layer_ids)  # temp file + rename
+            path = fmt.path(spec.out, index, row)
+            try:  # temp file + rename
+                fmt.save(spec.out, index, row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
+                         spec.layer_ids)
             except OSError as exc:
                 raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
                                               f"{exc.strerror or exc}") from exc
@@ -266,9 +269,10 @@ def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None
     return f"{type(exc).__name__}: {text}", None
 
 
-def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int, hidden_size: int,
-            manifest: dict, this_run: dict, progress_cls: Any) -> tuple[int, int]:
-    """Runs `todo` (the batches job.run chose) on the pool; returns (samples written, tokens)."""
+def extract(opts: Any, todo: list[list[tuple[int, int, list[int], list[int]]]], layer_ids: list[int], max_len: int,
+            vocab_size: int, hidden_size: int, manifest: dict, this_run: dict, progress_cls: Any) -> tuple[int, int]:
+    """Runs `todo` (the batches job.run chose, each sample as (index, row, input ids, loss mask)) on the pool;
+    returns (samples written, tokens)."""
     ray, connected = connect(opts.ray or None)
     resources = ray.cluster_resources()
     tp = opts.tensor_parallel_size
@@ -307,8 +311,7 @@ def extract(opts: Any, todo: list, layer_ids: list[int], max_len: int, vocab_siz
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
     total = sum(map(len, todo))
-    pending = collections.deque(_Item(k, [(s.index, list(s.input_ids), list(s.loss_mask)) for s in b])
-                                for k, b in enumerate(todo))
+    pending = collections.deque(_Item(k, b) for k, b in enumerate(todo))
     alive = set(range(actors_n))
     idle = collections.deque(range(actors_n))
     in_flight: dict[Any, tuple[int, _Item]] = {}

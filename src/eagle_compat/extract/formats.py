@@ -1,0 +1,180 @@
+"""Output formats: one object per `--format`, used by every path that writes training files (the local runner, the
+`--ray` actors, `convert`), so a format is decided in one place: where a sample's file goes, how it is saved, what a
+whole set needs before a trainer may open it, and what the manifest says of it.
+
+  pt, safetensors      speculators 0.3.0's files: data_{i}.pt / .safetensors, `i` the sample's index in the input
+                       (writer.py); a whole set gets data_config.json
+  arrow, arrow-fp8     speculators 0.8-0.9's layout: hidden_states/hs_{r}.safetensors, `r` the sample's row (its rank
+                       among the indices present); a whole set gets the Arrow dataset of ids and masks (arrow.py)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from .. import detect
+from ..errors import InvalidInput
+from . import arrow, writer
+
+
+@dataclass(frozen=True)
+class DataDescription:
+    """What speculators' data_config.json says of a whole set (the run's model, data and engine settings)."""
+    model: str
+    data: str | None
+    layer_ids: list[int]
+    hidden_size: int
+    num_samples: int
+    max_len: int | None
+    versions: dict
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.8
+    command: str = ""
+
+
+class SampleFiles:
+    """speculators 0.3.0's layout: one file per sample, named by its input index."""
+    arrow = False
+    manifest_notes: dict = {}
+    finishes = "data_config.json"  # what a whole set gets
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def check_layers(self, layer_ids: list[int], num_layers: int, what: str) -> None:
+        """Any layers: 0.3.0's trainer reads the slots as its data_config.json lists them."""
+
+    def path(self, out: str, index: int, row: int) -> str:
+        return writer.sample_path(out, index, self.name)
+
+    def save(self, out: str, index: int, row: int, input_ids: Any, loss_mask: Any, hidden_states: list,
+             layer_ids: list[int] | None = None) -> str:
+        if getattr(hidden_states, "dim", lambda: 0)() == 3:  # [T, L, H]: one tensor per layer, each its own storage
+            hidden_states = [h.clone() for h in hidden_states.unbind(1)]  # (a view would save the whole [T, L, H])
+        return writer.save_sample(out, index, {"input_ids": input_ids, "hidden_states": list(hidden_states),
+                                               "loss_mask": loss_mask}, self.name, layer_ids)
+
+    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], str]]) -> None:
+        """Files are named by input index: each run checks the files it keeps (job.run), nothing binds by position."""
+
+    def finish(self, out: str, rows: Callable[[], Iterable[tuple[list[int], list[int]]]],
+               description: DataDescription) -> None:
+        """The set is whole: describe it for speculators' trainer (whichever run finished it)."""
+        writer.atomic_write_json(os.path.join(out, "data_config.json"), speculators_data_config(self.name,
+                                                                                               description))
+
+
+class ArrowLayout:
+    """speculators 0.8-0.9's layout: per-row hidden-state files, and one Arrow dataset for the whole set."""
+    arrow = True
+    finishes = "the Arrow dataset"
+    manifest_notes = {"arrow_rows": "row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold the r-th "
+                                    "smallest sample index present (indices count the input's non-blank lines from 0; "
+                                    "those in skipped_uncovered have no row)"}
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def check_layers(self, layer_ids: list[int], num_layers: int, what: str) -> None:
+        arrow.check_layers(layer_ids, num_layers, what)
+
+    def path(self, out: str, index: int, row: int) -> str:
+        return arrow.hs_path(out, row)
+
+    def save(self, out: str, index: int, row: int, input_ids: Any, loss_mask: Any, hidden_states: Any,
+             layer_ids: list[int] | None = None) -> str:
+        return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids)
+
+    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], str]]) -> None:
+        """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens.
+        `placed`: (index, row, token ids, what names the sample)."""
+        wrong = writer.first_mismatch((self.path(out, index, row), ids, None, f"row {row} ({what})")
+                                      for index, row, ids, what in placed)
+        if wrong:
+            raise writer.OutputDirectoryConflict(
+                f"{wrong[0]} does not hold its row's sample: {wrong[1]}; the shards of this directory were made "
+                "from differing sample sets (another tokenizer, transformers version or option). The Arrow dataset "
+                "is not written")
+
+    def finish(self, out: str, rows: Callable[[], Iterable[tuple[list[int], list[int]]]],
+               description: DataDescription) -> None:
+        """The dataset `ArrowDataset` opens, written only for a whole set: before it the directory cannot be opened,
+        so a partial set is never mistaken for a whole one."""
+        arrow.write_dataset(out, rows())
+
+
+FORMATS: dict[str, SampleFiles | ArrowLayout] = {
+    "pt": SampleFiles("pt"), "safetensors": SampleFiles("safetensors"),
+    "arrow": ArrowLayout("arrow"), "arrow-fp8": ArrowLayout("arrow-fp8")}
+
+
+def get(name: str, option: str = "--format") -> SampleFiles | ArrowLayout:
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise InvalidInput(f"{option} {name!r}; allowed: {', '.join(FORMATS)}") from None
+
+
+def speculators_data_config(fmt: str, d: DataDescription) -> dict:
+    """data_config.json in the shape speculators 0.3.0's data-generation script writes it (version 2.0)."""
+    return {
+        "version": "2.0", "generated_at": datetime.now(timezone.utc).isoformat(),
+        "speculators_version": d.versions.get("speculators"),
+        "reproducibility": {"command": d.command or " ".join(["eagle-compat", *sys.argv[1:]]),
+                            "package_versions": {k: d.versions.get(k) for k in ("torch", "vllm", "transformers",
+                                                                               "speculators")},
+                            "gpu": "CPU only" if not detect.feature("cuda_available") else "cuda"},
+        "model": {"target_model_path": d.model, "tensor_parallel_size": d.tensor_parallel_size,
+                  "gpu_memory_utilization": d.gpu_memory_utilization, "hidden_size": d.hidden_size},
+        "data": {"train_data_path": d.data, "seq_length": d.max_len, "max_samples": None,
+                 "num_samples": d.num_samples, "seed": 0,
+                 "chat_template_note": "Uses tokenizer's built-in chat template"},
+        "hidden_states": {"layer_ids": d.layer_ids,
+                          "description": "Layers selected for EAGLE3 fusion and target logits"},
+        "generation": {"cache_dir": ""},
+        "format": {"file_pattern": "data_{idx}.pt" if fmt == "pt" else "data_{idx}.safetensors",
+                   "data_format_version": 1,
+                   "schema": {"input_ids": {"dtype": "torch.long", "shape": "[seq_len]"},
+                              "hidden_states": {"shape": f"list of [seq_len, {d.hidden_size}]",
+                                                "num_tensors": len(d.layer_ids)},
+                              "loss_mask": {"dtype": "torch.long", "shape": "[seq_len]"}}},
+    }
+
+
+class SetReader:
+    """A whole set of one format, read one sample at a time (`convert`): its files by (index, row)."""
+
+    def __init__(self, fmt: SampleFiles | ArrowLayout, src: str):
+        self.fmt, self.src = fmt, src
+        self.rows = arrow.read_rows(src) if fmt.arrow else None  # memory-mapped ids and masks
+
+    def check_rows(self, count: int) -> None:
+        if self.rows is not None and len(self.rows) != count:
+            raise InvalidInput(f"{self.src}: its Arrow dataset has {len(self.rows)} rows, its manifest {count} "
+                               "samples; the directory is not one extraction")
+
+    def sample(self, index: int, row: int) -> tuple[Any, Any, Any]:
+        """(input ids, loss mask, states [T, L, H]) of one sample."""
+        import torch
+
+        path = self.fmt.path(self.src, index, row)
+        if self.rows is None:
+            s = writer.load_sample(path)
+            return s["input_ids"], s["loss_mask"], torch.stack(list(s["hidden_states"]), dim=1)
+        hs, dataset_row = arrow.load_hs(path), self.rows[row]
+        if hs["token_ids"].tolist() != list(dataset_row["input_ids"]):
+            raise InvalidInput(f"{self.src}: {os.path.basename(path)}' token ids differ from row {row} of the Arrow "
+                               "dataset; the directory is not one extraction")
+        return hs["token_ids"], torch.tensor(dataset_row["loss_mask"], dtype=torch.long), hs["hidden_states"]
+
+    def ids_and_mask(self, index: int, row: int) -> tuple[list[int], list[int]]:
+        """Without the states (memory-mapped)."""
+        if self.rows is not None:
+            r = self.rows[row]
+            return list(r["input_ids"]), list(r["loss_mask"])
+        ids, mask = writer.token_ids_in(self.fmt.path(self.src, index, row))
+        return ids, mask
