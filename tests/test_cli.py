@@ -13,9 +13,9 @@ import pytest
 from eagle_compat import tiny_models
 
 
-def _doctor(*args):
+def _doctor(*args, env=None):
     proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
     # the JSON comes last; vLLM's workers may have printed to the same stdout before it (gloo on 0.16)
     text = "\n" + proc.stdout
     start = text.rfind("\n{\n")
@@ -24,7 +24,7 @@ def _doctor(*args):
 
 
 def test_doctor_reports_versions_features_and_patches():
-    proc = _doctor()
+    proc = _doctor(env={"EAGLE_COMPAT_WRITERS_WAIT_S": "7"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = proc.report
     assert report["versions"]["vllm"] and report["versions"]["speculators"] == "0.3.0"
@@ -36,6 +36,8 @@ def test_doctor_reports_versions_features_and_patches():
     from eagle_compat import cpu
     assert report["cpu"]["cpu_model"] == cpu.this_cpu().model and set(report["cpu"]["flags"]) == set(cpu.KERNEL_FLAGS)
     assert report["cpu"]["vllm_kernels"]["loads"], report["cpu"]
+    # the variables the library reads that are set here (docs/environment.md)
+    assert report["environment"]["EAGLE_COMPAT_WRITERS_WAIT_S"] == "7"
 
 
 @pytest.mark.engine

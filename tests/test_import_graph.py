@@ -90,3 +90,77 @@ def test_the_graph_reader_sees_local_and_relative_imports(tmp_path):
     assert "eagle_compat.extract.writer" in graph["eagle_compat.extract.job"]
     cyclic = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert [g for g in _strongly_connected(cyclic) if len(g) > 1] == [["a", "b", "c"]]
+
+
+# The house's floors, lowest first: a module imports only from its own floor or below (issue 23). `x.*` is every
+# module under package x. A new module must be given a floor here.
+FLOORS = [
+    ("leaves: no import of the package's own, or only of each other",
+     {"errors", "_version", "rounding", "cpu", "startup", "capture.families", "capture.handover"}),
+    ("facts about the installation, the worker's error channel and handshake",
+     {"detect", "environment", "remote_errors", "capture.handshake"}),
+    ("vLLM's internals behind adapters, and the capture that runs in vLLM's workers",
+     {"engine", "capture.resolver", "capture.worker"}),
+    ("patch units and their registry", {"patches", "patches.*"}),
+    ("install() and the processes it reaches", {"installer", "workarounds", "plugin", "launcher"}),
+    ("the stable generator, and the models tests and preflight build", {"generator", "tiny_models",
+                                                                         "quantized_models", "preflight"}),
+    ("jobs over the generator", {"check", "extract", "extract.*"}),
+    ("entry points", {"cli", "pytest_plugin", "", "__main__"}),  # "": the package's __init__ (the public API)
+]
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    name = module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + ".") else "" if module == PACKAGE else module
+    for k, (_, members) in enumerate(floors):
+        if name in members or any(m.endswith(".*") and name.startswith(m[:-1]) for m in members):
+            return k
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    return [f"{m} (floor {floor_of(m, floors)}) imports {t} (floor {floor_of(t, floors)})"
+            for m, targets in sorted(graph.items()) for t in sorted(targets)
+            if floor_of(t, floors) > floor_of(m, floors)]
+
+
+def test_every_module_has_a_floor_and_none_imports_from_a_floor_above():
+    graph = import_graph()
+    assert not [m for m in graph if floor_of(m) is None], "modules without a floor in FLOORS"
+    assert not upward_imports(graph), "imports from a floor above:\n" + "\n".join(upward_imports(graph))
+
+
+def test_the_floor_check_finds_an_upward_import():
+    """The check can fail: an adapter importing the generator is found."""
+    graph = {f"{PACKAGE}.engine": {f"{PACKAGE}.generator"}, f"{PACKAGE}.generator": {f"{PACKAGE}.engine"}}
+    assert upward_imports(graph) == [f"{PACKAGE}.engine (floor 2) imports {PACKAGE}.generator (floor 5)"]
+    assert floor_of(f"{PACKAGE}.patches.two_phase_step") == 3 and floor_of(PACKAGE) == 7
+
+
+# -- the environment table: one list in the source, the same in docs/environment.md ---------------------------------
+
+ENV_NAME = r"""["']((?:EAGLE_COMPAT|VLLM|RAY|TORCH)_[A-Z0-9_]*[A-Z0-9])["']"""
+NOT_VARIABLES = {"EAGLE_COMPAT_KERNEL_PROBE_LOADING"}  # a line the kernel probe prints, not a variable
+
+
+def _doc_table(title: str) -> set[str]:
+    import re
+    doc = open(os.path.join(os.path.dirname(SRC), "docs", "environment.md")).read()
+    section = doc.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    return {name for row in section.splitlines() if row.startswith("| `")
+            for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split("|")[1])}
+
+
+def test_every_variable_in_the_source_is_in_the_environment_table_and_the_read_table_is_environment_read():
+    import re
+
+    from eagle_compat import environment
+    in_source = set()
+    for root, _, files in os.walk(os.path.join(SRC, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                in_source |= set(re.findall(ENV_NAME, open(os.path.join(root, name)).read()))
+    documented = _doc_table("Read") | _doc_table("Set for vLLM")
+    assert not in_source - NOT_VARIABLES - documented, "not in docs/environment.md"
+    assert _doc_table("Read") == set(environment.READ)
+    assert not {n for n in documented if n.startswith("EAGLE_COMPAT_")} - in_source, "documented, never read"

@@ -91,7 +91,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
             "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
             "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
-    from . import startup
+    from . import environment, startup
+    report["environment"] = environment.variables_set()
     report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}
     if report["startup_hook"]["legacy_pth"]:
         if args.fix:
@@ -117,6 +118,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if "cpu_tensor_parallel" in report:
             _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
                          "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
+        _print_table(sorted(report["environment"].items()) or [("none set", "")],
+                     "Environment variables eagle_compat reads (docs/environment.md)")
         hook = report["startup_hook"]
         _print_table([("this run's directory", hook["run_dir"] or "none (install() makes one per run, removed at "
                                                                      "its end; nothing in site-packages)"),

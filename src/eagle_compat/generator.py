@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import engine
+from . import engine, environment
 from .capture import handshake
 from .remote_errors import WorkerErrorLog, record_start_error, reply_from_worker, translate
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
@@ -202,8 +202,7 @@ class VllmHiddenStatesGenerator:
         except Exception as exc:  # noqa: BLE001 - token ids can still be given directly
             log.warning("no tokenizer for %s (%s); eos_token_id unknown", model_path, exc)
             self.tokenizer = None
-        from .installer import require_cpu_platform_ready
-        require_cpu_platform_ready()  # before anything reaches the engine
+        environment.require_cpu_platform_ready()  # before anything reaches the engine
         self._env_restore = engine.apply_env({**engine.default_worker_env(dtype, tensor_parallel_size),
                                               **QUEUED_CALL_TIMEOUT_ENV})
         try:

