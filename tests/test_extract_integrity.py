@@ -115,29 +115,6 @@ def test_samples_without_a_settings_record_are_refused(model, dataset, tmp_path,
     assert fake_engine.started == 1
 
 
-def test_records_of_the_earlier_layout_are_adopted_only_where_they_agree(model, dataset, tmp_path, fake_engine):
-    """Earlier releases kept one manifest per shard layout; the issue's mixed directory has two that disagree."""
-    out = tmp_path / "out"
-    job.run(_opts(model, dataset, out, shard=(0, 2)))
-    written = out / ("manifest.json" if os.path.exists(out / "manifest.json") else "manifest.shard-0-of-2.json")
-    record = json.load(open(written))
-    os.unlink(written)
-    record["settings"]["shard"] = [0, 2]
-    record["settings"].pop("skip_uncovered", None)
-    json.dump(record, open(out / "manifest.shard-0-of-2.json", "w"))
-    job.run(_opts(model, dataset, out, shard=(1, 2)))  # the same settings: the other shard completes the set
-    assert os.path.exists(out / "data_config.json")
-    mixed = json.load(open(out / "manifest.json"))  # what the old code left: the last run's record said [2, 3]
-    mixed["settings"]["layer_ids"] = [2, 3]
-    json.dump(mixed, open(out / "manifest.json", "w"))
-    before = _snapshot(out)
-    for layers in ([2, 3], [0, 1]):
-        with pytest.raises(InvalidInput, match=r"manifest.json and manifest.shard-0-of-2.json disagree(.|\n)*"
-                                               r"layer_ids: was \[2, 3\], now \[0, 1\]"):
-            job.run(_opts(model, dataset, out, layers=layers, resume=True))
-    assert _snapshot(out) == before
-
-
 def test_shards_end_with_one_record_and_data_config_for_the_whole_set(model, dataset, tmp_path, fake_engine):
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     job.run(_opts(model, dataset, whole))

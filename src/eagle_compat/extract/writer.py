@@ -231,7 +231,11 @@ def sample_files(out_dir: str) -> list[str]:
     return found + (["state.json"] if os.path.exists(os.path.join(out_dir, "state.json")) else [])
 
 
-def _load_record(path: str) -> dict:
+def read_manifest(out_dir: str) -> dict | None:
+    """The directory's settings record (None where there is none)."""
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return None
     try:
         with open(path) as f:
             record = json.load(f)
@@ -240,27 +244,7 @@ def _load_record(path: str) -> dict:
     except ValueError as exc:
         raise OutputDirectoryConflict(f"{path} is not a readable eagle_compat settings record ({exc}); the files "
                                       "next to it cannot be checked. Choose another --out") from None
-    # records of eagle_compat before one record per directory: the shard was a setting, --skip-uncovered did not exist
-    record["settings"].pop("shard", None)
-    record["settings"].setdefault("skip_uncovered", False)
     return record
-
-
-def read_manifest(out_dir: str) -> dict | None:
-    """The directory's settings record. Directories of earlier eagle_compat releases have one manifest per shard
-    layout (and, where runs were mixed, several that disagree): all of them must agree."""
-    if not os.path.isdir(out_dir):
-        return None
-    names = sorted(f for f in os.listdir(out_dir) if re.fullmatch(r"manifest\.shard-\d+-of-\d+\.json", f))
-    if os.path.exists(os.path.join(out_dir, MANIFEST)):
-        names.insert(0, MANIFEST)
-    records = [_load_record(os.path.join(out_dir, f)) for f in names]
-    for name, other in zip(names[1:], records[1:]):
-        diffs = settings_differences(records[0]["settings"], other["settings"])
-        if diffs:
-            raise OutputDirectoryConflict(f"{out_dir}: {names[0]} and {name} disagree, so its files mix two "
-                                          "extractions; choose another --out:\n  " + "\n  ".join(diffs))
-    return records[0] if records else None
 
 
 def check_directory(out_dir: str, settings: dict, same_sample_set: dict[str, bool] | None = None) -> dict | None:
