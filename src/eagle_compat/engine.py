@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import os
 import threading
-import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -147,10 +146,7 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Executor: which executor serves which config (the KV helpers need it to publish the layout, 0.29+).
-
-_executors_by_config: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_local = threading.local()
+# Executor
 
 
 def executor_class(in_process: bool) -> Any:
@@ -162,22 +158,6 @@ def executor_class(in_process: bool) -> Any:
         return UniProcExecutor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
     return MultiprocExecutor
-
-
-def remember_executor(executor: Any) -> None:
-    cfg = getattr(executor, "vllm_config", None)
-    if cfg is not None:
-        _executors_by_config[id(cfg)] = executor
-    _local.last_executor = weakref.ref(executor)
-
-
-def executor_for(vllm_config: Any) -> Any | None:
-    return _executors_by_config.get(id(vllm_config))
-
-
-def last_executor() -> Any | None:
-    ref = getattr(_local, "last_executor", None)
-    return ref() if ref is not None else None
 
 
 def can_queue_calls(executor: Any) -> bool:
@@ -265,10 +245,13 @@ def kv_budget(executor: Any, gpu_memory_utilization: float, fraction: float = 0.
 def publish_kv_cache_layout(vllm_config: Any, executor: Any, kv_cache_specs: list[dict]) -> None:
     """0.29+: the layout must be resolved and sent to the workers before any KV config is built (EngineCore does
     this right after get_kv_cache_specs)."""
-    if not detect.feature("kv_layout_must_be_resolved") or executor is None:
+    if not detect.feature("kv_layout_must_be_resolved"):
         return
     if getattr(vllm_config.cache_config, "kv_cache_layout", None) is not None:
         return
+    if executor is None:  # its workers must take the layout: without them the config would be built unusable
+        raise IncompatibleEnvironment("the KV-cache layout must be sent to the workers before the KV config is "
+                                      "built (vLLM 0.29+), and no executor serving this config is known")
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
     layout = resolve_kv_cache_layout(vllm_config, executor.get_supported_kv_cache_layouts(),
@@ -282,11 +265,11 @@ def register_kv_cache_specs(vllm_config: Any) -> None:
         register_all_kvcache_specs(vllm_config)
 
 
-def kv_cache_config_from_groups(original: Any, *, vllm_config: Any, kv_cache_groups: Any, available_memory: int,
-                                kv_cache_specs: Any = None, **extra: Any) -> Any:
+def kv_cache_config_from_groups(original: Any, *, executor: Any, vllm_config: Any, kv_cache_groups: Any,
+                                available_memory: int, kv_cache_specs: Any = None, **extra: Any) -> Any:
     """Call (the possibly wrapped) `get_kv_cache_config_from_groups` the way this release wants, then finish the
-    config like EngineCore does (layout, block sizes, cache-hit alignment)."""
-    executor = executor_for(vllm_config)
+    config like EngineCore does (layout, block sizes, cache-hit alignment). `executor`: the one serving
+    `vllm_config` (its workers take the KV layout, 0.29+)."""
     if kv_cache_specs is not None:
         publish_kv_cache_layout(vllm_config, executor, [kv_cache_specs])
     kw = dict(vllm_config=vllm_config, kv_cache_groups=kv_cache_groups, available_memory=available_memory, **extra)
@@ -349,9 +332,9 @@ def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int
     spec = specs[0]
     unify_kv_cache_specs(spec, kcu.unify_hybrid_kv_cache_specs)
     groups = kcu._get_kv_cache_groups_uniform_spec(spec)
-    return kv_cache_config_from_groups(kcu.get_kv_cache_config_from_groups, vllm_config=vllm_config,
-                                       kv_cache_groups=groups, available_memory=available_memory,
-                                       kv_cache_specs=spec)
+    return kv_cache_config_from_groups(kcu.get_kv_cache_config_from_groups, executor=executor,
+                                       vllm_config=vllm_config, kv_cache_groups=groups,
+                                       available_memory=available_memory, kv_cache_specs=spec)
 
 
 def scheduler_kwargs(kwargs: dict[str, Any], scheduler_cls: Any) -> dict[str, Any]:

@@ -217,7 +217,6 @@ class VllmHiddenStatesGenerator:
             self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
             with self._worker_errors.spawning():
                 self.executor = executor_cls(vllm_config=self.vllm_config)
-            engine.remember_executor(self.executor)
             replies = handshake.require_patched_workers(
                 self._translated(self.executor.collective_rpc, "collective_rpc"), "generator")
             self.worker_pids = [r.get("pid") for r in replies]

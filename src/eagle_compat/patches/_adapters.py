@@ -20,6 +20,7 @@ never by the order in which units contributed:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
 
@@ -78,6 +79,31 @@ class ExecutorHooks:
     built: Callable[[Any, Any], None] | None = None
     methods: Mapping[str, Callable[[Any, Callable, tuple, dict], Any]] = field(default_factory=dict)
     ready: Callable[[Any], None] | None = None
+
+
+class BuiltExecutors:
+    """The executors built through the hooked name, as one unit saw them built. speculators' later calls pass only
+    the config (the KV helpers) or nothing (`torch.cuda.mem_get_info`), so the unit that needs the executor keeps
+    this record itself, for as long as it is applied; weak, so a closed executor is not kept alive."""
+
+    def __init__(self) -> None:
+        self._by_config: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._last: Any = None
+
+    def hooks(self) -> "ExecutorHooks":
+        return ExecutorHooks(built=lambda executor, _: self._add(executor))
+
+    def _add(self, executor: Any) -> None:
+        config = getattr(executor, "vllm_config", None)
+        if config is not None:
+            self._by_config[id(config)] = executor
+        self._last = weakref.ref(executor)
+
+    def for_config(self, vllm_config: Any) -> Any | None:
+        return self._by_config.get(id(vllm_config))
+
+    def last(self) -> Any | None:
+        return self._last() if self._last is not None else None
 
 
 class ExecutorAdapter(Adapter):

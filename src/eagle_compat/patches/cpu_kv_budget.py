@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 
-from ._adapters import ExecutorHooks
+from ._adapters import BuiltExecutors
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -18,15 +18,16 @@ def _needed() -> bool:
 
 
 class _CudaOnCpu:
-    def __init__(self, real_cuda, generator_module):
+    def __init__(self, real_cuda, generator_module, executors: BuiltExecutors):
         self._real = real_cuda
         self._module = generator_module
+        self._executors = executors
 
     def mem_get_info(self, *args, **kwargs):
         from .. import engine
         from ..errors import IncompatibleEnvironment
 
-        executor = engine.last_executor()
+        executor = self._executors.last()  # speculators asks right after building it
         if executor is None:
             raise IncompatibleEnvironment("no CUDA device, and no vLLM executor to ask for the CPU KV-cache budget")
         budget = engine.kv_budget(executor, 1.0)
@@ -43,10 +44,10 @@ class _CudaOnCpu:
 
 
 class _TorchForGenerator(types.ModuleType):
-    def __init__(self, real_torch, generator_module):
+    def __init__(self, real_torch, generator_module, executors: BuiltExecutors):
         super().__init__("torch")
         self.__dict__["_real"] = real_torch
-        self.__dict__["cuda"] = _CudaOnCpu(real_torch.cuda, generator_module)
+        self.__dict__["cuda"] = _CudaOnCpu(real_torch.cuda, generator_module, executors)
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_real"], name)
@@ -55,12 +56,9 @@ class _TorchForGenerator(types.ModuleType):
 def _apply(patcher, module) -> None:
     import torch
 
-    from .. import engine
-
-    patcher.set(module, "torch", _TorchForGenerator(torch, module))
-    # the executor speculators builds is the one to ask
-    patcher.hook_executor(module, "MultiprocExecutor",
-                          ExecutorHooks(built=lambda executor, _: engine.remember_executor(executor)))
+    executors = BuiltExecutors()  # the executor speculators builds is the one to ask
+    patcher.set(module, "torch", _TorchForGenerator(torch, module, executors))
+    patcher.hook_executor(module, "MultiprocExecutor", executors.hooks())
 
 
 UNIT = PatchUnit(

@@ -7,6 +7,7 @@ At speculators' call site we call the helper the way this release wants and fini
 """
 from __future__ import annotations
 
+from ._adapters import BuiltExecutors
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
@@ -19,9 +20,15 @@ def _needed() -> bool:
 def _apply(patcher, module) -> None:
     from .. import engine
 
+    # speculators calls the helper with the config only; its workers (0.29+: they take the KV layout) are those of
+    # the executor it built with that config
+    executors = BuiltExecutors()
+    patcher.hook_executor(module, "MultiprocExecutor", executors.hooks())
+
     def helper(wrapped, instance, args, kwargs):
-        engine.register_kv_cache_specs(kwargs.get("vllm_config"))
-        return engine.kv_cache_config_from_groups(wrapped, **kwargs)
+        config = kwargs.get("vllm_config")
+        engine.register_kv_cache_specs(config)
+        return engine.kv_cache_config_from_groups(wrapped, executor=executors.for_config(config), **kwargs)
 
     patcher.wrap(module, "get_kv_cache_config_from_groups", helper)
 
