@@ -239,11 +239,6 @@ def _feature_scheduler_config_requires_is_encoder_decoder() -> bool:
     return p is not None and p.default is inspect.Parameter.empty
 
 
-def _feature_config_forbids_unknown_kwargs() -> bool:
-    cfg = getattr(_sched_config(), "__pydantic_config__", {}) or {}
-    return cfg.get("extra") == "forbid"
-
-
 def _feature_chunked_prefill_on_by_default() -> bool:
     return _param_default(_sched_config(), "enable_chunked_prefill") is True
 
@@ -253,8 +248,20 @@ def _feature_prefix_caching_on_by_default() -> bool:
     return _param_default(CacheConfig, "enable_prefix_caching") is True
 
 
-def _feature_async_scheduling_field() -> bool:
-    return has_parameter(_sched_config(), "async_scheduling")
+def _feature_async_scheduling_not_off_by_default() -> bool:
+    p = parameters(_sched_config()).get("async_scheduling")
+    return p is not None and p.default is not False
+
+
+def _feature_model_config_takes_text_only_options() -> bool:
+    from vllm.config import ModelConfig
+    return has_parameter(ModelConfig, "language_model_only") or has_parameter(ModelConfig, "limit_mm_per_prompt")
+
+
+def _feature_explicit_block_size_is_final() -> bool:
+    from vllm.config import CacheConfig
+    fields = getattr(CacheConfig, "__dataclass_fields__", None) or getattr(CacheConfig, "__pydantic_fields__", None)
+    return "user_specified_block_size" in (fields or {})
 
 
 def _feature_kv_helper_takes_kv_cache_specs() -> bool:
@@ -278,11 +285,6 @@ def _feature_kv_cache_hit_alignment() -> bool:
 def _feature_scheduler_requires_block_size() -> bool:
     from vllm.v1.core.sched.scheduler import Scheduler
     return has_parameter(Scheduler, "block_size")
-
-
-def _feature_scheduler_has_hash_block_size() -> bool:
-    from vllm.v1.core.sched.scheduler import Scheduler
-    return has_parameter(Scheduler, "hash_block_size")
 
 
 def _feature_request_takes_eos_token_id() -> bool:
@@ -373,13 +375,17 @@ def _feature_cuda_available() -> bool:
 FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "scheduler_config_requires_is_encoder_decoder": (
         _feature_scheduler_config_requires_is_encoder_decoder, "SchedulerConfig needs is_encoder_decoder (0.12+)"),
-    "config_forbids_unknown_kwargs": (
-        _feature_config_forbids_unknown_kwargs, "config classes reject unknown kwargs (0.16+)"),
     "chunked_prefill_on_by_default": (
         _feature_chunked_prefill_on_by_default, "chunked prefill on by default (0.11.1+)"),
     "prefix_caching_on_by_default": (
         _feature_prefix_caching_on_by_default, "prefix caching on by default (0.12+)"),
-    "async_scheduling_field": (_feature_async_scheduling_field, "SchedulerConfig.async_scheduling exists"),
+    "async_scheduling_not_off_by_default": (
+        _feature_async_scheduling_not_off_by_default, "SchedulerConfig.async_scheduling is not off by default (0.14+)"),
+    "model_config_takes_text_only_options": (
+        _feature_model_config_takes_text_only_options,
+        "ModelConfig takes language_model_only or limit_mm_per_prompt"),
+    "explicit_block_size_is_final": (
+        _feature_explicit_block_size_is_final, "an explicit block_size is final, not adjusted by the platform (0.18+)"),
     "kv_helper_takes_kv_cache_specs": (
         _feature_kv_helper_takes_kv_cache_specs, "get_kv_cache_config_from_groups takes kv_cache_specs (<=0.11.x)"),
     "kv_layout_must_be_resolved": (
@@ -387,7 +393,6 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "kv_block_size_resolver": (_feature_kv_block_size_resolver, "resolve_kv_cache_block_sizes exists (0.20+)"),
     "kv_cache_hit_alignment": (_feature_kv_cache_hit_alignment, "resolve_cache_hit_alignment_tokens exists (0.32+)"),
     "scheduler_requires_block_size": (_feature_scheduler_requires_block_size, "Scheduler needs block_size (0.11.1+)"),
-    "scheduler_has_hash_block_size": (_feature_scheduler_has_hash_block_size, "Scheduler takes hash_block_size (0.20+)"),
     "request_takes_eos_token_id": (_feature_request_takes_eos_token_id, "Request takes eos_token_id (<=0.16)"),
     "two_phase_step": (_feature_two_phase_step, "execute_model + sample_tokens (0.11.1+)"),
     "unique_reply_returns_single": (

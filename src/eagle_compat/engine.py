@@ -70,18 +70,10 @@ def without_prefix_caching(kw: dict[str, Any]) -> dict[str, Any]:
         CacheConfig, "enable_prefix_caching") else kw
 
 
-def explicit_block_size_is_final() -> bool:
-    """From 0.18 an explicit `block_size` counts as user-specified and the platform no longer adjusts it."""
-    from vllm.config import CacheConfig
-
-    fields = getattr(CacheConfig, "__dataclass_fields__", None) or getattr(CacheConfig, "__pydantic_fields__", None)
-    return "user_specified_block_size" in (fields or {})
-
-
 def platform_block_size(kw: dict[str, Any]) -> dict[str, Any]:
     """CPU attention rejects speculators' 16 once it is final ("No common block size for 16 (CPU_ATTN:
     [MultipleOf(32)])", seen on 0.32). The block size does not change the states, so let the platform pick it."""
-    if explicit_block_size_is_final():
+    if detect.feature("explicit_block_size_is_final"):  # 0.18+: the platform no longer adjusts it
         kw = {k: v for k, v in kw.items() if k != "block_size"}
     return kw
 

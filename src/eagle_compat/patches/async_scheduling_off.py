@@ -10,9 +10,7 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 def _needed() -> bool:
     from .. import detect
-    from vllm.config import SchedulerConfig
-    p = detect.parameters(SchedulerConfig).get("async_scheduling")
-    return p is not None and p.default is not False
+    return detect.feature("async_scheduling_not_off_by_default")
 
 
 def _apply(patcher, module) -> None:

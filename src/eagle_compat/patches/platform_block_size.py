@@ -9,8 +9,8 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 
 def _needed() -> bool:
-    from .. import engine
-    return engine.explicit_block_size_is_final()
+    from .. import detect
+    return detect.feature("explicit_block_size_is_final")
 
 
 def _apply(patcher, module) -> None:

@@ -11,9 +11,7 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 def _needed() -> bool:
     from .. import detect
-    from vllm.config import ModelConfig
-    return detect.has_parameter(ModelConfig, "language_model_only") or detect.has_parameter(
-        ModelConfig, "limit_mm_per_prompt")
+    return detect.feature("model_config_takes_text_only_options")
 
 
 def _apply(patcher, module) -> None:
