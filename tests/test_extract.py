@@ -96,18 +96,35 @@ def _equal_dirs(a, b):
             assert torch.equal(h, g), name
 
 
-def _start_until(model, dataset, out, files: int = 12) -> subprocess.Popen:
-    """Start an extract run in its own process group; return once it has written `files` samples. Its output goes
-    to files (a pipe nobody reads could fill and stall it); `_finish` returns it."""
+PAUSED = 12  # files a paused run writes before it holds (one batch of 8 whole, the next half)
+
+
+def _start_until(model, dataset, out) -> subprocess.Popen:
+    """Start an extract run in its own process group; return once exactly PAUSED sample files are complete, its
+    further writes held (tests/data/pause_writes.py: a fault point, not a timing window) until `_release(proc)`.
+    Its output goes to files (a pipe nobody reads could fill and stall it); `_finish` returns it."""
     logs = out.parent / f"{out.name}.log"
-    proc = subprocess.Popen(_cli("--model", model, "--data", dataset, "--out", str(out), "--layers",
-                                 ",".join(map(str, LAYERS)), "--batch-size", "8", "--max-len", "256"),
-                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"), start_new_session=True)
-    proc.logs = logs
-    deadline = time.time() + 600
-    while time.time() < deadline and (not out.exists() or len(_files(out)) < files) and proc.poll() is None:
+    pause = out.parent / f"{out.name}.pause"
+    pause.mkdir()
+    cli = _cli("--model", model, "--data", dataset, "--out", str(out), "--layers", ",".join(map(str, LAYERS)),
+               "--batch-size", "8", "--max-len", "256")
+    hooked = [sys.executable, "-c", "import sys, pause_writes; from eagle_compat.cli import main; sys.exit(main())",
+              *cli[cli.index("extract"):]]
+    env = {**os.environ, "PAUSE_WRITES_AFTER": str(PAUSED), "PAUSE_WRITES_DIR": str(pause),
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "data"),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(hooked, stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"),
+                            start_new_session=True, env=env)
+    proc.logs, proc.pause = logs, pause
+    deadline = time.time() + 600  # an upper bound on a stuck start, not a window the test depends on
+    while time.time() < deadline and not (pause / "ready").exists() and proc.poll() is None:
         time.sleep(0.05)
+    assert proc.poll() is None and len(_files(out)) == PAUSED, open(f"{logs}.err").read()[-3000:]
     return proc
+
+
+def _release(proc) -> None:
+    (proc.pause / "release").touch()
 
 
 def _finish(proc, timeout: float) -> tuple[str, str]:
@@ -117,7 +134,7 @@ def _finish(proc, timeout: float) -> tuple[str, str]:
 
 def _resumes_to_a_clean_run(full_run, model, dataset, out, *, driver_killed: bool = False) -> None:
     written = len(_files(out))
-    assert 12 <= written < 60, f"the fault came too late to test resume ({written} files)"
+    assert PAUSED <= written < 60, f"the fault came too late to test resume ({written} files)"
     temps = [f for f in os.listdir(out) if ".tmp-" in f]
     # a live driver removes partial files itself; after SIGKILL one may remain under its temporary name (never
     # counted) until the next run sweeps it
@@ -132,6 +149,7 @@ def test_killed_then_resumed_equals_uninterrupted(full_run, model, dataset, tmp_
     proc = _start_until(model, dataset, out)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver and vLLM workers
     _finish(proc, 120)
+    assert len(_files(out)) == PAUSED  # exactly the files complete at the kill
     _resumes_to_a_clean_run(full_run, model, dataset, out, driver_killed=True)
 
 
@@ -162,6 +180,7 @@ def test_a_killed_worker_stops_the_run_with_the_cause_and_resume_equals_a_clean_
     assert workers and proc.poll() is None
     killed_at = time.time()
     os.kill(workers[0].pid, signal.SIGKILL)
+    _release(proc)  # the held writes go on; the engine's next call meets the dead worker
     stdout, stderr = _finish(proc, 120)
     assert time.time() - killed_at < 60 and proc.returncode == 1, stderr[-3000:]
     assert re.search(rf"WorkerDied in a vLLM worker during '\w+': vLLM worker 0 \(pid {workers[0].pid}\) killed by "
@@ -175,6 +194,7 @@ def test_ctrl_c_stops_cleanly_and_resume_equals_a_clean_run(full_run, model, dat
     out = tmp_path / "interrupted"
     proc = _start_until(model, dataset, out)
     os.killpg(proc.pid, signal.SIGINT)
+    _release(proc)  # the writes in progress finish (a clean stop waits for them)
     stdout, stderr = _finish(proc, 300)
     written = len(_files(out))
     assert proc.returncode == 130, stderr[-3000:]
