@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from eagle_compat.extract import ray_runner
+from eagle_compat.extract import formats, ray_runner
 
 
 class RayError(Exception):
@@ -105,7 +105,7 @@ class FakeActor:
         self.close = types.SimpleNamespace(remote=lambda: (lambda: None))
 
     def _run_batch(self, batch):
-        number = batch[0][0] // 10  # the test's batches hold samples 10k .. 10k+9
+        number = batch[0].index // 10  # the test's batches hold samples 10k .. 10k+9
         self.ray.calls.append((self.rank, number))
         outcome = self.ray.script[self.rank].pop(0) if self.ray.script[self.rank] else "ok"
         if outcome in ("died", "killed"):
@@ -132,17 +132,6 @@ class FakeActor:
         return reply
 
 
-class Progress:
-    def __init__(self, total, enabled):
-        pass
-
-    def update(self, *args):
-        pass
-
-    def close(self):
-        pass
-
-
 def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
     fake = FakeRay(script)
     fake.seconds_per_batch = seconds_per_batch
@@ -150,13 +139,14 @@ def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
     monkeypatch.setattr(ray_runner.time, "sleep", lambda s: None)
     monkeypatch.setattr(ray_runner.time, "time", lambda: fake.clock[0])
     opts = types.SimpleNamespace(ray="fake", tensor_parallel_size=1, ray_cpus_per_actor=1, ray_actors=2,
-                                 model=str(tmp_path), out=str(tmp_path), format="pt", validate=False,
+                                 model=str(tmp_path), data="data.jsonl", out=str(tmp_path), format="pt",
+                                 validate=False,
                                  gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="float32",
                                  trust_remote_code=False, progress=False)
-    # (index, row, input ids, loss mask), as job.run places them
-    todo = [[(10 * k + j, 10 * k + j, [1, 2], [0, 1]) for j in range(10)] for k in range(batches)]
+    todo = [[formats.Placed(10 * k + j, 10 * k + j, 10 * k + j, [1, 2], [0, 1]) for j in range(10)]
+            for k in range(batches)]
     this_run: dict = {}
-    done, tokens = ray_runner.extract(opts, todo, [0], 8, 32, 16, {}, this_run, Progress)
+    done, tokens = ray_runner.extract(opts, todo, [0], 8, 32, 16, {}, this_run)
     return fake, this_run["ray"]["per_actor"], done
 
 

@@ -22,6 +22,17 @@ from . import arrow, writer
 
 
 @dataclass(frozen=True)
+class Placed:
+    """A sample and where its file goes: its input index (pt, safetensors), its row (arrow: its rank among the indices
+    present), the input line it came from (for messages)."""
+    index: int
+    row: int
+    line: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass(frozen=True)
 class DataDescription:
     """What speculators' data_config.json says of a whole set (the run's model, data and engine settings)."""
     model: str

@@ -1,7 +1,6 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -15,7 +14,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import formats, inputs, layers, pipeline, report, writer
+from . import formats, inputs, layers, local_runner, pipeline, report, writer
 
 FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -180,12 +179,6 @@ def _end_at_once(signum: int, frame: Any) -> None:
     os._exit(130)
 
 
-def _ignore_sigint(worker: Any) -> None:
-    """Runs in each vLLM worker (main thread): Ctrl-C reaches the whole process group, but the driver stops the
-    workers itself; a worker interrupted mid-forward would only print its traceback over the one-line message."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _write_json(path: str, obj: Any) -> None:
     try:
         writer.atomic_write_json(path, obj)
@@ -212,7 +205,6 @@ def _best_effort_json(path: str, obj: Any) -> None:
 
 
 def run(opts: ExtractOptions) -> dict:
-    import torch
     from transformers import AutoTokenizer
 
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
@@ -239,21 +231,16 @@ def run(opts: ExtractOptions) -> dict:
                                skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                                min_loss_tokens=opts.min_loss_tokens)
     samples = data.samples
+    # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
+    placed = [formats.Placed(s.index, row, s.line, list(s.input_ids), list(s.loss_mask))
+              for row, s in enumerate(samples)]
+    sample_of = {s.index: s for s in samples}
     shard_i, shard_n = opts.shard
-    batches = [samples[k: k + opts.batch_size] for k in range(0, len(samples), opts.batch_size)]
+    batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
 
-    row_of = {s.index: r for r, s in enumerate(samples)}  # a sample's row: its rank in input order
-
-    def path_of(s: inputs.Sample) -> str:
-        return fmt.path(opts.out, s.index, row_of[s.index])
-
-    def save_of(s: inputs.Sample, sample: dict) -> None:
-        try:
-            fmt.save(opts.out, s.index, row_of[s.index], sample["input_ids"], sample["loss_mask"],
-                     sample["hidden_states"], layer_ids)
-        except writer.NonFiniteStates as exc:
-            raise writer.NonFiniteStates(f"{opts.data}:{s.line}: {exc}") from None
+    def path_of(s: formats.Placed) -> str:
+        return fmt.path(opts.out, s.index, s.row)
 
     def refuse_without_resume() -> None:
         present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]
@@ -317,13 +304,11 @@ def run(opts: ExtractOptions) -> dict:
         try:
             if todo and opts.ray is not None:  # the same batches on a pool of Ray actors (extract/ray_runner.py)
                 from . import ray_runner
-                placed = [[(s.index, row_of[s.index], list(s.input_ids), list(s.loss_mask)) for s in b]
-                          for b in todo]
-                done_samples, done_tokens = ray_runner.extract(opts, placed, layer_ids, max_len, vocab_size,
-                                                               hidden_size, manifest, this_run, _progress)
+                done_samples, done_tokens = ray_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
+                                                               hidden_size, manifest, this_run)
             elif todo:
-                done_samples, done_tokens = _extract(opts, generator, todo, layer_ids, max_len, vocab_size,
-                                                     hidden_size, manifest, path_of, torch, save_of)
+                done_samples, done_tokens = local_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
+                                                                 hidden_size, manifest)
         except KeyboardInterrupt:
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
             _best_effort_json(manifest_path, manifest)
@@ -340,16 +325,15 @@ def run(opts: ExtractOptions) -> dict:
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
         elapsed = time.time() - started
-        present = sum(os.path.exists(path_of(s)) for s in samples)
+        present = sum(os.path.exists(path_of(s)) for s in placed)
         complete = present == len(samples)
         this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
-                        report=report.of_samples([s for b in todo for s in b], max_len))
+                        report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
         if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
             try:        # fails here leaves the directory "incomplete", and --resume finishes it
-                fmt.check_whole_set(opts.out, ((s.index, row_of[s.index], s.input_ids, f"input line {s.line}")
-                                               for s in samples))
-                fmt.finish(opts.out, lambda: ((s.input_ids, s.loss_mask) for s in samples),
+                fmt.check_whole_set(opts.out, ((s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed))
+                fmt.finish(opts.out, lambda: ((s.input_ids, s.loss_mask) for s in placed),
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
             except writer.OutputDirectoryConflict:
                 manifest.update(status="incomplete", samples_present=present)
@@ -370,71 +354,3 @@ def run(opts: ExtractOptions) -> dict:
             "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}",
             "report": manifest["report"]}
 
-
-def _extract(opts: ExtractOptions, generator: Any, todo: list, layer_ids: list[int], max_len: int, vocab_size: int,
-             hidden_size: int, manifest: dict, path_of: Any, torch: Any, save_of: Any = None) -> tuple[int, int]:
-    done_tokens = done_samples = 0
-    try:
-        gen = generator.VllmHiddenStatesGenerator(
-            opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
-            gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
-            dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-            kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
-    except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
-        if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
-            raise
-        raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
-                           f"{str(exc).splitlines()[-1].strip()[:400]}") from None
-
-    def write(s: Any, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
-        sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                  "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-        if opts.validate:
-            writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
-        try:
-            save_of(s, sample)
-        except OSError as exc:
-            raise writer.OutputWriteError(
-                f"could not write {path_of(s)}: {exc.strerror or exc}. The {pool.done} files written before it are "
-                "complete (each is written under a temporary name and renamed when whole); free space or fix the "
-                "directory, then rerun the same command with --resume") from exc
-
-    with gen:
-        if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
-            gen.executor.collective_rpc(_ignore_sigint)
-        manifest["decoder_contract"] = gen.describe()
-        manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
-        t_engine = time.time()
-        progress = _progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
-        with pipeline.WriterPool(opts.writer_threads) as pool, \
-                contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
-            for batch, results in batches:
-                for s, r in zip(batch, results):
-                    pool.submit(write, s, r)
-                    done_tokens += len(s.input_ids)
-                del results
-                elapsed_engine = max(time.time() - t_engine, 1e-9)
-                progress.update(len(batch), pool.done / elapsed_engine, done_tokens / elapsed_engine)
-        progress.close()
-        done_samples = pool.done  # every submitted write finished (close() raised otherwise)
-    return done_samples, done_tokens
-
-
-class _progress:
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, unit="sample", desc="extract", file=sys.stderr)
-            except ImportError:
-                pass
-
-    def update(self, n: int, samples_per_s: float, tokens_per_s: float) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-            self.bar.set_postfix_str(f"{samples_per_s:,.1f} samples/s, {tokens_per_s:,.0f} tok/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -7,6 +7,7 @@ bounded (about `max_pending` samples plus the ring) however slow the disk is.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
@@ -85,3 +86,25 @@ def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[i
         yield from zip(batches, results)
     finally:
         results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)
+
+
+class Progress:
+    """The run's one progress bar (samples, samples/s, tok/s) on stderr; nothing where disabled or without tqdm."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="sample", desc="extract", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, n: int, samples_per_s: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix_str(f"{samples_per_s:,.1f} samples/s, {tokens_per_s:,.0f} tok/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

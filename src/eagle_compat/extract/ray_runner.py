@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import engine
 from ..errors import EagleCompatError, InvalidInput
-from . import formats, writer
+from . import formats, pipeline, writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -108,6 +108,7 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
 @dataclass
 class ActorSpec:
     model: str
+    data: str
     out: str
     layer_ids: list[int]
     max_len: int
@@ -179,9 +180,9 @@ class ExtractActor:
             gen, self.gen = self.gen, None
             gen.close()
 
-    def run_batch(self, batch: list[tuple[int, int, list[int], list[int]]]) -> dict:
-        """Extract and write one batch: [(sample index, row, input ids, loss mask)], in the run's format (the same
-        writer as a local run's, formats.py). Returns counts and timings."""
+    def run_batch(self, batch: list[formats.Placed]) -> dict:
+        """Extract and write one batch, in the run's format (the same writer as a local run's, formats.py). Returns
+        counts and timings."""
         import torch
 
         started = time.time()
@@ -190,7 +191,7 @@ class ExtractActor:
         spec = self.spec
         t = time.time()
         try:
-            results = self.gen.generate([ids for _, _, ids, _ in batch])
+            results = self.gen.generate([s.input_ids for s in batch])
         except BaseException:
             # an engine that failed mid-batch (a dead vLLM worker) is not reused: the next batch starts a new one
             gen, self.gen = self.gen, None
@@ -202,19 +203,21 @@ class ExtractActor:
         forward = time.time() - t
         tokens = 0
         fmt = formats.get(spec.format)
-        for (index, row, ids, mask), r in zip(batch, results, strict=True):
+        for s, r in zip(batch, results, strict=True):
             sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                      "loss_mask": torch.as_tensor(mask, dtype=torch.long)}
+                      "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
             if spec.validate:
                 writer.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
-            path = fmt.path(spec.out, index, row)
+            path = fmt.path(spec.out, s.index, s.row)
             try:  # temp file + rename
-                fmt.save(spec.out, index, row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
+                fmt.save(spec.out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
                          spec.layer_ids)
+            except writer.NonFiniteStates as exc:
+                raise writer.NonFiniteStates(f"{spec.data}:{s.line}: {exc}") from None
             except OSError as exc:
                 raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
                                               f"{exc.strerror or exc}") from exc
-            tokens += len(ids)
+            tokens += len(s.input_ids)
         import ray
 
         return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
@@ -270,10 +273,10 @@ def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None
     return f"{type(exc).__name__}: {text}", None
 
 
-def extract(opts: Any, todo: list[list[tuple[int, int, list[int], list[int]]]], layer_ids: list[int], max_len: int,
-            vocab_size: int, hidden_size: int, manifest: dict, this_run: dict, progress_cls: Any) -> tuple[int, int]:
-    """Runs `todo` (the batches job.run chose, each sample as (index, row, input ids, loss mask)) on the pool;
-    returns (samples written, tokens)."""
+def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
+            hidden_size: int, manifest: dict, this_run: dict) -> tuple[int, int]:
+    """Runs `todo` (the batches job.run chose) on the pool; records the engine's description in `manifest` and the
+    pool's in `this_run`; returns (samples written, tokens)."""
     ray, connected = connect(opts.ray or None)
     resources = ray.cluster_resources()
     tp = opts.tensor_parallel_size
@@ -291,7 +294,7 @@ def extract(opts: Any, todo: list[list[tuple[int, int, list[int], list[int]]]], 
     # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
-    spec = ActorSpec(model=os.path.abspath(opts.model), out=os.path.abspath(opts.out), layer_ids=layer_ids,
+    spec = ActorSpec(model=os.path.abspath(opts.model), data=opts.data, out=os.path.abspath(opts.out), layer_ids=layer_ids,
                      max_len=max_len, format=opts.format, validate=opts.validate, vocab_size=vocab_size,
                      hidden_size=hidden_size, tensor_parallel_size=tp,
                      gpu_memory_utilization=opts.gpu_memory_utilization,
@@ -379,12 +382,12 @@ def extract(opts: Any, todo: list[list[tuple[int, int, list[int], list[int]]]], 
                           f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
                     if item.tries >= MAX_TRIES:
                         raise RayExtractError(
-                            f"batch {item.number} (samples {item.batch[0][0]}..{item.batch[-1][0]}) failed "
+                            f"batch {item.number} (samples {item.batch[0].index}..{item.batch[-1].index}) failed "
                             f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
                     pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
                 else:
                     if progress is None:  # rates count from the first engine's first batch, as a local run's
-                        progress = progress_cls(total, opts.progress)
+                        progress = pipeline.Progress(total, opts.progress)
                         t_work = time.time() - r["forward"]
                     st = stats[rank]
                     st["batches"] += 1

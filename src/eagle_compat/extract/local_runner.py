@@ -1,0 +1,78 @@
+"""The extract job's batches on this machine: one `VllmHiddenStatesGenerator`, the engine computing batch k+1 while
+writer threads save batch k through the run's format (pipeline.py, formats.py). `job.run` decides what to do and keeps
+the directory's record; this module only turns batches into files, as `ray_runner` does on a pool."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from typing import Any
+
+from ..errors import InvalidInput
+from . import formats, pipeline, writer
+
+
+def _ignore_sigint(worker: Any) -> None:
+    """Runs in each vLLM worker (main thread): Ctrl-C reaches the whole process group, but the driver stops the
+    workers itself; a worker interrupted mid-forward would only print its traceback over the one-line message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
+            hidden_size: int, manifest: dict) -> tuple[int, int]:
+    """Runs `todo` (the batches job.run chose); records the engine's description in `manifest`; returns
+    (samples written, tokens)."""
+    import torch
+
+    from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
+
+    fmt = formats.get(opts.format)
+    done_tokens = 0
+    try:
+        gen = generator.VllmHiddenStatesGenerator(
+            opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
+            gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
+            dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+            kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
+    except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
+        if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
+            raise
+        raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
+                           f"{str(exc).splitlines()[-1].strip()[:400]}") from None
+
+    def write(s: formats.Placed, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
+        sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
+                  "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+        if opts.validate:
+            writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+        try:
+            fmt.save(opts.out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
+                     layer_ids)
+        except writer.NonFiniteStates as exc:
+            raise writer.NonFiniteStates(f"{opts.data}:{s.line}: {exc}") from None
+        except OSError as exc:
+            raise writer.OutputWriteError(
+                f"could not write {fmt.path(opts.out, s.index, s.row)}: {exc.strerror or exc}. The {pool.done} files "
+                "written before it are complete (each is written under a temporary name and renamed when whole); "
+                "free space or fix the directory, then rerun the same command with --resume") from exc
+
+    with gen:
+        if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
+            gen.executor.collective_rpc(_ignore_sigint)
+        manifest["decoder_contract"] = gen.describe()
+        manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
+        t_engine = time.time()
+        progress = pipeline.Progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
+        with pipeline.WriterPool(opts.writer_threads) as pool, \
+                contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
+            for batch, results in batches:
+                for s, r in zip(batch, results):
+                    pool.submit(write, s, r)
+                    done_tokens += len(s.input_ids)
+                del results
+                elapsed_engine = max(time.time() - t_engine, 1e-9)
+                progress.update(len(batch), pool.done / elapsed_engine, done_tokens / elapsed_engine)
+        progress.close()
+        done_samples = pool.done  # every submitted write finished (close() raised otherwise)
+    return done_samples, done_tokens
