@@ -186,8 +186,21 @@ class PatchUnit:
     needed: Callable[[], bool] = field(default=lambda: True)
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
 
-    def module(self) -> ModuleType | None:
-        return sys.modules.get(self.target) if self.target else None
+
+def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **contract: Any) -> PatchUnit:
+    """A unit whose whole fix is the keywords of one config constructor speculators' generator calls
+    (`constructor`, e.g. "SchedulerConfig"): needed where the named feature probe says so, applied as a contribution
+    to that name's one adapter (`Patcher.rewrite_kwargs`) by the engine function `rewrite` that the stable
+    generator's own config goes through too."""
+    def needed() -> bool:
+        from .. import detect
+        return bool(detect.feature(feature))
+
+    def apply(patcher: Patcher, module: ModuleType | None) -> None:
+        from .. import engine
+        patcher.rewrite_kwargs(module, constructor, getattr(engine, rewrite))
+
+    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), needed=needed, apply=apply, **contract)
 
 
 ENVIRON = MappingAttributes(os.environ, "os.environ")

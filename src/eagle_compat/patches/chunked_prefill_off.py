@@ -6,28 +6,13 @@ every later offset misaligned, with no error. 0.11.0 had it off; we pass `enable
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import keyword_rewrite_unit
 
-
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("chunked_prefill_on_by_default")
-
-
-def _apply(patcher, module) -> None:
-    from .. import engine
-
-    patcher.rewrite_kwargs(module, "SchedulerConfig", engine.without_chunked_prefill)
-
-
-UNIT = PatchUnit(
+UNIT = keyword_rewrite_unit(
+    constructor="SchedulerConfig", feature="chunked_prefill_on_by_default", rewrite="without_chunked_prefill",
     name="chunked_prefill_off",
     broke="chunked prefill is on by default: oversize batches give truncated, misaligned states with no error",
     affects=">=0.11.1",
     delete_when="speculators' call site passes enable_chunked_prefill=False (speculators >= 0.4)",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
     silent=True,
-    needed=_needed,
-    apply=_apply,
 )

@@ -5,27 +5,12 @@ hidden states, so at speculators' call site we let the platform choose it.
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import keyword_rewrite_unit
 
-
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("explicit_block_size_is_final")
-
-
-def _apply(patcher, module) -> None:
-    from .. import engine
-
-    patcher.rewrite_kwargs(module, "CacheConfig", engine.platform_block_size)
-
-
-UNIT = PatchUnit(
+UNIT = keyword_rewrite_unit(
+    constructor="CacheConfig", feature="explicit_block_size_is_final", rewrite="platform_block_size",
     name="platform_block_size",
     broke="an explicit block_size=16 is no longer adjusted by the platform; CPU attention rejects it",
     affects=">=0.18",
     delete_when="speculators stops passing block_size",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
-    needed=_needed,
-    apply=_apply,
 )

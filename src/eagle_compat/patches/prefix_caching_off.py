@@ -6,27 +6,12 @@ not run through the layers and their states would be missing. We pass `enable_pr
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import keyword_rewrite_unit
 
-
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("prefix_caching_on_by_default")
-
-
-def _apply(patcher, module) -> None:
-    from .. import engine
-
-    patcher.rewrite_kwargs(module, "CacheConfig", engine.without_prefix_caching)
-
-
-UNIT = PatchUnit(
+UNIT = keyword_rewrite_unit(
+    constructor="CacheConfig", feature="prefix_caching_on_by_default", rewrite="without_prefix_caching",
     name="prefix_caching_off",
     broke="prefix caching is on by default: the scheduler fails on prompts >= one block (no block hasher)",
     affects=">=0.12",
     delete_when="speculators' call site passes enable_prefix_caching=False (speculators >= 0.4)",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
-    needed=_needed,
-    apply=_apply,
 )

@@ -6,27 +6,12 @@ releases without it). Text-only models are unaffected.
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import keyword_rewrite_unit
 
-
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("model_config_takes_text_only_options")
-
-
-def _apply(patcher, module) -> None:
-    from .. import engine
-
-    patcher.rewrite_kwargs(module, "ModelConfig", engine.text_only)
-
-
-UNIT = PatchUnit(
+UNIT = keyword_rewrite_unit(
+    constructor="ModelConfig", feature="model_config_takes_text_only_options", rewrite="text_only",
     name="text_only_model",
     broke="multimodal wrappers (Kimi-K2.5) build and profile vision towers speculators never uses",
     affects=">=0.11",
     delete_when="speculators builds its ModelConfig text-only",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
-    needed=_needed,
-    apply=_apply,
 )
