@@ -187,6 +187,20 @@ class PatchUnit:
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
 
 
+def executor_method_unit(*, method: str, hook: Callable, feature: str, **contract: Any) -> PatchUnit:
+    """A unit whose whole fix is one stateless hook, `hook(executor, call, args, kwargs)`, on one method of the
+    executor speculators' generator builds (vLLM's class is untouched: `Patcher.hook_executor`), needed where the
+    named feature probe says so."""
+    def needed() -> bool:
+        from .. import detect
+        return bool(detect.feature(feature))
+
+    def apply(patcher: Patcher, module: ModuleType | None) -> None:
+        patcher.hook_executor(module, "MultiprocExecutor", _adapters.ExecutorHooks(methods={method: hook}))
+
+    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), needed=needed, apply=apply, **contract)
+
+
 def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **contract: Any) -> PatchUnit:
     """A unit whose whole fix is the keywords of one config constructor speculators' generator calls
     (`constructor`, e.g. "SchedulerConfig"): needed where the named feature probe says so, applied as a contribution

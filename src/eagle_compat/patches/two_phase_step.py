@@ -7,33 +7,21 @@ exactly as EngineCore does.
 """
 from __future__ import annotations
 
-from ._adapters import ExecutorHooks
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import executor_method_unit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("two_phase_step")
+def execute_model(executor, call, args, kwargs):
+    out = call(*args, **kwargs)
+    if out is None:
+        out = executor.sample_tokens(None)
+    return out
 
 
-def _apply(patcher, module) -> None:
-    def execute_model(executor, call, args, kwargs):
-        out = call(*args, **kwargs)
-        if out is None:
-            out = executor.sample_tokens(None)
-        return out
-
-    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"execute_model": execute_model}))
-
-
-UNIT = PatchUnit(
+UNIT = executor_method_unit(
+    method="execute_model", hook=execute_model, feature="two_phase_step",
     name="two_phase_step",
     broke="execute_model without sample_tokens fails on the next step ('State error: sample_tokens() must be "
           "called after execute_model() returns None')",
     affects=">=0.11.1",
     delete_when="speculators calls sample_tokens (speculators >= 0.4)",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
-    needed=_needed,
-    apply=_apply,
 )

@@ -5,13 +5,7 @@ rows of the wrong object. Silent. At speculators' call site the single reply is 
 """
 from __future__ import annotations
 
-from ._adapters import ExecutorHooks
-from ._base import GENERATOR_MODULE, WORKER_MODULE, PatchUnit
-
-
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("unique_reply_returns_single")
+from ._base import WORKER_MODULE, executor_method_unit
 
 
 def _is_speculators_rpc(method) -> bool:
@@ -23,28 +17,21 @@ def _is_speculators_rpc(method) -> bool:
             and not method.startswith("eagle_compat_"))
 
 
-def _apply(patcher, module) -> None:
-    def collective_rpc(executor, call, args, kwargs):
-        out = call(*args, **kwargs)
-        method = args[0] if args else kwargs.get("method")
-        # only speculators' own RPCs: the executor's internal calls (execute_model …) expect the new shape
-        if (kwargs.get("unique_reply_rank") is not None and not kwargs.get("non_block")
-                and _is_speculators_rpc(method)):
-            return [out]
-        return out
-
-    patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"collective_rpc": collective_rpc}))
+def collective_rpc(executor, call, args, kwargs):
+    out = call(*args, **kwargs)
+    method = args[0] if args else kwargs.get("method")
+    # only speculators' own RPCs: the executor's internal calls (execute_model …) expect the new shape
+    if kwargs.get("unique_reply_rank") is not None and not kwargs.get("non_block") and _is_speculators_rpc(method):
+        return [out]
+    return out
 
 
-UNIT = PatchUnit(
+UNIT = executor_method_unit(
+    method="collective_rpc", hook=collective_rpc, feature="unique_reply_returns_single",
     name="unique_reply_shape",
     broke="collective_rpc(unique_reply_rank=) returns one reply instead of a list: speculators' [0] takes the "
           "wrong object",
     affects=">=0.11.1",
     delete_when="speculators stops indexing the unique reply (speculators >= 0.4)",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
     silent=True,
-    needed=_needed,
-    apply=_apply,
 )

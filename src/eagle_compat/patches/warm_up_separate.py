@@ -4,35 +4,22 @@ for it, and on GPU kernels are not pre-tuned). At speculators' call site we call
 """
 from __future__ import annotations
 
-from ._adapters import ExecutorHooks
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import executor_method_unit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("warm_up_separate")
-
-
-def _apply(patcher, module) -> None:
+def initialize_from_config(executor, call, args, kwargs):
     from .. import engine
 
-    def initialize_from_config(executor, call, args, kwargs):
-        out = call(*args, **kwargs)
-        engine.warm_up_if_separate(executor)
-        return out
-
-    patcher.hook_executor(module, "MultiprocExecutor",
-                          ExecutorHooks(methods={"initialize_from_config": initialize_from_config}))
+    out = call(*args, **kwargs)
+    engine.warm_up_if_separate(executor)
+    return out
 
 
-UNIT = PatchUnit(
+UNIT = executor_method_unit(
+    method="initialize_from_config", hook=initialize_from_config, feature="warm_up_separate",
     name="warm_up_separate",
     broke="initialize_from_config no longer warms the model up (skipped silently)",
     affects=">=0.27",
     delete_when="speculators calls compile_or_warm_up_model",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
     silent=True,
-    needed=_needed,
-    apply=_apply,
 )
