@@ -100,29 +100,6 @@ def test_report_reads_our_directories_and_speculators_0_3_0_ones(model, chats, t
     assert empty.returncode == 2 and "holds no sample files" in empty.stderr
 
 
-def test_a_directory_made_before_min_loss_tokens_resumes_where_nothing_would_be_left_out(model, tmp_path, fake_engine):
-    """Records made before the option existed kept every sample: a resume with the default is the same sample set
-    where no sample has fewer loss tokens, and is refused (naming the option) where one would be left out."""
-    from test_extract_integrity import _write_lines
-    data = _write_lines(tmp_path / "d.jsonl", [{"input_ids": list(range(7, 30)), "loss_mask": [1] * 23},
-                                               {"input_ids": list(range(7, 20)), "loss_mask": [1] * 13}])
-    out = tmp_path / "out"
-    job.run(_opts(model, data, out, max_len=MAX_LEN))
-    record = json.load(open(out / "manifest.json"))
-    del record["settings"]["min_loss_tokens"]
-    json.dump(record, open(out / "manifest.json", "w"))
-    job.run(_opts(model, data, out, max_len=MAX_LEN, resume=True))  # nothing left out: the same set
-    empty = _write_lines(tmp_path / "e.jsonl", [{"input_ids": list(range(7, 30)), "loss_mask": [0] * 23},
-                                                {"input_ids": list(range(7, 20)), "loss_mask": [1] * 13}])
-    out2 = tmp_path / "out2"
-    job.run(_opts(model, empty, out2, max_len=MAX_LEN, min_loss_tokens=0))
-    record = json.load(open(out2 / "manifest.json"))
-    del record["settings"]["min_loss_tokens"]
-    json.dump(record, open(out2 / "manifest.json", "w"))
-    with pytest.raises(writer.OutputDirectoryConflict, match=r"min_loss_tokens: was 0, now 1"):
-        job.run(_opts(model, empty, out2, max_len=MAX_LEN, resume=True))
-
-
 def test_the_length_histogram_plot_needs_matplotlib_and_says_so(model, chats, tmp_path, fake_engine):
     import importlib.util
     out = tmp_path / "out"

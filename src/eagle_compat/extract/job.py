@@ -220,9 +220,8 @@ def run(opts: ExtractOptions) -> dict:
     fmt.check_layers(layer_ids, num_layers, f"--format {opts.format}")
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
-    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below, with what
-    # only the data can decide)
-    writer.check_directory(opts.out, settings, {"min_loss_tokens": None})
+    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
+    writer.check_directory(opts.out, settings)
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception:  # noqa: BLE001 - pre-tokenized input does not need one
@@ -258,9 +257,8 @@ def run(opts: ExtractOptions) -> dict:
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
     with writer.DirectoryLock(opts.out):
-        # again (another run may have written between the checks); a record made before --min-loss-tokens existed
-        # kept every sample: the same set where this run leaves none out
-        record = writer.check_directory(opts.out, settings, {"min_loss_tokens": not data.few_loss_tokens})
+        # again: another run may have written between the checks
+        record = writer.check_directory(opts.out, settings)
         refuse_without_resume()
         waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
         swept = writer.sweep_temp_files(opts.out)

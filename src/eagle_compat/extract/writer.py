@@ -247,7 +247,7 @@ def read_manifest(out_dir: str) -> dict | None:
     return record
 
 
-def check_directory(out_dir: str, settings: dict, same_sample_set: dict[str, bool] | None = None) -> dict | None:
+def check_directory(out_dir: str, settings: dict) -> dict | None:
     """Refuse a directory whose samples were made with other settings, or by a run that left no record.
 
     Returns the existing record (None for a directory without one and without samples). Reads only."""
@@ -262,7 +262,7 @@ def check_directory(out_dir: str, settings: dict, same_sample_set: dict[str, boo
                 "says which model, data and layers made them, so adding files to them could mix two extractions. "
                 "Move them away or choose another --out")
         return None
-    diffs = settings_differences(record["settings"], settings, same_sample_set)
+    diffs = settings_differences(record["settings"], settings)
     if diffs:
         raise OutputDirectoryConflict(
             f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
@@ -396,20 +396,10 @@ class DirectoryLock:
             self.fd = None
 
 
-# settings added after records were first written: a record without one was made with this value
-SETTINGS_ADDED = {"validate": False, "min_loss_tokens": 0}
-
-
-def settings_differences(old: dict, new: dict, same_sample_set: dict[str, bool] | None = None) -> list[str]:
-    """One line per setting that differs. A setting the old record predates is taken at its old behaviour
-    (SETTINGS_ADDED), unless `same_sample_set[key]` says this run's value leaves the sample set as the old one did
-    (e.g. --min-loss-tokens 1 leaving nothing out), or is None: not decidable yet (the data is not read)."""
-    same_sample_set = same_sample_set or {}
-    keys = sorted(set(old) | set(new))
-    skip = {k for k in SETTINGS_ADDED if k not in old and same_sample_set.get(k, False) in (True, None)}
-    old = {**{k: v for k, v in SETTINGS_ADDED.items() if k not in old}, **old}
-    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys
-            if old.get(k) != new.get(k) and k not in skip]
+def settings_differences(old: dict, new: dict) -> list[str]:
+    """One line per setting that differs (a setting one record lacks differs: it was made by another release)."""
+    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
 
 
 def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
