@@ -90,15 +90,11 @@ def _check(opts: ExtractOptions) -> None:
         ray_runner.check_options(opts)
 
 
-def _sha256(path: str) -> str:
-    return writer.file_sha256(path)
-
-
 def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dict[str, Any]:
     """What must be equal for any run to add files to a directory. Not the shard layout: batches are fixed by
     position, so any layout writes the same files (tested), and shards may finish in any order."""
     return {"model": os.path.abspath(opts.model), "model_checksums": writer.model_checksums(opts.model),
-            "data": os.path.abspath(opts.data), "data_sha256": _sha256(opts.data), "layer_ids": layer_ids,
+            "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
             # --validate also decides which conversations --skip-uncovered leaves out
