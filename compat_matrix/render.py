@@ -173,6 +173,9 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
             else:
                 status = (f"not run yet: every requirement served ({p['carry_mb']} MB to carry, {p['carry_calls']} "
                           f"calls; {p['torch']})")
+            tries = glob.glob(os.path.join(directory, "attempts", f"h200-vllm-{release}-*.machine.txt"))
+            if tries:  # carried and started, but no cell gave a result: each attempt's note says why
+                status += f"; carried to the H200 {len(tries)}x, no cell result yet (why: `results/gpu/attempts/`)"
         lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
     return lines
 
