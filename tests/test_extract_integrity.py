@@ -521,3 +521,27 @@ def test_a_second_ctrl_c_ends_the_run_at_once():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130 and proc.stdout == "first: stopping cleanly\n", (proc.returncode, proc.stdout)
     assert "interrupted again: ending now. Every sample file in --out is complete" in proc.stderr
+
+
+@pytest.mark.parametrize("fmt", ["pt", "arrow"])
+def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fake_engine, fmt):
+    """The house's one direction (issue 23): `job.run` plans, keeps the record and calls down (inputs, writer, the
+    runner, the format); nothing below calls back into extract/job.py, on any thread."""
+    import sys
+    import threading
+    job_file = job.__file__
+    entries = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == job_file:
+            caller = frame.f_back
+            if caller is None or caller.f_code.co_filename != job_file:
+                entries.append((frame.f_code.co_name, caller.f_code.co_filename if caller else None))
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        job.run(_opts(model, dataset, tmp_path / "out", layers=[0, 5] if fmt == "arrow" else [0, 1], format=fmt))
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert [name for name, _ in entries] == ["run"], entries

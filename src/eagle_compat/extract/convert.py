@@ -205,7 +205,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
             destination.save(dst, i, r, ids, mask, states[:, order])
             written += 1
         st = rec["settings"]
-        destination.finish(dst, lambda: (reader.ids_and_mask(i, r) for r, i in enumerate(indices)),
+        destination.finish(dst, (reader.ids_and_mask(i, r) for r, i in enumerate(indices)),  # streamed
                            formats.DataDescription(
                                model=st["model"], data=st["data"], layer_ids=p["layer_ids"],
                                hidden_size=int((rec.get("model_config") or {}).get("hidden_size") or 0),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -72,8 +72,7 @@ class SampleFiles:
     def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], str]]) -> None:
         """Files are named by input index: each run checks the files it keeps (job.run), nothing binds by position."""
 
-    def finish(self, out: str, rows: Callable[[], Iterable[tuple[list[int], list[int]]]],
-               description: DataDescription) -> None:
+    def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The set is whole: describe it for speculators' trainer (whichever run finished it)."""
         writer.atomic_write_json(os.path.join(out, "data_config.json"), speculators_data_config(self.name,
                                                                                                description))
@@ -111,11 +110,10 @@ class ArrowLayout:
                 "from differing sample sets (another tokenizer, transformers version or option). The Arrow dataset "
                 "is not written")
 
-    def finish(self, out: str, rows: Callable[[], Iterable[tuple[list[int], list[int]]]],
-               description: DataDescription) -> None:
+    def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The dataset `ArrowDataset` opens, written only for a whole set: before it the directory cannot be opened,
         so a partial set is never mistaken for a whole one."""
-        arrow.write_dataset(out, rows())
+        arrow.write_dataset(out, rows)
 
 
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {

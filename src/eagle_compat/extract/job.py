@@ -263,8 +263,8 @@ def run(opts: ExtractOptions) -> dict:
         # the files kept must be of these very samples (checked by content: their token ids)
         redo = {id(b) for b in todo}
         kept = [b for b in mine if id(b) not in redo]
-        wrong = writer.first_mismatch((path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                      for b in kept for s in b)
+        wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
+                                       for b in kept for s in b])
         if wrong:
             raise writer.OutputDirectoryConflict(
                 f"{wrong[0]} is not the sample it stands for: {wrong[1]}. The directory's files were made from a "
@@ -326,8 +326,9 @@ def run(opts: ExtractOptions) -> dict:
                         report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
         if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
             try:        # fails here leaves the directory "incomplete", and --resume finishes it
-                fmt.check_whole_set(opts.out, ((s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed))
-                fmt.finish(opts.out, lambda: ((s.input_ids, s.loss_mask) for s in placed),
+                # lists, not generators: nothing below resumes code of this module (one direction, issue 23)
+                fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed])
+                fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
             except writer.OutputDirectoryConflict:
                 manifest.update(status="incomplete", samples_present=present)
