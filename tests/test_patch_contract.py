@@ -675,3 +675,19 @@ def test_the_trainers_target_norm_is_the_verifiers_final_rmsnorm():
     hidden = torch.randn(3, 5, 16) * 40  # pre-norm states are large; the norm takes that scale away
     assert torch.allclose(head(hidden), torch.nn.functional.linear(norm(hidden), head.weight), atol=1e-5)
     assert unit_module.BUFFER not in head.state_dict()  # checkpoints the trainer saves are unchanged
+
+
+def test_every_workarounds_where_names_code_that_exists():
+    """A workaround's `where` names the file and the function that act (issue 23: not free text); each must exist,
+    so a rename cannot leave docs/patches.md and `doctor` pointing at nothing."""
+    import re
+
+    from eagle_compat import workarounds
+    package = os.path.dirname(os.path.abspath(workarounds.__file__))
+    for w in workarounds.WORKAROUNDS:
+        named = re.findall(r"([\w/]+\.py) `([\w.]+)`", w.where)
+        assert named, f"{w.name}: `where` names no file and function: {w.where!r}"
+        for path, symbol in named:
+            source = open(os.path.join(package, path)).read()
+            assert re.search(rf"^\s*(def|class) {re.escape(symbol)}\b|^{re.escape(symbol)} =", source, re.M), \
+                f"{w.name}: {path} has no {symbol}"
