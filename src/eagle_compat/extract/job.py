@@ -227,7 +227,7 @@ def run(opts: ExtractOptions) -> dict:
                                min_loss_tokens=opts.min_loss_tokens)
     samples = data.samples
     # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
-    placed = [formats.Placed(s.index, row, s.line, list(s.input_ids), list(s.loss_mask))
+    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
               for row, s in enumerate(samples)]
     sample_of = {s.index: s for s in samples}
     shard_i, shard_n = opts.shard
