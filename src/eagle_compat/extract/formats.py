@@ -116,6 +116,24 @@ class ArrowLayout:
         arrow.write_dataset(out, rows)
 
 
+def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: dict, layer_ids: list[int], *,
+                 data: str, validate: bool, vocab_size: int, hidden_size: int) -> str:
+    """The one sample writer of every runner (local, Ray actors): the engine's result for a placed sample, checked
+    (`--validate`), saved atomically in the run's format. A non-finite sample is refused naming its input line; an
+    OSError is the caller's to word (it knows what was written before)."""
+    import torch
+
+    sample = {"input_ids": result["input_ids"], "hidden_states": result["hidden_states"],
+              "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+    if validate:
+        writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
+    try:
+        return fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
+                        layer_ids)
+    except writer.NonFiniteStates as exc:
+        raise writer.NonFiniteStates(f"{data}:{s.line}: {exc}") from None
+
+
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {
     "pt": SampleFiles("pt"), "safetensors": SampleFiles("safetensors"),
     "arrow": ArrowLayout("arrow"), "arrow-fp8": ArrowLayout("arrow-fp8")}

@@ -23,8 +23,6 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
             hidden_size: int, manifest: dict) -> tuple[int, int]:
     """Runs `todo` (the batches job.run chose); records the engine's description in `manifest`; returns
     (samples written, tokens)."""
-    import torch
-
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     fmt = formats.get(opts.format)
@@ -42,15 +40,9 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                            f"{str(exc).splitlines()[-1].strip()[:400]}") from None
 
     def write(s: formats.Placed, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
-        sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                  "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-        if opts.validate:
-            writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         try:
-            fmt.save(opts.out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
-                     layer_ids)
-        except writer.NonFiniteStates as exc:
-            raise writer.NonFiniteStates(f"{opts.data}:{s.line}: {exc}") from None
+            formats.write_sample(fmt, opts.out, s, r, layer_ids, data=opts.data, validate=opts.validate,
+                                 vocab_size=vocab_size, hidden_size=hidden_size)
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"could not write {fmt.path(opts.out, s.index, s.row)}: {exc.strerror or exc}. The {pool.done} files "

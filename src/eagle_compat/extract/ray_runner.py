@@ -183,8 +183,6 @@ class ExtractActor:
     def run_batch(self, batch: list[formats.Placed]) -> dict:
         """Extract and write one batch, in the run's format (the same writer as a local run's, formats.py). Returns
         counts and timings."""
-        import torch
-
         started = time.time()
         if self.gen is None:
             self._start()
@@ -204,19 +202,12 @@ class ExtractActor:
         tokens = 0
         fmt = formats.get(spec.format)
         for s, r in zip(batch, results, strict=True):
-            sample = {"input_ids": r["input_ids"], "hidden_states": r["hidden_states"],
-                      "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-            if spec.validate:
-                writer.validate_sample(sample, spec.vocab_size, len(spec.layer_ids), spec.hidden_size)
-            path = fmt.path(spec.out, s.index, s.row)
-            try:  # temp file + rename
-                fmt.save(spec.out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
-                         spec.layer_ids)
-            except writer.NonFiniteStates as exc:
-                raise writer.NonFiniteStates(f"{spec.data}:{s.line}: {exc}") from None
+            try:  # temp file + rename, as a local run writes it
+                formats.write_sample(fmt, spec.out, s, r, spec.layer_ids, data=spec.data, validate=spec.validate,
+                                     vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
             except OSError as exc:
-                raise writer.OutputWriteError(f"could not write {path} on {socket.gethostname()}: "
-                                              f"{exc.strerror or exc}") from exc
+                raise writer.OutputWriteError(f"could not write {fmt.path(spec.out, s.index, s.row)} on "
+                                              f"{socket.gethostname()}: {exc.strerror or exc}") from exc
             tokens += len(s.input_ids)
         import ray
 
