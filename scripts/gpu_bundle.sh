@@ -28,6 +28,10 @@ case "$release" in
   # compat_matrix/results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt.*), 0.20.0's did not
   0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.8.post1 cuda_tile \
                      nvidia_cudnn_frontend" ;;
+  # flashinfer 0.6.11 (its cubin package is left behind: Hopper's bf16 paths JIT or use none of its cubins);
+  # llguidance 1.7 is not served here, 0.20.0's 1.3 stays (structured outputs only, imported lazily)
+  0.22.1) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.11.post2 cuda_tile \
+                     nvidia_cudnn_frontend" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
