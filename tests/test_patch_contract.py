@@ -691,3 +691,34 @@ def test_every_workarounds_where_names_code_that_exists():
             source = open(os.path.join(package, path)).read()
             assert re.search(rf"^\s*(def|class) {re.escape(symbol)}\b|^{re.escape(symbol)} =", source, re.M), \
                 f"{w.name}: {path} has no {symbol}"
+
+
+def test_gpu_engines_skip_the_flashinfer_sampler_build_that_vllm_021_starts_with(monkeypatch):
+    """CUDA vLLM 0.21+ defaults VLLM_USE_FLASHINFER_SAMPLER on and compiles its sampler with nvcc at every engine
+    start: on such a vLLM the stable generator's engines and, under install(), speculators' run PyTorch's sampler;
+    the user's own setting wins; uninstall() leaves the environment as it was. (Its GPU runs: results/gpu, 0.21+.)"""
+    from eagle_compat import engine
+    from eagle_compat.patches import gpu_sampler_no_jit
+    envs_021 = 'VLLM_USE_FLASHINFER_SAMPLER: bool = True\n'
+    envs_020 = 'VLLM_USE_FLASHINFER_SAMPLER: bool | None = None\n'
+    monkeypatch.setattr(detect, "_feature_cuda_available", lambda: True)
+    for source, jit in ((envs_021, True), (envs_020, False)):
+        monkeypatch.setattr(detect, "module_source", lambda name, s=source: s if name == "vllm.envs" else None)
+        assert detect._feature_gpu_sampler_jit_at_start() is jit
+    monkeypatch.setattr(detect, "_feature_cuda_available", lambda: False)
+    assert not detect._feature_gpu_sampler_jit_at_start()  # CPU vLLM samples without FlashInfer
+
+    monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
+        True if name == "gpu_sampler_jit_at_start" else real(name)))
+    assert engine.default_worker_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    unit = gpu_sampler_no_jit.UNIT
+    assert unit.needed()
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    patcher = Patcher(unit.name)
+    unit.apply(patcher, None)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert patcher.revert() == [] and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    unit.apply(patcher := Patcher(unit.name), None)
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # the user's choice
+    patcher.revert()

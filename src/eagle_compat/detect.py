@@ -342,6 +342,13 @@ def _feature_cpu_int4_runs_as_w4a8() -> bool:
     return "VLLM_CPU_INT4_W4A8" in (module_source("vllm.envs") or "")
 
 
+def _feature_gpu_sampler_jit_at_start() -> bool:
+    # 0.21 defaults VLLM_USE_FLASHINFER_SAMPLER on (earlier: None, off unless set), and every engine start warms the
+    # sampler up with top-k/top-p (gpu_model_runner._dummy_sampler_run): FlashInfer compiles that kernel with nvcc
+    # there, minutes on a fresh machine (measured on the H200: scripts/gpu_flashinfer_first_use.py)
+    return _feature_cuda_available() and "VLLM_USE_FLASHINFER_SAMPLER: bool = True" in (module_source("vllm.envs") or "")
+
+
 def _feature_cpu_worker_scans_loaded_modules() -> bool:
     # vllm-cpu 0.32 (no Triton CPU backend): a starting worker rebinds Triton kernels to C++ ones by reading
     # `vars()` of every attribute of every loaded module, and dies on llvmlite's library wrapper, whose `__dict__`
@@ -411,6 +418,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_int4_runs_as_w4a8": (
         _feature_cpu_int4_runs_as_w4a8, "CPU vLLM runs W4A16 checkpoints with int8 activations on AMX unless "
                                         "VLLM_CPU_INT4_W4A8=0 (0.32 CPU)"),
+    "gpu_sampler_jit_at_start": (
+        _feature_gpu_sampler_jit_at_start, "CUDA vLLM compiles FlashInfer's top-k/top-p sampler at every engine "
+                                           "start unless VLLM_USE_FLASHINFER_SAMPLER=0 (0.21+)"),
     "cpu_worker_scans_loaded_modules": (
         _feature_cpu_worker_scans_loaded_modules, "a starting CPU worker rebinds Triton kernels across every loaded "
                                                   "module (0.32 CPU; a worker in the driver's process can die there)"),

@@ -441,6 +441,9 @@ def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> di
         # the checkpoint's W4A16 arithmetic, not vLLM's faster W4A8 rewrite of it on AMX CPUs: states equal to what
         # the checkpoint computes (and to the GPU's), which the parity criterion judges; yours wins where set
         env["VLLM_CPU_INT4_W4A8"] = "0"
+    if detect.feature("gpu_sampler_jit_at_start"):
+        # extraction samples one greedy token nobody reads; PyTorch's sampler spares the nvcc build at every start
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return env
 
 

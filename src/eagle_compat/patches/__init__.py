@@ -6,7 +6,7 @@ name contribute to its one adapter (`_adapters`), whose composition does not dep
 from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv_budget, cpu_mla_disable,
-               cpu_tp_thread_binding,
+               cpu_tp_thread_binding, gpu_sampler_no_jit,
                kv_cache_config_helpers, platform_block_size, prefix_caching_off, quiet_shutdown, request_eos_token_id,
                scheduler_block_size, scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
                speculators_trainer_target_norm, step_deadline, text_only_model,
@@ -21,6 +21,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     speculators_trainer_target_norm.UNIT,
     cpu_mla_disable.UNIT,
     cpu_int4_w4a16.UNIT,
+    gpu_sampler_no_jit.UNIT,
     scheduler_config_encoder_decoder.UNIT,
     chunked_prefill_off.UNIT,
     async_scheduling_off.UNIT,
