@@ -25,11 +25,13 @@ for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 sh
     > "$log" 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' "$log"; then
     grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
+    verdict=$(grep '^EAGLE_COMPAT_CELL ' "$log" | grep -o '"status": "[a-z]*"' | tail -1)
     [ -n "${KEEP_CELL_LOGS:-}" ] || rm -f "$log"
   else
+    verdict="no result (timeout ${CELL_TIMEOUT_S:-400} s)"  # this cell's own verdict, never an earlier cell's
     { echo "== $cell (no result after $(( $(date +%s) - start )) s)"; tail -60 "$log"; } >> "$out/errors.log"
   fi
-  echo "$cell $(( $(date +%s) - start ))s $(grep -o '"status": "[a-z]*"' "$out/gpu_parity.jsonl" 2>/dev/null | tail -1)"
+  echo "$cell $(( $(date +%s) - start ))s $verdict"
 done
 if [ -n "${PREFLIGHT:-}" ]; then
   timeout 500 python3 scripts/gpu_preflight.py --device cuda --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
