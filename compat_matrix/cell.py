@@ -42,7 +42,8 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
 )
 # vLLM settings that choose kernels, recorded with each cell where set
 RECORDED_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
-                "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_SAMPLER")
+                "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_SAMPLER",
+                "VLLM_USE_FLASHINFER_MOE_FP16")
 # A broken capture invariant is a failure whatever else its message says.
 CAPTURE_BUG = "CaptureInvariantError"
 

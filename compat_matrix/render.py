@@ -161,8 +161,11 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
              "| vLLM | status | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for release in sorted(set(cells) | set(probes), key=_release_key):
         row = cells.get(release, {})
+        tries = glob.glob(os.path.join(directory, "attempts", f"h200-vllm-{release}-*.machine.txt"))
         if row:
             status = "ran"
+            if tries:  # runs that gave no result (a kernel's first-use build, the budget): each note says why
+                status += f"; {len(tries)} run(s) without a result: `results/gpu/attempts/h200-vllm-{release}-*`"
         else:
             p = probes[release]
             if not p.get("wheel_served", True):
@@ -173,7 +176,6 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
             else:
                 status = (f"not run yet: every requirement served ({p['carry_mb']} MB to carry, {p['carry_calls']} "
                           f"calls; {p['torch']})")
-            tries = glob.glob(os.path.join(directory, "attempts", f"h200-vllm-{release}-*.machine.txt"))
             if tries:  # carried and started, but no cell gave a result: each attempt's note says why
                 status += f"; carried to the H200 {len(tries)}x, no cell result yet (why: `results/gpu/attempts/`)"
         lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
@@ -186,7 +188,9 @@ def _gpu_cell(runs: list[dict] | None) -> str:
     if any(r.get("status") != "pass" for r in runs):
         return "FAIL"
     worst = [e["max_rel_to_layer_max"] for r in runs for e in (r.get("errors") or {}).values()]
-    return f"pass (rel {max(worst):.0e})" if worst else "pass"
+    # a kernel chosen by a setting, not vLLM's default, is part of what passed
+    settings = sorted({f"{k}={v}" for r in runs for k, v in (r.get("env") or {}).items()})
+    return (f"pass (rel {max(worst):.0e})" if worst else "pass") + "".join(f"; {s}" for s in settings)
 
 
 def summary(releases: list[str] | None = None, directory: str = os.path.join(HERE, "results")) -> str:

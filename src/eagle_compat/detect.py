@@ -345,7 +345,7 @@ def _feature_cpu_int4_runs_as_w4a8() -> bool:
 def _feature_gpu_sampler_jit_at_start() -> bool:
     # 0.21 defaults VLLM_USE_FLASHINFER_SAMPLER on (earlier: None, off unless set), and every engine start warms the
     # sampler up with top-k/top-p (gpu_model_runner._dummy_sampler_run): FlashInfer compiles that kernel with nvcc
-    # there, minutes on a fresh machine (measured on the H200: scripts/gpu_flashinfer_first_use.py)
+    # there, on every fresh machine (patches/gpu_sampler_no_jit.py says what was measured)
     return _feature_cuda_available() and "VLLM_USE_FLASHINFER_SAMPLER: bool = True" in (module_source("vllm.envs") or "")
 
 
