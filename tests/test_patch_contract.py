@@ -722,3 +722,23 @@ def test_gpu_engines_skip_the_flashinfer_sampler_build_that_vllm_021_starts_with
     unit.apply(patcher := Patcher(unit.name), None)
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # the user's choice
     patcher.revert()
+
+
+def test_the_transformers_units_decide_by_what_transformers_does_not_by_its_version(monkeypatch):
+    """transformers5_pydantic_torch: a class field annotated `torch.dtype` with torch imported for type checking only
+    (transformers 5; pydantic evaluates it); a 4.x string annotation, or a module that imports torch, needs nothing.
+    transformers_attn_mask_utils: the module is absent (5.24+)."""
+    five = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n\n"
+            "class PreTrainedConfig:\n    dtype: str | torch.dtype | None = None\n")
+    four = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n\nclass PretrainedConfig:\n"
+            "    def __init__(self, dtype: Optional[Union[str, \"torch.dtype\"]] = None):\n        pass\n")
+    imports_torch = five.replace("from typing import TYPE_CHECKING\n", "import torch\n", 1)
+    for source, needed in ((five, True), (four, False), (imports_torch, False), (None, False)):
+        monkeypatch.setattr(detect, "package_module_source", lambda name, s=source: s)
+        assert detect._feature_transformers_config_annotates_unimported_torch() is needed, source
+    monkeypatch.undo()
+    import importlib.util
+    assert detect._feature_transformers_lacks_attn_mask_utils() is (
+        importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert detect._feature_transformers_lacks_attn_mask_utils()

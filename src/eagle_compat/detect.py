@@ -367,6 +367,23 @@ def _feature_transformers_generates_config_init() -> bool:
     return "def __init_subclass__" in source and "wrap_init_to_accept_kwargs(cls)" in source
 
 
+def _feature_transformers_config_annotates_unimported_torch() -> bool:
+    # transformers 5 (configuration_utils): a class field `dtype: str | torch.dtype | None` whose `torch` is imported
+    # under TYPE_CHECKING only; pydantic evaluates it in speculators 0.3.0's config models. 4.x annotates a parameter
+    # with the string "torch.dtype", which nothing evaluates.
+    source = package_module_source("transformers.configuration_utils") or ""
+    return bool(re.search(r"^\s+dtype: [^\n\"']*torch\.dtype", source, re.M)) and not re.search(r"^import torch\b",
+                                                                                             source, re.M)
+
+
+def _feature_transformers_lacks_attn_mask_utils() -> bool:
+    # transformers 5.24 removed modeling_attn_mask_utils, which speculators 0.3.0's models/eagle.py imports
+    try:
+        return importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None
+    except ImportError:  # no transformers: nothing imports it
+        return False
+
+
 def _feature_speculators_target_skips_final_norm() -> bool:
     # speculators 0.3.0 (models/eagle3/core.py): `targets = self.verifier_lm_head(verifier_last_hidden_states)` on
     # a pre-norm state; #313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
@@ -412,6 +429,11 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "speculators_target_skips_final_norm": (
         _feature_speculators_target_skips_final_norm, "speculators' EAGLE-3 trainer takes its target logits without "
                                                       "the verifier's final norm (0.3.0; fixed in #313)"),
+    "transformers_config_annotates_unimported_torch": (
+        _feature_transformers_config_annotates_unimported_torch, "transformers' config classes annotate a field with "
+                                                                 "a torch imported for type checking only (5.x)"),
+    "transformers_lacks_attn_mask_utils": (
+        _feature_transformers_lacks_attn_mask_utils, "transformers has no modeling_attn_mask_utils (5.24+)"),
     "transformers_generates_config_init": (
         _feature_transformers_generates_config_init, "transformers gives config subclasses without an __init__ a "
                                                      "generated one (transformers 5)"),

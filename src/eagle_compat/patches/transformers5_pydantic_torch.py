@@ -12,8 +12,8 @@ from ._base import PatchUnit
 
 def _needed() -> bool:
     from .. import detect
-    v = detect.installed_versions()
-    return v.transformers is not None and v.transformers.major >= 5 and v.speculators is not None
+    return detect.installed_versions().speculators is not None and \
+        detect.feature("transformers_config_annotates_unimported_torch")
 
 
 def _apply(patcher, module) -> None:

@@ -10,7 +10,6 @@ semantics (the data-generation path never calls it; speculators' EAGLE-1 model d
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import types
 
 from ._base import PatchUnit
@@ -49,10 +48,7 @@ def _prepare_4d_causal_attention_mask(attention_mask, input_shape, inputs_embeds
 
 def _needed() -> bool:
     from .. import detect
-    v = detect.installed_versions()
-    if v.transformers is None or v.speculators is None:
-        return False
-    return importlib.util.find_spec(REMOVED_MODULE) is None
+    return detect.installed_versions().speculators is not None and detect.feature("transformers_lacks_attn_mask_utils")
 
 
 def _apply(patcher, module) -> None:
