@@ -106,40 +106,57 @@ def _descendants_named(word):
     return found
 
 
-def _start(cmd, out, logs):
+PAUSED = 8  # files a paused run writes, across both actors, before every further write is held
+
+
+def _start_paused(cmd, tmp_path, name):
+    """Start a --ray run whose writes hold after exactly PAUSED files (tests/data/pause_writes.py, a fault point, not
+    a timing window); return once they are on disk. The actors are Ray's processes, started by the raylet with the
+    driver's PYTHONPATH: a `sitecustomize` there loads the fault point in each of them."""
+    pause, hook = tmp_path / f"{name}.pause", tmp_path / f"{name}.hook"
+    pause.mkdir()
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        f"import os\nos.environ['PAUSE_WRITES_AFTER'] = '{PAUSED}'\nos.environ['PAUSE_WRITES_DIR'] = {str(pause)!r}\n"
+        "import pause_writes\n")
+    data = os.path.join(os.path.dirname(__file__), "data")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), data, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    logs = tmp_path / name
     proc = subprocess.Popen(cmd, stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"),
-                            start_new_session=True)
-    proc.logs = logs
+                            start_new_session=True, env=env)
+    proc.logs, proc.pause = logs, pause
+    _wait_until(proc, lambda: (pause / "ready").exists())
     return proc
 
 
-def _wait_for_files(proc, out, count, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and (not out.exists() or len(_samples(out)) < count):
-        time.sleep(0.02)
-    assert proc.poll() is None, open(f"{proc.logs}.err").read()[-4000:]
+def _wait_until(proc, done):
+    deadline = time.time() + 600  # a bound on a stuck run, not a window the test depends on
+    while time.time() < deadline and proc.poll() is None and not done():
+        time.sleep(0.05)
+    assert proc.poll() is None and done(), open(f"{proc.logs}.err").read()[-4000:]
+
+
+def _held_writer(proc) -> int:
+    """The pid of the actor holding the first write past the fault point: it is inside a batch until released."""
+    ticket = proc.pause / f"ticket-{PAUSED}"
+    _wait_until(proc, lambda: ticket.exists() and ticket.read_text() != "")
+    return int(ticket.read_text())
 
 
 def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, model, dataset, local_run, tmp_path):
     """Two actors write the bytes a local run writes, with one of them killed mid-batch on the way (a run without
     the kill proves nothing more: the same pool, the same writer)."""
     out = tmp_path / "actor-killed"
-    proc = _start(_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2", progress=True), out,
-                  tmp_path / "actor-killed")
-    _wait_for_files(proc, out, 8)
-    busy, deadline = [], time.time() + 30
-    while proc.poll() is None and time.time() < deadline:  # one snapshot can fall between two batches
-        busy = _descendants_named("ExtractActor.run_batch")  # Ray's process title while the actor runs a batch
-        if busy:
-            break
-        time.sleep(0.05)
-    assert busy, "no actor was running a batch"
-    os.kill(busy[0].pid, signal.SIGKILL)
-    written_before = len(_samples(out))
+    proc = _start_paused(_cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2", progress=True), tmp_path,
+                         "actor-killed")
+    held = _held_writer(proc)
+    assert held in {p.pid for p in _descendants_named("ExtractActor")}  # one of the pool's actors, mid-batch
+    os.kill(held, signal.SIGKILL)
+    assert len(_samples(out)) == PAUSED  # the kill came with exactly these files written
+    (proc.pause / "release").touch()
     proc.wait(timeout=400)
     stderr = open(f"{proc.logs}.err").read()
     assert proc.returncode == 0, stderr[-4000:]
-    assert written_before < N, "the run ended before the actor was killed"
     manifest = _byte_identical(local_run, out)  # nothing missing, nothing duplicated, equal to a local run
     per_actor = manifest["runs"][-1]["ray"]["per_actor"]
     # one kill, one death, whichever way Ray reported it: ActorDiedError (a failed try, the batch redone anywhere;
@@ -163,16 +180,14 @@ def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, mod
 def test_a_killed_driver_is_continued_by_resume_to_a_local_runs_bytes(cluster, model, dataset, local_run, tmp_path):
     out = tmp_path / "driver-killed"
     cmd = _cli(model, dataset, out, "--ray", cluster, "--ray-actors", "2")
-    proc = _start(cmd, out, tmp_path / "driver-killed")
-    _wait_for_files(proc, out, 8)
+    proc = _start_paused(cmd, tmp_path, "driver-killed")
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: Ray ends the actors it owned
     proc.wait(timeout=60)
     deadline = time.time() + 120
     while _descendants_named("ExtractActor") and time.time() < deadline:
         time.sleep(0.2)
     assert not _descendants_named("ExtractActor"), "the killed driver's actors outlived it"
-    written = len(_samples(out))
-    assert 8 <= written < N, f"the driver was killed too late to test resume ({written} files)"
+    assert len(_samples(out)) == PAUSED  # the writes past the fault point never happened
     # files of batches the killed run completed must not be written again; a partly written batch is redone whole
     complete = [k for k in range(N // 4) if all(os.path.exists(out / f"data_{i}.pt") for i in range(4 * k, 4 * k + 4))]
     kept = {i: os.stat(out / f"data_{i}.pt").st_mtime_ns for k in complete for i in range(4 * k, 4 * k + 4)}

@@ -94,14 +94,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import environment, startup
     report["environment"] = environment.variables_set()
     report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}
-    if report["startup_hook"]["legacy_pth"]:
-        if args.fix:
-            startup.remove_legacy_pth()
-            print(f"doctor --fix: removed {report['startup_hook']['legacy_pth']} (an older release's start-up "
-                  "hook; today's leaves nothing in site-packages)", file=sys.stderr)
-            report["startup_hook"]["legacy_pth"] = None
-        else:  # inert (it waits for a value the variable no longer takes): a note, not a problem
-            report["startup_hook"]["note"] = "an older release's start-up hook, inert; `doctor --fix` removes it"
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -123,8 +115,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         hook = report["startup_hook"]
         _print_table([("this run's directory", hook["run_dir"] or "none (install() makes one per run, removed at "
                                                                      "its end; nothing in site-packages)"),
-                      ("active in this process", "yes" if hook["active_in_this_process"] else "no"),
-                      ("older release's .pth", hook["legacy_pth"] or "none")],
+                      ("active in this process", "yes" if hook["active_in_this_process"] else "no")],
                      "Start-up hook for spawned processes")
         if "model" in report:
             _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")

@@ -287,9 +287,14 @@ def _feature_scheduler_requires_block_size() -> bool:
     return has_parameter(Scheduler, "block_size")
 
 
-def _feature_request_takes_eos_token_id() -> bool:
+def _feature_scheduler_takes_hash_block_size() -> bool:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    return has_parameter(Scheduler, "hash_block_size")
+
+
+def _feature_request_lacks_eos_token_id() -> bool:
     from vllm.v1.request import Request
-    return has_parameter(Request, "eos_token_id")
+    return not has_parameter(Request, "eos_token_id")
 
 
 def _feature_two_phase_step() -> bool:
@@ -417,7 +422,10 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "kv_block_size_resolver": (_feature_kv_block_size_resolver, "resolve_kv_cache_block_sizes exists (0.20+)"),
     "kv_cache_hit_alignment": (_feature_kv_cache_hit_alignment, "resolve_cache_hit_alignment_tokens exists (0.32+)"),
     "scheduler_requires_block_size": (_feature_scheduler_requires_block_size, "Scheduler needs block_size (0.11.1+)"),
-    "request_takes_eos_token_id": (_feature_request_takes_eos_token_id, "Request takes eos_token_id (<=0.16)"),
+    "scheduler_takes_hash_block_size": (_feature_scheduler_takes_hash_block_size, "Scheduler takes hash_block_size "
+                                                                                  "(0.20+)"),
+    "request_lacks_eos_token_id": (_feature_request_lacks_eos_token_id, "Request no longer takes eos_token_id "
+                                                                        "(0.17+)"),
     "two_phase_step": (_feature_two_phase_step, "execute_model + sample_tokens (0.11.1+)"),
     "unique_reply_returns_single": (
         _feature_unique_reply_returns_single, "collective_rpc(unique_reply_rank=) returns one reply (0.11.1+)"),

@@ -329,13 +329,13 @@ def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int
                                        available_memory=available_memory, kv_cache_specs=spec)
 
 
-def scheduler_kwargs(kwargs: dict[str, Any], scheduler_cls: Any) -> dict[str, Any]:
-    """Add `block_size` (required from 0.11.1) and `hash_block_size` (0.20+) when this Scheduler takes them."""
+def scheduler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Add `block_size` (required from 0.11.1) and `hash_block_size` (0.20+) where vLLM's Scheduler takes them."""
     kw = dict(kwargs)
-    if detect.has_parameter(scheduler_cls, "block_size") and "block_size" not in kw:
+    if detect.feature("scheduler_requires_block_size") and "block_size" not in kw:
         sched_bs, hash_bs = scheduler_block_sizes(kw["kv_cache_config"], kw["vllm_config"])
         kw["block_size"] = sched_bs
-        if detect.has_parameter(scheduler_cls, "hash_block_size"):
+        if detect.feature("scheduler_takes_hash_block_size"):
             kw.setdefault("hash_block_size", hash_bs)
     return kw
 
@@ -345,14 +345,13 @@ def build_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     return Scheduler(**scheduler_kwargs(dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                                             structured_output_manager=StructuredOutputManager(vllm_config)),
-                                        Scheduler))
+                                             structured_output_manager=StructuredOutputManager(vllm_config))))
 
 
-def request_kwargs(kwargs: dict[str, Any], request_cls: Any) -> dict[str, Any]:
+def request_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`Request(eos_token_id=)` is gone from 0.17: the id moves into the sampling params."""
     kw = dict(kwargs)
-    if "eos_token_id" in kw and not detect.has_parameter(request_cls, "eos_token_id"):
+    if "eos_token_id" in kw and detect.feature("request_lacks_eos_token_id"):
         eos = kw.pop("eos_token_id")
         sp = kw.get("sampling_params")
         if eos is not None and sp is not None:
@@ -371,7 +370,7 @@ def make_request(request_id: str, token_ids: list[int], eos_token_id: int | None
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     return Request(**request_kwargs(dict(request_id=request_id, prompt_token_ids=list(token_ids),
                                          sampling_params=sp, pooling_params=None, eos_token_id=eos_token_id,
-                                         arrival_time=arrival_time), Request))
+                                         arrival_time=arrival_time)))
 
 
 def abort(scheduler: Any, request_ids: list[str]) -> None:

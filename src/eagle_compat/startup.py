@@ -14,8 +14,7 @@ exit) removes both. Python imports `sitecustomize` at start-up, before `__main__
   do the rest, as before;
 * in any other process started from the run (pip, an evaluation script, a vLLM server of the user's) it removes the
   run's variable and directory from that process's environment, so neither it nor its children are touched.
-Nothing is written into site-packages. Older releases wrote `eagle_compat_startup.pth` there; it is inert with the
-variable's values of today (it waits for "1"), and `eagle-compat doctor --fix` removes it.
+Nothing is written into site-packages.
 """
 from __future__ import annotations
 
@@ -23,12 +22,10 @@ import atexit
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
 
 INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"  # "run:<pid of the driver>": a run's processes; unset elsewhere
 SPAWNED_CHILD_FLAG = "--multiprocessing-fork"  # multiprocessing's spawn puts it on the child's command line
-LEGACY_PTH_NAME = "eagle_compat_startup.pth"
 
 SITECUSTOMIZE = '''"""eagle_compat's start-up hook for one run (eagle_compat/startup.py); removed when the run ends."""
 import os as _os
@@ -123,20 +120,6 @@ def run_dir() -> str | None:
     return _run_dir
 
 
-def legacy_pth_path() -> str:
-    return os.path.join(sysconfig.get_paths()["purelib"], LEGACY_PTH_NAME)
-
-
-def remove_legacy_pth() -> bool:
-    """Remove the `.pth` an older release wrote into site-packages. Returns whether one was there."""
-    try:
-        os.remove(legacy_pth_path())
-        return True
-    except FileNotFoundError:
-        return False
-
-
 def describe() -> dict:
     return {"run_dir": _run_dir, "active_in_this_process": run_active(),
-            "legacy_pth": legacy_pth_path() if os.path.exists(legacy_pth_path()) else None,
             "spawned_child": SPAWNED_CHILD_FLAG in sys.argv}

@@ -34,7 +34,6 @@ from . import writer
 HS_DIR = "hidden_states"
 HS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 DATASET_FILE = re.compile(r"^(data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json)$")
-ARROW_FORMATS = ("arrow", "arrow-fp8")
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 

@@ -202,10 +202,10 @@ def executor_method_unit(*, method: str, hook: Callable, feature: str, **contrac
 
 
 def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **contract: Any) -> PatchUnit:
-    """A unit whose whole fix is the keywords of one config constructor speculators' generator calls
-    (`constructor`, e.g. "SchedulerConfig"): needed where the named feature probe says so, applied as a contribution
-    to that name's one adapter (`Patcher.rewrite_kwargs`) by the engine function `rewrite` that the stable
-    generator's own config goes through too."""
+    """A unit whose whole fix is the keywords of one constructor speculators' generator calls (`constructor`, e.g.
+    "SchedulerConfig", "Request"): needed where the named feature probe says so, applied as a contribution to that
+    name's one adapter (`Patcher.rewrite_kwargs`) by the engine function `rewrite` that the stable generator's own
+    calls go through too."""
     def needed() -> bool:
         from .. import detect
         return bool(detect.feature(feature))

@@ -4,28 +4,12 @@ At speculators' call site the id moves into `SamplingParams.update_from_generati
 """
 from __future__ import annotations
 
-from ._base import GENERATOR_MODULE, PatchUnit
+from ._base import keyword_rewrite_unit
 
-
-def _needed() -> bool:
-    from .. import detect
-    return not detect.feature("request_takes_eos_token_id")
-
-
-def _apply(patcher, module) -> None:
-    from .. import engine
-
-    request_cls = vars(module)["Request"]
-    patcher.rewrite_kwargs(module, "Request", lambda kw: engine.request_kwargs(kw, request_cls))
-
-
-UNIT = PatchUnit(
+UNIT = keyword_rewrite_unit(
+    constructor="Request", feature="request_lacks_eos_token_id", rewrite="request_kwargs",
     name="request_eos_token_id",
     broke="Request no longer takes eos_token_id (TypeError)",
     affects=">=0.17",
     delete_when="speculators stops passing eos_token_id to Request",
-    target=GENERATOR_MODULE,
-    sides=("driver",),
-    needed=_needed,
-    apply=_apply,
 )
