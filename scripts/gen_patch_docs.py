@@ -22,11 +22,15 @@ def render() -> str:
              "one wrapper, its adapter (`patches/_adapters.py`); units contribute to it (a keyword rewrite; an executor's",
              "spawning context, set-up, method hooks, ready check) and the adapter fixes how they combine, whatever the",
              "registry order: keyword rewrites must not disagree, executor hooks run in phases, in unit-name order.",
-             "", "| unit | what broke | vLLM releases | where | silent | delete when |", "|---|---|---|---|---|---|"]
+             "The detection column names the feature probe (`eagle_compat.detect.FEATURE_PROBES`, what `doctor` lists)",
+             "that alone decides a unit's need; the others decide in their own `needed` (docstring of the unit's module).",
+             "", "| unit | what broke | vLLM releases | detected by | where | silent | delete when |",
+             "|---|---|---|---|---|---|---|"]
     for u in REGISTRY:
         where = f"`{u.target}`" if u.target else "process environment"
         releases = (f"`{u.affects}`" if u.affects else "all") + (f"; where {u.condition}" if u.condition else "")
-        lines.append(f"| `{u.name}` | {u.broke} | {releases} | {where} ({', '.join(u.sides)}) | "
+        detected = f"probe `{u.feature}`" if u.feature else "the unit's `needed`"
+        lines.append(f"| `{u.name}` | {u.broke} | {releases} | {detected} | {where} ({', '.join(u.sides)}) | "
                      f"{'yes' if u.silent else ''} | {u.delete_when} |")
     lines += ["", "## Workarounds in eagle_compat's own engine code and capture", "",
               "Not patch units (they change no speculators name): they act in the generator, the engine adapters or",

@@ -677,6 +677,20 @@ def test_the_trainers_target_norm_is_the_verifiers_final_rmsnorm():
     assert unit_module.BUFFER not in head.state_dict()  # checkpoints the trainer saves are unchanged
 
 
+def test_a_units_named_probe_exists_and_decides_its_need(monkeypatch):
+    """A unit declared with `feature=` is needed exactly where that probe says so (and, for the units that patch
+    transformers or speculators alone, where speculators is installed)."""
+    units = [u for u in REGISTRY if u.feature]
+    assert len(units) >= 10  # the factories' units and the ones declared with a probe
+    for unit in units:
+        assert unit.feature in detect.FEATURE_PROBES, f"{unit.name}: no probe {unit.feature!r}"
+        for says in (True, False):
+            monkeypatch.setattr(detect, "feature", lambda name, says=says, real=detect.feature: (
+                says if name == unit.feature else real(name)))
+            assert unit.needed() is (says and (unit.needs_vllm or detect.installed_versions().speculators is not None))
+        monkeypatch.undo()
+
+
 def test_every_workarounds_where_names_code_that_exists():
     """A workaround's `where` names the file and the function that act (issue 23: not free text); each must exist,
     so a rename cannot leave docs/patches.md and `doctor` pointing at nothing."""

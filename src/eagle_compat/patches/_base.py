@@ -183,22 +183,30 @@ class PatchUnit:
     # False for the units that patch transformers or speculators' trainer only: they apply where vLLM is not
     # installed too (a training environment), where every other unit has nothing to patch and cannot probe
     needs_vllm: bool = True
+    # the named probe (detect.FEATURE_PROBES) that alone decides the need, where one does; otherwise `needed`
+    feature: str = ""
     needed: Callable[[], bool] = field(default=lambda: True)
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
+
+    def __post_init__(self) -> None:
+        if self.feature:
+            self.needed = lambda: _feature_says_needed(self.feature, self.needs_vllm)
+
+
+def _feature_says_needed(feature: str, needs_vllm: bool) -> bool:
+    from .. import detect
+    # the units that patch transformers or speculators alone have nothing to patch where speculators is absent
+    return (needs_vllm or detect.installed_versions().speculators is not None) and bool(detect.feature(feature))
 
 
 def executor_method_unit(*, method: str, hook: Callable, feature: str, **contract: Any) -> PatchUnit:
     """A unit whose whole fix is one stateless hook, `hook(executor, call, args, kwargs)`, on one method of the
     executor speculators' generator builds (vLLM's class is untouched: `Patcher.hook_executor`), needed where the
     named feature probe says so."""
-    def needed() -> bool:
-        from .. import detect
-        return bool(detect.feature(feature))
-
     def apply(patcher: Patcher, module: ModuleType | None) -> None:
         patcher.hook_executor(module, "MultiprocExecutor", _adapters.ExecutorHooks(methods={method: hook}))
 
-    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), needed=needed, apply=apply, **contract)
+    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), feature=feature, apply=apply, **contract)
 
 
 def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **contract: Any) -> PatchUnit:
@@ -206,15 +214,11 @@ def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **cont
     "SchedulerConfig", "Request"): needed where the named feature probe says so, applied as a contribution to that
     name's one adapter (`Patcher.rewrite_kwargs`) by the engine function `rewrite` that the stable generator's own
     calls go through too."""
-    def needed() -> bool:
-        from .. import detect
-        return bool(detect.feature(feature))
-
     def apply(patcher: Patcher, module: ModuleType | None) -> None:
         from .. import engine
         patcher.rewrite_kwargs(module, constructor, getattr(engine, rewrite))
 
-    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), needed=needed, apply=apply, **contract)
+    return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), feature=feature, apply=apply, **contract)
 
 
 ENVIRON = MappingAttributes(os.environ, "os.environ")

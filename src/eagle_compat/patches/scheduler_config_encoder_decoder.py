@@ -9,11 +9,6 @@ from __future__ import annotations
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("scheduler_config_requires_is_encoder_decoder")
-
-
 def _apply(patcher, module) -> None:
     from .. import engine
     from ..errors import UnsupportedModel
@@ -35,6 +30,6 @@ UNIT = PatchUnit(
     delete_when="speculators' call site passes is_encoder_decoder (speculators >= 0.4)",
     target=GENERATOR_MODULE,
     sides=("driver",),
-    needed=_needed,
+    feature="scheduler_config_requires_is_encoder_decoder",
     apply=_apply,
 )

@@ -9,11 +9,6 @@ from __future__ import annotations
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.feature("sliding_window_block_size_not_unified")
-
-
 def _apply(patcher, module) -> None:
     from .. import engine
 
@@ -31,6 +26,6 @@ UNIT = PatchUnit(
     delete_when="the vLLM floor is 0.27",
     target=GENERATOR_MODULE,
     sides=("driver",),
-    needed=_needed,
+    feature="sliding_window_block_size_not_unified",
     apply=_apply,
 )

@@ -34,13 +34,6 @@ def _speculators_init(cls, configuration_utils):
     raise TypeError(f"{cls.__name__} has no __init__ of speculators' own")
 
 
-def _needed() -> bool:
-    from .. import detect
-    if detect.installed_versions().speculators is None:
-        return False
-    return detect.feature("transformers_generates_config_init")
-
-
 def _apply(patcher, module) -> None:
     from transformers import PretrainedConfig, configuration_utils
 
@@ -80,6 +73,6 @@ UNIT = PatchUnit(
     delete_when="the speculators floor builds and saves its configs under transformers 5",
     target="speculators.config",
     sides=("driver",),
-    needed=_needed,
+    feature="transformers_generates_config_init",
     apply=_apply,
 )

@@ -27,13 +27,6 @@ RMS_NORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2
 BUFFER = "eagle_compat_verifier_norm_weight"
 
 
-def _needed() -> bool:
-    from .. import detect
-    if detect.installed_versions().speculators is None:
-        return False
-    return detect.feature("speculators_target_skips_final_norm")
-
-
 def normed_lm_head_input(module, args):
     """Forward pre-hook on the verifier's lm_head: its input through the verifier's final RMSNorm (in fp32)."""
     (hidden,) = args
@@ -88,6 +81,6 @@ UNIT = PatchUnit(
     target=TARGET,
     sides=("driver",),
     silent=True,
-    needed=_needed,
+    feature="speculators_target_skips_final_norm",
     apply=_apply,
 )

@@ -10,12 +10,6 @@ from __future__ import annotations
 from ._base import PatchUnit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.installed_versions().speculators is not None and \
-        detect.feature("transformers_config_annotates_unimported_torch")
-
-
 def _apply(patcher, module) -> None:
     if "torch" not in vars(module):
         import torch
@@ -31,6 +25,6 @@ UNIT = PatchUnit(
     delete_when="the speculators floor supports transformers 5",
     target="transformers.configuration_utils",
     at_startup=True,
-    needed=_needed,
+    feature="transformers_config_annotates_unimported_torch",
     apply=_apply,
 )

@@ -46,11 +46,6 @@ def _prepare_4d_causal_attention_mask(attention_mask, input_shape, inputs_embeds
     return mask
 
 
-def _needed() -> bool:
-    from .. import detect
-    return detect.installed_versions().speculators is not None and detect.feature("transformers_lacks_attn_mask_utils")
-
-
 def _apply(patcher, module) -> None:
     stand_in = types.ModuleType(REMOVED_MODULE, "eagle_compat stand-in for a module transformers removed")
     stand_in.__spec__ = importlib.machinery.ModuleSpec(REMOVED_MODULE, None)  # find_spec() works on it
@@ -67,6 +62,6 @@ UNIT = PatchUnit(
     delete_when="the speculators floor no longer imports transformers.modeling_attn_mask_utils",
     target="transformers",
     at_startup=True,
-    needed=_needed,
+    feature="transformers_lacks_attn_mask_utils",
     apply=_apply,
 )
