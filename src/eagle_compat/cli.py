@@ -84,7 +84,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report["cpu"]["vllm_kernels"] = kernels = cpu.run_kernel_probe(sys.executable)
         if kernels.get("cannot_load"):
             problems.append(f"vLLM's C++ extension does not load on this CPU: {kernels['cannot_load']}")
-    if detect.installed_versions().vllm is not None and not detect.feature("cuda_available"):
         from . import engine
         cores = len(os.sched_getaffinity(0))
         report["cpu_tensor_parallel"] = {

@@ -434,6 +434,7 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
+    "cpu_only": (lambda: not _feature_cuda_available(), "no CUDA device is visible: vLLM runs on the CPU"),
     "speculators_target_skips_final_norm": (
         _feature_speculators_target_skips_final_norm, "speculators' EAGLE-3 trainer takes its target logits without "
                                                       "the verifier's final norm (0.3.0; fixed in #313)"),

@@ -423,19 +423,18 @@ def thread_binding(cores: list[int], workers: int) -> str:
 def default_worker_env(dtype: str = "auto", tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment vLLM's workers need (inherited by the spawned workers)."""
     env = {}
-    if not detect.feature("cuda_available"):
-        binding = cpu_thread_binding(tensor_parallel_size)
-        if binding is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
     if detect.feature("cuda_available"):
         # a forked worker cannot use CUDA once anything in the driver touched it (seen on the H200)
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    if not detect.feature("cuda_available") and (
-            not detect.feature("cpu_mla_backend") or str(dtype).replace("torch.", "") in ("float32", "float")):
-        # Before 0.29 CPU vLLM has no usable MLA backend and refuses DeepSeek/Kimi models; from 0.29 its MLA kernels
-        # take bf16/fp16 weights only ("expect weight to be bfloat16 …" on AMX machines). Plain attention
-        # computes the same function (the kv_b projection expanded); the parity tests check it against HF.
-        env["VLLM_MLA_DISABLE"] = "1"
+    else:
+        binding = cpu_thread_binding(tensor_parallel_size)
+        if binding is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        if not detect.feature("cpu_mla_backend") or str(dtype).replace("torch.", "") in ("float32", "float"):
+            # Before 0.29 CPU vLLM has no usable MLA backend and refuses DeepSeek/Kimi models; from 0.29 its MLA
+            # kernels take bf16/fp16 weights only ("expect weight to be bfloat16 …" on AMX machines). Plain attention
+            # computes the same function (the kv_b projection expanded); the parity tests check it against HF.
+            env["VLLM_MLA_DISABLE"] = "1"
     if detect.feature("cpu_int4_runs_as_w4a8"):
         # the checkpoint's W4A16 arithmetic, not vLLM's faster W4A8 rewrite of it on AMX CPUs: states equal to what
         # the checkpoint computes (and to the GPU's), which the parity criterion judges; yours wins where set

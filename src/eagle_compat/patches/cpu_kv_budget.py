@@ -12,11 +12,6 @@ from ._adapters import BuiltExecutors
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return not detect.feature("cuda_available")
-
-
 class _CudaOnCpu:
     def __init__(self, real_cuda, generator_module, executors: BuiltExecutors):
         self._real = real_cuda
@@ -69,6 +64,6 @@ UNIT = PatchUnit(
     delete_when="speculators asks the executor for the KV budget",
     target=GENERATOR_MODULE,
     sides=("driver",),
-    needed=_needed,
+    feature="cpu_only",
     apply=_apply,
 )

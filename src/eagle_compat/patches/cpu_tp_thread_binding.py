@@ -13,11 +13,6 @@ from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
 
-def _needed() -> bool:
-    from .. import detect
-    return not detect.feature("cuda_available")
-
-
 def _apply(patcher, module) -> None:
     from .. import engine
 
@@ -43,6 +38,6 @@ UNIT = PatchUnit(
     delete_when="vLLM's CPU workers split one NUMA node's cores among several workers themselves",
     target=GENERATOR_MODULE,
     sides=("driver",),
-    needed=_needed,
+    feature="cpu_only",
     apply=_apply,
 )
