@@ -168,4 +168,9 @@ def test_executor_built_at_speculators_call_site_shuts_down_once_and_quietly():
     executor.shutdown()  # speculators' __del__
     assert Executor.calls == 1
     patcher.revert()
-    assert module.MultiprocExecutor is Executor and "shutdown" not in vars(Executor())
+    assert module.MultiprocExecutor is Executor
+    Executor.calls = 0
+    fresh = module.MultiprocExecutor()
+    fresh.shutdown()
+    with pytest.raises(RuntimeError, match="already shut down"):  # after uninstall a repeated shutdown raises again
+        fresh.shutdown()
