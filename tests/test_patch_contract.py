@@ -715,12 +715,11 @@ def test_gpu_engines_skip_the_flashinfer_sampler_build_that_vllm_021_starts_with
     from eagle_compat.patches import gpu_sampler_no_jit
     envs_021 = 'VLLM_USE_FLASHINFER_SAMPLER: bool = True\n'
     envs_020 = 'VLLM_USE_FLASHINFER_SAMPLER: bool | None = None\n'
-    monkeypatch.setattr(detect, "_feature_cuda_available", lambda: True)
-    for source, jit in ((envs_021, True), (envs_020, False)):
+    for cuda, source, jit in ((True, envs_021, True), (True, envs_020, False), (False, envs_021, False)):
+        monkeypatch.setattr(detect, "feature", lambda name, cuda=cuda: cuda if name == "cuda_available" else None)
         monkeypatch.setattr(detect, "module_source", lambda name, s=source: s if name == "vllm.envs" else None)
-        assert detect._feature_gpu_sampler_jit_at_start() is jit
-    monkeypatch.setattr(detect, "_feature_cuda_available", lambda: False)
-    assert not detect._feature_gpu_sampler_jit_at_start()  # CPU vLLM samples without FlashInfer
+        assert detect._feature_gpu_sampler_jit_at_start() is jit  # CPU vLLM samples without FlashInfer
+    monkeypatch.undo()
 
     monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
         True if name == "gpu_sampler_jit_at_start" else real(name)))
@@ -746,8 +745,9 @@ def test_the_transformers_units_decide_by_what_transformers_does_not_by_its_vers
             "class PreTrainedConfig:\n    dtype: str | torch.dtype | None = None\n")
     four = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n\nclass PretrainedConfig:\n"
             "    def __init__(self, dtype: Optional[Union[str, \"torch.dtype\"]] = None):\n        pass\n")
+    five_quoted = five.replace("str | torch.dtype | None", 'Union[str, "torch.dtype"] | None')  # 5.17
     imports_torch = five.replace("from typing import TYPE_CHECKING\n", "import torch\n", 1)
-    for source, needed in ((five, True), (four, False), (imports_torch, False), (None, False)):
+    for source, needed in ((five, True), (five_quoted, True), (four, False), (imports_torch, False), (None, False)):
         monkeypatch.setattr(detect, "package_module_source", lambda name, s=source: s)
         assert detect._feature_transformers_config_annotates_unimported_torch() is needed, source
     monkeypatch.undo()

@@ -111,8 +111,8 @@ PAUSED = 8  # files a paused run writes, across both actors, before every furthe
 
 def _start_paused(cmd, tmp_path, name):
     """Start a --ray run whose writes hold after exactly PAUSED files (tests/data/pause_writes.py, a fault point, not
-    a timing window); return once they are on disk. The actors are Ray's processes, started by the raylet with the
-    driver's PYTHONPATH: a `sitecustomize` there loads the fault point in each of them."""
+    a timing window); return once they are on disk. The actors are Ray's processes: the driver gives them its
+    PYTHONPATH (extract/ray_runner.py's runtime_env), where a `sitecustomize` loads the fault point in each."""
     pause, hook = tmp_path / f"{name}.pause", tmp_path / f"{name}.hook"
     pause.mkdir()
     hook.mkdir()
@@ -120,7 +120,8 @@ def _start_paused(cmd, tmp_path, name):
         f"import os\nos.environ['PAUSE_WRITES_AFTER'] = '{PAUSED}'\nos.environ['PAUSE_WRITES_DIR'] = {str(pause)!r}\n"
         "import pause_writes\n")
     data = os.path.join(os.path.dirname(__file__), "data")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), data, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    paths = [str(hook), data, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     logs = tmp_path / name
     proc = subprocess.Popen(cmd, stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"),
                             start_new_session=True, env=env)

@@ -351,7 +351,8 @@ def _feature_gpu_sampler_jit_at_start() -> bool:
     # 0.21 defaults VLLM_USE_FLASHINFER_SAMPLER on (earlier: None, off unless set), and every engine start warms the
     # sampler up with top-k/top-p (gpu_model_runner._dummy_sampler_run): FlashInfer compiles that kernel with nvcc
     # there, on every fresh machine (patches/gpu_sampler_no_jit.py says what was measured)
-    return _feature_cuda_available() and "VLLM_USE_FLASHINFER_SAMPLER: bool = True" in (module_source("vllm.envs") or "")
+    envs = module_source("vllm.envs") or ""
+    return feature("cuda_available") and "VLLM_USE_FLASHINFER_SAMPLER: bool = True" in envs
 
 
 def _feature_cpu_worker_scans_loaded_modules() -> bool:
@@ -373,12 +374,12 @@ def _feature_transformers_generates_config_init() -> bool:
 
 
 def _feature_transformers_config_annotates_unimported_torch() -> bool:
-    # transformers 5 (configuration_utils): a class field `dtype: str | torch.dtype | None` whose `torch` is imported
-    # under TYPE_CHECKING only; pydantic evaluates it in speculators 0.3.0's config models. 4.x annotates a parameter
-    # with the string "torch.dtype", which nothing evaluates.
+    # transformers 5 (configuration_utils): a class field `dtype: str | torch.dtype | None` (5.19; 5.17 quotes it,
+    # `Union[str, "torch.dtype"]`) whose `torch` is imported under TYPE_CHECKING only; pydantic evaluates it in
+    # speculators 0.3.0's config models. 4.x annotates an `__init__` parameter (indented deeper): nothing evaluates it.
     source = package_module_source("transformers.configuration_utils") or ""
-    return bool(re.search(r"^\s+dtype: [^\n\"']*torch\.dtype", source, re.M)) and not re.search(r"^import torch\b",
-                                                                                             source, re.M)
+    return bool(re.search(r"^ {4}dtype:[^\n]*torch\.dtype", source, re.M)) and not re.search(r"^import torch\b", source,
+                                                                                          re.M)
 
 
 def _feature_transformers_lacks_attn_mask_utils() -> bool:
@@ -434,7 +435,7 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_mla_backend": (_feature_cpu_mla_backend, "CPU MLA attention backend usable (0.29+; 0.28's MLA prefill "
                                                   "picks FlashAttention on CPU)"),
     "cuda_available": (_feature_cuda_available, "a CUDA device is visible"),
-    "cpu_only": (lambda: not _feature_cuda_available(), "no CUDA device is visible: vLLM runs on the CPU"),
+    "cpu_only": (lambda: not feature("cuda_available"), "no CUDA device is visible: vLLM runs on the CPU"),
     "speculators_target_skips_final_norm": (
         _feature_speculators_target_skips_final_norm, "speculators' EAGLE-3 trainer takes its target logits without "
                                                       "the verifier's final norm (0.3.0; fixed in #313)"),

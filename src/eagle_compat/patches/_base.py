@@ -185,12 +185,17 @@ class PatchUnit:
     needs_vllm: bool = True
     # the named probe (detect.FEATURE_PROBES) that alone decides the need, where one does; otherwise `needed`
     feature: str = ""
-    needed: Callable[[], bool] = field(default=lambda: True)
+    needed: Callable[[], bool] | None = None
     apply: Callable[[Patcher, ModuleType | None], None] = field(default=lambda p, m: None)
 
     def __post_init__(self) -> None:
-        if self.feature:
-            self.needed = lambda: _feature_says_needed(self.feature, self.needs_vllm)
+        if self.feature and self.needed is not None:
+            raise ValueError(f"patch unit {self.name}: give `feature` or `needed`, not both")
+        feature, needs_vllm = self.feature, self.needs_vllm
+        if feature:
+            self.needed = lambda: _feature_says_needed(feature, needs_vllm)
+        elif self.needed is None:
+            self.needed = lambda: True
 
 
 def _feature_says_needed(feature: str, needs_vllm: bool) -> bool:
