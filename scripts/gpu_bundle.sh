@@ -29,9 +29,11 @@ case "$release" in
   0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.8.post1 cuda_tile \
                      nvidia_cudnn_frontend" ;;
   # flashinfer 0.6.11 (its cubin package is left behind: Hopper's bf16 paths JIT or use none of its cubins);
-  # llguidance 1.7 is not served here, 0.20.0's 1.3 stays (structured outputs only, imported lazily)
+  # llguidance 1.7 is not served here, 0.20.0's 1.3 stays (structured outputs only, imported lazily); humming
+  # (humming-kernels) is imported on CUDA when any quantized checkpoint loads (quantization/humming.py, read from the
+  # wheel), tokenspeed-mla only by its own MLA backends
   0.22.1) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.11.post2 cuda_tile \
-                     nvidia_cudnn_frontend" ;;
+                     nvidia_cudnn_frontend humming_kernels==0.1.2 pyelftools tabulate" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
