@@ -34,6 +34,13 @@ case "$release" in
   # wheel), tokenspeed-mla only by its own MLA backends
   0.22.1) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.11.post2 cuda_tile \
                      nvidia_cudnn_frontend humming_kernels==0.1.2 pyelftools tabulate" ;;
+  # 0.23-0.25: 0.22.1's set with each wheel's own flashinfer, humming-kernels and compressed-tensors pins
+  # (results/gpu/carry-probe.md); what each adds besides (the API server's fastapi/starlette, video decoders,
+  # fastsafetensors, nvtx) is imported lazily if at all, which their first run on the H200 shows. Not yet run there.
+  0.23.0|0.24.0|0.25.1)
+    case "$release" in 0.23.0) fi=0.6.12 hk=0.1.4 ;; 0.24.0) fi=0.6.12 hk=0.1.6 ;; 0.25.1) fi=0.6.13 hk=0.1.10 ;; esac
+    overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==$fi cuda_tile nvidia_cudnn_frontend \
+               humming_kernels==$hk pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
