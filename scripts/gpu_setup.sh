@@ -4,6 +4,11 @@
 # installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
 # Needs: $out (a folder for setup.log). Exports PYTHONPATH=/tmp/site:$PWD/src.
 gpu_setup() {
+  # one machine may run several releases in turn: a bundle of another release than the one set up replaces it
+  local release=$(cat "${BUNDLE:-.gpu}/release.txt")
+  if [ -f /tmp/site/vllm/__init__.py ] && [ "$(cat /tmp/site/.bundle-release 2>/dev/null)" != "$release" ]; then
+    rm -rf /tmp/site /tmp/g/b /tmp/g/bundle.tar
+  fi
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
     bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; return 1; }
     if ls "${BUNDLE:-.gpu}"/extra/*.whl > /dev/null 2>&1; then
@@ -15,6 +20,7 @@ gpu_setup() {
     local compile_start=$(date +%s)
     python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
     echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
+    echo "$release" > /tmp/site/.bundle-release
   fi
   local d=/tmp/site/eagle_compat-0.1.0.dist-info
   mkdir -p $d
