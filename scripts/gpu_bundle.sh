@@ -41,6 +41,11 @@ case "$release" in
     case "$release" in 0.23.0) fi=0.6.12 hk=0.1.4 ;; 0.24.0) fi=0.6.12 hk=0.1.6 ;; 0.25.1) fi=0.6.13 hk=0.1.10 ;; esac
     overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==$fi cuda_tile nvidia_cudnn_frontend \
                humming_kernels==$hk pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
+  # 0.26.0 pins apache-tvm-ffi 0.1.10, below the 0.1.11 that xgrammar 0.2.9 needs: xgrammar 0.2.7 is the newest
+  # that takes 0.1.10 (>=0.1.10; read from each xgrammar wheel's metadata) and meets 0.26's xgrammar>=0.2.1;
+  # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one)
+  0.26.0) overrides="xgrammar==0.2.7 apache_tvm_ffi==0.1.10 flashinfer_python==0.6.14 cuda_tile nvidia_cudnn_frontend \
+                     humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
