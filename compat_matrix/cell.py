@@ -48,6 +48,15 @@ RECORDED_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP
 CAPTURE_BUG = "CaptureInvariantError"
 
 
+def recorded_env() -> tuple[dict, dict]:
+    """The kernel settings set for this cell: those this vLLM reads, and those it does not define (a setting a
+    release removed, e.g. VLLM_USE_FLASHINFER_MOE_FP16 from 0.24 on, chose nothing and must not read as if it had)."""
+    import vllm.envs
+    known = vllm.envs.environment_variables
+    set_here = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+    return ({k: v for k, v in set_here.items() if k in known}, {k: v for k, v in set_here.items() if k not in known})
+
+
 def classify(error_text: str) -> str:
     return "unsupported" if known_cause(error_text) is not None else "fail"
 
@@ -126,7 +135,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     if device != "cpu":
         import torch
         out["gpu"] = torch.cuda.get_device_name(0)
-    out["env"] = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+    out["env"], unread = recorded_env()
+    if unread:
+        out["env_unread"] = unread
     from eagle_compat.quantized_models import QUANTIZED
     if family in QUANTIZED:  # quantized checkpoints run in the dtype they ship in (bf16), as users run them
         dtype = "auto"

@@ -39,14 +39,19 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
     (tmp_path / "h200-vllm-0.20.0.jsonl").write_text(json.dumps(cell) + "\n" + json.dumps(failed) + "\n")
     probes = [{"release": "0.21.0", "wheel_served": True, "torch": "torch==2.11.0", "not_served": [], "carry_mb": 257,
                "carry_calls": 5},
+              {"release": "0.23.0", "wheel_served": True, "torch": "torch==2.11.0",
+               "not_served": ["llguidance<1.8.0,>=1.7.0"], "carry_mb": 760, "carry_calls": 14},
               {"release": "0.27.1", "wheel_served": True, "torch": "torch==2.13.0",
-               "not_served": ["nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812, "carry_calls": 32}]
+               "not_served": ["llguidance<1.8.0,>=1.7.0", "nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812,
+               "carry_calls": 32}]
     (tmp_path / "carry-probe.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
     rows = {line.split(" | ")[0][2:]: line for line in render.gpu_table(str(tmp_path)) if line.startswith("| 0.")}
-    assert list(rows) == ["0.20.0", "0.21.0", "0.27.1"]
+    assert list(rows) == ["0.20.0", "0.21.0", "0.23.0", "0.27.1"]
     assert "| ran | pass (rel 3e-02) | FAIL |" in rows["0.20.0"]
     assert "not run yet: every requirement served (257 MB" in rows["0.21.0"]
-    assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
+    # a pin the GPU runs showed is not needed (llguidance: structured outputs only) keeps no release off the GPU
+    assert "not run yet: every requirement it runs with served" in rows["0.23.0"]
+    assert "not served here: nvidia-nccl-cu13==2.29.7 (" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
 
 
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
@@ -161,3 +166,13 @@ def test_each_row_names_the_cpu_its_cells_ran_on(matrix_code):
     assert render._cpu_text(row, cpus) == "c1, c2, not recorded"
     assert cpus == ["AMD EPYC (x86_64: avx2)", "Intel Xeon (x86_64: avx2 avx512f)"]
     assert render._cpu_text({"release": "x", "cells": {}, "machine": epyc}, cpus) == "c1"
+
+
+def test_a_cell_records_only_the_kernel_settings_its_vllm_reads(matrix_code, monkeypatch):
+    """A setting the release does not define (VLLM_USE_FLASHINFER_MOE_FP16 after 0.23) chose no kernel: the record
+    keeps it apart, so the GPU table never shows it as the reason a cell passed."""
+    import cell
+    monkeypatch.setattr(cell, "RECORDED_ENV", ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_EAGLE_COMPAT_NO_SUCH_SETTING"))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_EAGLE_COMPAT_NO_SUCH_SETTING", "0")
+    assert cell.recorded_env() == ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, {"VLLM_EAGLE_COMPAT_NO_SUCH_SETTING": "0"})
