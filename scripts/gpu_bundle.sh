@@ -46,6 +46,15 @@ case "$release" in
   # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one)
   0.26.0) overrides="xgrammar==0.2.7 apache_tvm_ffi==0.1.10 flashinfer_python==0.6.14 cuda_tile nvidia_cudnn_frontend \
                      humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
+  # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton and cuDNN are carried and shadow the
+  # image's (/tmp/site is first on the path). Its other CUDA pins are the image's within a patch or minor release
+  # (cuda-toolkit 13.0.3 vs 13.0.2, cuSPARSELt 0.8.1 vs 0.8.0, NCCL 2.29.7 vs 2.28.9; nvshmem equal) and stay the
+  # image's: NCCL 2.29.7 is not served here, and a one-GPU run should make no NCCL communicator. cuDNN is carried: torch
+  # refuses a runtime cuDNN minor older than its build's (torch/backends/cudnn; 9.20 vs 9.19). 23 parts; not yet run.
+  0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 xgrammar==0.2.9 \
+                     apache_tvm_ffi==0.1.11 \
+                     flashinfer_python==0.6.16.post3 cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 \
+                     pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
