@@ -503,24 +503,27 @@ def test_affects_is_a_specifier_that_agrees_with_the_units_own_detection(unit):
 
 
 def test_affects_agrees_with_every_recorded_release():
-    """Matrix cells record which units each release needed (`units_needed`, from 2026-12 runs on): where nothing but
-    the release decides, the record must agree with `affects`."""
+    """Matrix cells record which units each release needed (`units_needed`, from 2026-12 runs on; CPU and GPU cells):
+    where nothing but the release decides, the record must agree with `affects`."""
     import json
 
     from packaging.specifiers import SpecifierSet
     root = pathlib.Path(__file__).resolve().parents[1]
+    results = root / "compat_matrix" / "results"
     units = {u.name: u for u in REGISTRY if not u.condition}
+    records = [(p, c) for p in sorted(results.glob("vllm-*.json")) for c in json.loads(p.read_text())["cells"].values()]
+    records += [(p, json.loads(line)) for p in sorted((results / "gpu").glob("h200-*.jsonl"))
+                for line in p.read_text().splitlines() if line.strip()]
     checked = 0
-    for path in sorted((root / "compat_matrix" / "results").glob("vllm-*.json")):
-        for cell in json.loads(path.read_text())["cells"].values():
-            if not cell.get("units_needed") or not (cell.get("versions") or {}).get("vllm"):
-                continue
-            release = detect.base_version(detect.parse_version(cell["versions"]["vllm"]))
-            for name, needed in cell["units_needed"].items():
-                if name in units and isinstance(needed, bool):
-                    assert needed == SpecifierSet(units[name].affects).contains(release, prereleases=True), \
-                        (path.name, name)
-                    checked += 1
+    for path, cell in records:
+        if not cell.get("units_needed") or not (cell.get("versions") or {}).get("vllm"):
+            continue
+        release = detect.base_version(detect.parse_version(cell["versions"]["vllm"]))
+        for name, needed in cell["units_needed"].items():
+            if name in units and isinstance(needed, bool):
+                assert needed == SpecifierSet(units[name].affects).contains(release, prereleases=True), \
+                    (path.name, name)
+                checked += 1
     if not checked:
         pytest.skip("no recorded release carries units_needed yet (recorded by cells run from now on)")
 
