@@ -48,12 +48,29 @@ RECORDED_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP
 CAPTURE_BUG = "CaptureInvariantError"
 
 
+# a tiny model's config with one of these has routed experts (its MoE kernel is vLLM's fused MoE)
+MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def is_moe(model: str) -> bool:
+    """Whether a matrix model (tiny or quantized) is a mixture of experts: scripts/gpu_parity.sh gives MoE kernel
+    settings to those cells only."""
+    from eagle_compat.capture.families import TINY
+    from eagle_compat.quantized_models import QUANTIZED
+    tiny = TINY[QUANTIZED[model].base if model in QUANTIZED else model][1]
+    config = tiny.config or TINY[tiny.wraps][1].config
+    return any(key in config for key in MOE_CONFIG_KEYS)
+
+
 def recorded_env() -> tuple[dict, dict]:
-    """The kernel settings set for this cell: those this vLLM reads, and those it does not define (a setting a
-    release removed, e.g. VLLM_USE_FLASHINFER_MOE_FP16 from 0.24 on, chose nothing and must not read as if it had)."""
+    """The kernel settings set for this cell: those this vLLM defines, and those it does not (a setting a release
+    removed, e.g. VLLM_USE_FLASHINFER_MOE_FP16 from 0.24 on, chose nothing and must not read as if it had). A vLLM
+    without the table records them all as set."""
     import vllm.envs
-    known = vllm.envs.environment_variables
+    known = getattr(vllm.envs, "environment_variables", None)
     set_here = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+    if known is None:
+        return set_here, {}
     return ({k: v for k, v in set_here.items() if k in known}, {k: v for k, v in set_here.items() if k not in known})
 
 
@@ -171,6 +188,13 @@ if __name__ == "__main__":
     ap.add_argument("family")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--moe-env", default="", metavar="'KEY=VALUE ...'",
+                    help="kernel settings for a mixture-of-experts model's cell only (scripts/gpu_parity.sh MOE_ENV)")
     a = ap.parse_args()
+    settings = a.moe_env.split()
+    if any("=" not in kv for kv in settings):
+        ap.error(f"--moe-env {a.moe_env!r}: expected KEY=VALUE pairs separated by spaces")
+    if settings and is_moe(a.family):
+        os.environ.update(kv.split("=", 1) for kv in settings)
     result = run(a.check, a.family, a.dtype, a.device)
     print("EAGLE_COMPAT_CELL " + json.dumps(result, default=str), flush=True)

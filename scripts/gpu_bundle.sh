@@ -103,10 +103,12 @@ rm -f "$out"/part*
 split -b 60000000 -d "$work/bundle.tar" "$out/part"
 md5sum "$work/bundle.tar" | cut -c1-32 > "$out/bundle.md5"
 echo "$release" > "$out/release.txt"
-cat > "$out/setup.sh" <<'SETUP'
+# setup.sh joins its own parts only: /tmp/g may still hold a larger bundle's from an earlier release on that machine
+echo "parts=\"$(cd "$out" && echo part*)\"" > "$out/setup.sh"
+cat >> "$out/setup.sh" <<'SETUP'
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
-cd /tmp/g && cat part* > bundle.tar
+cd /tmp/g && cat $parts > bundle.tar
 echo "$(cat "$here/bundle.md5")  bundle.tar" | md5sum -c
 rm -rf b && mkdir -p b && tar -xf bundle.tar -C b
 mkdir -p /tmp/site && tar -xzf b/vllm.tgz -C /tmp/site

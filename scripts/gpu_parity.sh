@@ -5,7 +5,8 @@
 #   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model)
 #   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
 #   CELL_TIMEOUT_S=400                       per cell; its log is $OUT/cell-CHECK-MODEL.log while it runs
-#   MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0" settings for the MoE models' cells only (each cell records them)
+#   MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0" settings for the MoE models' cells only (cell.py --moe-env; a cell
+#                                            records those in its RECORDED_ENV)
 # Results: $OUT/gpu_parity.jsonl, $OUT/preflight.jsonl (+ errors.log, gpu.txt, setup.log).
 # Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and .gpu/extra/ with the wheels
 # the image lacks: wrapt for eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate, pydantic-settings, python-dotenv,
@@ -22,9 +23,8 @@ python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 't
 for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
-  case ${cell##*:} in llama*) cell_env="" ;; *) cell_env=${MOE_ENV:-} ;; esac
-  env $cell_env timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
-    > "$log" 2>&1
+  timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
+    --moe-env "${MOE_ENV:-}" > "$log" 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' "$log"; then
     grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
     verdict=$(grep '^EAGLE_COMPAT_CELL ' "$log" | grep -o '"status": "[a-z]*"' | tail -1)

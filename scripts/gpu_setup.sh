@@ -4,13 +4,23 @@
 # installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
 # Needs: $out (a folder for setup.log). Exports PYTHONPATH=/tmp/site:$PWD/src.
 gpu_setup() {
-  # one machine may run several releases in turn: a bundle of another release than the one set up replaces it
-  local release=$(cat "${BUNDLE:-.gpu}/release.txt")
-  if [ -f /tmp/site/vllm/__init__.py ] && [ "$(cat /tmp/site/.bundle-release 2>/dev/null)" != "$release" ]; then
-    rm -rf /tmp/site /tmp/g/b /tmp/g/bundle.tar
+  # one machine may run several bundles in turn, each known by its md5 (bundle.md5 is carried with setup.sh): the
+  # set-up one is kept aside until another bundle is set up in its place, and comes back if that fails
+  local bundle_md5
+  bundle_md5=$(cat "${BUNDLE:-.gpu}/bundle.md5" 2>/dev/null)
+  if [ -z "$bundle_md5" ]; then
+    echo "no ${BUNDLE:-.gpu}/bundle.md5: carry it with setup.sh (scripts/gpu_bundle.sh)"; return 1
+  fi
+  if [ -f /tmp/site/vllm/__init__.py ] && [ "$(cat /tmp/site/.bundle-md5 2>/dev/null)" != "$bundle_md5" ]; then
+    rm -rf /tmp/site.previous && mv /tmp/site /tmp/site.previous && rm -rf /tmp/g/b /tmp/g/bundle.tar
   fi
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
-    bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; return 1; }
+    if ! bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1; then
+      tail -20 "$out/setup.log"
+      rm -rf /tmp/site && { [ ! -d /tmp/site.previous ] || mv /tmp/site.previous /tmp/site; }
+      return 1
+    fi
+    rm -rf /tmp/site.previous
     if ls "${BUNDLE:-.gpu}"/extra/*.whl > /dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/site "${BUNDLE:-.gpu}"/extra/*.whl \
         >> "$out/setup.log" 2>&1
@@ -20,7 +30,7 @@ gpu_setup() {
     local compile_start=$(date +%s)
     python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
     echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
-    echo "$release" > /tmp/site/.bundle-release
+    echo "$bundle_md5" > /tmp/site/.bundle-md5
   fi
   local d=/tmp/site/eagle_compat-0.1.0.dist-info
   mkdir -p $d

@@ -176,3 +176,20 @@ def test_a_cell_records_only_the_kernel_settings_its_vllm_reads(matrix_code, mon
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.setenv("VLLM_EAGLE_COMPAT_NO_SUCH_SETTING", "0")
     assert cell.recorded_env() == ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, {"VLLM_EAGLE_COMPAT_NO_SUCH_SETTING": "0"})
+
+
+def test_moe_kernel_settings_reach_the_mixture_of_experts_cells_only(matrix_code):
+    """gpu_parity.sh's MOE_ENV picks vLLM's MoE kernel: a dense cell must not carry it (it would show on the table as a
+    choice that cell made) and every MoE model must, llama4 and the quantized Kimi-K2.5 included."""
+    import cell
+    assert {m for m in ("llama", "qwen3", "gemma2", "llama_fp8", "llama4", "qwen3_moe", "mixtral", "gpt_oss",
+                        "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16", "deepseek_v3_fp8") if cell.is_moe(m)} \
+        == {"llama4", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16",
+            "deepseek_v3_fp8"}
+
+
+def test_cell_refuses_moe_settings_that_are_not_key_value_pairs(capsys):
+    import subprocess
+    proc = subprocess.run([sys.executable, str(ROOT / "compat_matrix" / "cell.py"), "generator", "qwen3_moe",
+                           "--moe-env", "VLLM_USE_FLASHINFER_MOE_FP16"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--moe-env 'VLLM_USE_FLASHINFER_MOE_FP16': expected KEY=VALUE" in proc.stderr
