@@ -126,16 +126,6 @@ def render(results: list[dict]) -> str:
 
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu")
-# Requirements a release pins that the H200 runs do without, each with what showed it: an unserved one of these does
-# not keep a release off the GPU.
-NOT_IMPORTED_BY_EXTRACTION = {
-    "llguidance": "structured outputs only: vLLM 0.22.1 and 0.25.1 ran every cell with 0.20.0's llguidance 1.3 "
-                  "(results/gpu/h200-vllm-0.22.1.machine.txt, h200-vllm-0.25.1.machine.txt)",
-}
-
-
-def _blocking(not_served: list[str]) -> list[str]:
-    return [r for r in not_served if re.split(r"[<>=!~\[; ]", r, 1)[0] not in NOT_IMPORTED_BY_EXTRACTION]
 
 
 def _release_key(release: str) -> tuple:
@@ -167,8 +157,7 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
              "alone and batched, pipelined and not, on vLLM's V2 model runner. A release with no cell says why: "
              "what `scripts/gpu_requirements_probe.py` measured of carrying it (its wheel and every requirement "
              "it adds over 0.20.0's, or its torch's, asked of this machine's package registry; the lent machine has "
-             "none; `results/gpu/carry-probe.md`). Pinned but not needed to run: " +
-             "; ".join(f"{k} ({v})" for k, v in NOT_IMPORTED_BY_EXTRACTION.items()) + ".", "",
+             "none; `results/gpu/carry-probe.md`).", "",
              "| vLLM | status | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for release in sorted(set(cells) | set(probes), key=_release_key):
         row = cells.get(release, {})
@@ -181,13 +170,9 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
             p = probes[release]
             if not p.get("wheel_served", True):
                 status = "not run: no CUDA wheel for CPython 3.12 served"
-            elif _blocking(p["not_served"]):
-                status = (f"not run: not served here: {', '.join(_blocking(p['not_served']))} (else {p['carry_mb']} "
-                          f"MB to carry, {p['carry_calls']} calls; {p['torch']})")
             elif p["not_served"]:
-                status = (f"not run yet: every requirement it runs with served ({p['carry_mb']} MB to carry, "
-                          f"{p['carry_calls']} calls; {p['torch']}; not served, not needed: "
-                          f"{', '.join(p['not_served'])})")
+                status = (f"not run: not served here: {', '.join(p['not_served'])} (else {p['carry_mb']} MB to carry, "
+                          f"{p['carry_calls']} calls; {p['torch']})")
             else:
                 status = (f"not run yet: every requirement served ({p['carry_mb']} MB to carry, {p['carry_calls']} "
                           f"calls; {p['torch']})")

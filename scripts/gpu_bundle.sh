@@ -15,7 +15,9 @@ out=${2:?usage: gpu_bundle.sh RELEASE OUTDIR}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+# every manylinux tag the image's glibc takes (NCCL's wheels are manylinux_2_18 only, llguidance's 2_31)
+plat="--only-binary=:all: --python-version 3.12 --implementation cp $(for m in $(seq 35 -1 17); do
+  echo --platform manylinux_2_${m}_x86_64; done) --platform manylinux2014_x86_64"
 # the requirements of the release the pins below were measured with, and the release asked for
 pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/ref.json" vllm==0.20.0
 pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/want.json" "vllm==$release"
@@ -29,14 +31,14 @@ case "$release" in
   0.21.0) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.8.post1 cuda_tile \
                      nvidia_cudnn_frontend" ;;
   # flashinfer 0.6.11 (its cubin package is left behind: Hopper's bf16 paths JIT or use none of its cubins);
-  # llguidance 1.7 is not served here, 0.20.0's 1.3 stays (structured outputs only, imported lazily); humming
+  # llguidance 1.7 is left out, 0.20.0's 1.3 stays (structured outputs, imported lazily: every cell ran); humming
   # (humming-kernels) is imported on CUDA when any quantized checkpoint loads (quantization/humming.py, read from the
   # wheel), tokenspeed-mla only by its own MLA backends
   0.22.1) overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==0.6.11.post2 cuda_tile \
                      nvidia_cudnn_frontend humming_kernels==0.1.2 pyelftools tabulate" ;;
   # 0.23-0.25: 0.22.1's set with each wheel's own flashinfer, humming-kernels and compressed-tensors pins
   # (results/gpu/carry-probe.md); what each adds besides (the API server's fastapi/starlette, video decoders,
-  # fastsafetensors, nvtx) is imported lazily if at all, which their first run on the H200 shows. Not yet run there.
+  # fastsafetensors, llguidance) is imported lazily if at all: 0.25.1 ran every cell without them.
   0.23.0|0.24.0|0.25.1)
     case "$release" in 0.23.0) fi=0.6.12 hk=0.1.4 ;; 0.24.0) fi=0.6.12 hk=0.1.6 ;; 0.25.1) fi=0.6.13 hk=0.1.10 ;; esac
     overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==$fi cuda_tile nvidia_cudnn_frontend \
@@ -46,15 +48,16 @@ case "$release" in
   # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one)
   0.26.0) overrides="xgrammar==0.2.7 apache_tvm_ffi==0.1.10 flashinfer_python==0.6.14 cuda_tile nvidia_cudnn_frontend \
                      humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
-  # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton and cuDNN are carried and shadow the
-  # image's (/tmp/site is first on the path). Its other CUDA pins are the image's within a patch or minor release
-  # (cuda-toolkit 13.0.3 vs 13.0.2, cuSPARSELt 0.8.1 vs 0.8.0, NCCL 2.29.7 vs 2.28.9; nvshmem equal) and stay the
-  # image's: NCCL 2.29.7 is not served here, and a one-GPU run should make no NCCL communicator. cuDNN is carried: torch
-  # refuses a runtime cuDNN minor older than its build's (torch/backends/cudnn; 9.20 vs 9.19). 23 parts; not yet run.
-  0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 xgrammar==0.2.9 \
-                     apache_tvm_ffi==0.1.11 \
-                     flashinfer_python==0.6.16.post3 cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 \
-                     pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1" ;;
+  # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton, cuDNN and NCCL are carried and shadow
+  # the image's (/tmp/site is first on the path). cuDNN 9.20: torch refuses a runtime cuDNN minor older than its
+  # build's (torch/backends/cudnn; the image's is 9.19). NCCL 2.29.7: torch 2.13's libtorch_cuda.so needs 8 symbols
+  # the image's 2.28.9 lacks (ncclCommSuspend, ncclSignal, ...; nm -D of both, session 13), and loads it at import.
+  # cuSPARSELt 0.8.0 and cuBLAS 13.1.0 (the image's, via cuda-toolkit 13.0.2) define every symbol torch 2.13 takes
+  # from them (nm -D): they stay the image's. quack-kernels: 0.27 pins it exactly. Built here; not yet run.
+  0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
+                     nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
+                     cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 pyelftools tabulate \
+                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
@@ -115,4 +118,8 @@ mkdir -p /tmp/site && tar -xzf b/vllm.tgz -C /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site b/whl/*.whl
 echo SETUP_OK
 SETUP
+# the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
+# a GPU result ran from
+printf '| %s | %d | %d | %s | %s |\n' "$release" "$(ls "$out"/part* | wc -l)" \
+  "$(( $(cat "$out"/part* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" "$(date -u +%F)" >> "$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
 ls -la "$out"

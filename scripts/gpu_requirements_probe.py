@@ -16,10 +16,11 @@ import subprocess
 import sys
 import tempfile
 
+# every manylinux tag the image's glibc takes, none skipped: the session-8 list lacked 2_18 and 2_31, the only tags
+# of the NCCL and llguidance wheels, and called both "not served"
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-            *[a for p in ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64",
-                          "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-                          "manylinux2014_x86_64") for a in ("--platform", p)]]
+            *[a for minor in range(35, 16, -1) for a in ("--platform", f"manylinux_2_{minor}_x86_64")],
+            "--platform", "manylinux2014_x86_64"]
 REFERENCE = "0.20.0"
 IMAGE_TORCH = "2.11.0"
 

@@ -39,19 +39,14 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
     (tmp_path / "h200-vllm-0.20.0.jsonl").write_text(json.dumps(cell) + "\n" + json.dumps(failed) + "\n")
     probes = [{"release": "0.21.0", "wheel_served": True, "torch": "torch==2.11.0", "not_served": [], "carry_mb": 257,
                "carry_calls": 5},
-              {"release": "0.23.0", "wheel_served": True, "torch": "torch==2.11.0",
-               "not_served": ["llguidance<1.8.0,>=1.7.0"], "carry_mb": 760, "carry_calls": 14},
               {"release": "0.27.1", "wheel_served": True, "torch": "torch==2.13.0",
-               "not_served": ["llguidance<1.8.0,>=1.7.0", "nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812,
-               "carry_calls": 32}]
+               "not_served": ["nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812, "carry_calls": 32}]
     (tmp_path / "carry-probe.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
     rows = {line.split(" | ")[0][2:]: line for line in render.gpu_table(str(tmp_path)) if line.startswith("| 0.")}
-    assert list(rows) == ["0.20.0", "0.21.0", "0.23.0", "0.27.1"]
+    assert list(rows) == ["0.20.0", "0.21.0", "0.27.1"]
     assert "| ran | pass (rel 3e-02) | FAIL |" in rows["0.20.0"]
     assert "not run yet: every requirement served (257 MB" in rows["0.21.0"]
-    # a pin the GPU runs showed is not needed (llguidance: structured outputs only) keeps no release off the GPU
-    assert "not run yet: every requirement it runs with served" in rows["0.23.0"]
-    assert "not served here: nvidia-nccl-cu13==2.29.7 (" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
+    assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
 
 
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
@@ -168,7 +163,7 @@ def test_each_row_names_the_cpu_its_cells_ran_on(matrix_code):
     assert render._cpu_text({"release": "x", "cells": {}, "machine": epyc}, cpus) == "c1"
 
 
-def test_a_cell_records_only_the_kernel_settings_its_vllm_reads(matrix_code, monkeypatch):
+def test_a_cell_records_only_the_kernel_settings_its_vllm_defines(matrix_code, monkeypatch):
     """A setting the release does not define (VLLM_USE_FLASHINFER_MOE_FP16 after 0.23) chose no kernel: the record
     keeps it apart, so the GPU table never shows it as the reason a cell passed."""
     import cell
@@ -193,3 +188,15 @@ def test_cell_refuses_moe_settings_that_are_not_key_value_pairs(capsys):
     proc = subprocess.run([sys.executable, str(ROOT / "compat_matrix" / "cell.py"), "generator", "qwen3_moe",
                            "--moe-env", "VLLM_USE_FLASHINFER_MOE_FP16"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--moe-env 'VLLM_USE_FLASHINFER_MOE_FP16': expected KEY=VALUE" in proc.stderr
+
+
+def test_the_carry_probe_asks_for_every_manylinux_tag_the_image_takes(monkeypatch):
+    """The session-8 probe skipped manylinux_2_18 and 2_31, the only tags of NCCL's and llguidance's wheels, and
+    reported both "not served": the ladder must have no gap, in the probe and in the bundle builder alike."""
+    import re
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_requirements_probe
+    asked = {int(m) for m in re.findall(r"manylinux_2_(\d+)_x86_64", " ".join(gpu_requirements_probe.PLATFORM))}
+    assert asked == set(range(17, 36))
+    builder = (ROOT / "scripts" / "gpu_bundle.sh").read_text()
+    assert "$(seq 35 -1 17)" in builder.split("\nplat=", 1)[1].split("\n# the requirements", 1)[0]
