@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool), in the call that carries the bundle's last part (shared/notes/gpu-vllm-recipe.md):
-# sets vLLM 0.20.0 up (once per machine), then runs the issue-12 measurements, each writing to $OUT as it ends:
+# On the lent H200 (device tool), in the call that carries the bundle's last part or after it (shared/notes/
+# gpu-vllm-recipe.md): sets the bundle's vLLM up (once per machine, scripts/gpu_setup.sh), then runs the issue-12
+# measurements, each writing to $OUT as it ends:
 #   llama8b-256x1024   benchmarks/throughput.py, 8B-shaped Llama (dummy weights), 256 x 1024, 8 prompts per batch
 #                      (extract's default batch size): plain, delivered, written (local disk, fsynced),
 #                      written_shm (the same writer into /dev/shm), native (+ native files compared with ours)
@@ -8,16 +9,12 @@
 #                      mixed-length batch == one at a time == pipelined, and == HF (fp32 on the same GPU)
 #   llama8b-32x8192    the same benchmark, 32 x 8192 (2 prompts per batch)
 #   moe-256x1024       Qwen3-30B-A3B-shaped MoE (dummy weights), 256 x 1024
-# usage: [RUNS="llama8b-256x1024 v2-parity"] [SMOKE=1] bash scripts/gpu_throughput.sh
+# usage: [BUNDLE=.gpu25] [RUNS="llama8b-256x1024 v2-parity"] [PHASES=plain,delivered,written,native]
+#        [MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0"] [SMOKE=1] bash scripts/gpu_throughput.sh
 # SMOKE=1 runs every step with the tiny CPU models and tiny sizes (to test this script's logic on CPU).
-# Needs, in the checkout the device tool copies: .gpu/ from `bash ../shared/tools/gpu_bundle.sh .gpu` plus
-# .gpu/extra/ with the wheels the image lacks for eagle_compat itself (wrapt):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .gpu/extra "wrapt>=1.16"
-# Calls (back to back; the machine goes back 30 s after a call): carry .gpu/part00, .gpu/part01, .gpu/part02 one
-# per call (`mkdir -p /tmp/g && cp .gpu/partNN /tmp/g/`), then carry .gpu/part03 .gpu/setup.sh .gpu/bundle.md5
-# .gpu/extra and run `cp .gpu/part03 /tmp/g/ && RUNS="llama8b-256x1024 v2-parity llama8b-32x8192" bash
-# scripts/gpu_throughput.sh` (~10 min), then `RUNS=moe-256x1024 bash scripts/gpu_throughput.sh` (set-up kept).
+# Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR) with DIR/extra holding the wheels the image lacks (wrapt;
+# speculators 0.3.0 and what it imports), carried as scripts/gpu_bundle.sh says: its parts one per call
+# (`mkdir -p /tmp/g && cp DIR/partNN /tmp/g/`), then the last part with DIR/setup.sh, DIR/bundle.md5 and DIR/extra.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 started=$(date +%s)
@@ -53,12 +50,13 @@ for run in ${RUNS:-llama8b-256x1024 v2-parity llama8b-32x8192 moe-256x1024}; do
   case $run in
     llama8b-256x1024) bench "$run" 420 $big --prompts $n1 --tokens $t1 --batch 8 --phases $phases ;;
     llama8b-32x8192) bench "$run" 420 $big --prompts $n2 --tokens $t2 --batch 2 --batch-tokens $t2 --phases $phases ;;
-    moe-256x1024) bench "$run" 480 $moe --prompts $n1 --tokens $t1 --batch 8 ;;
+    moe-256x1024) ( [ -z "${MOE_ENV:-}" ] || export ${MOE_ENV:-}; bench "$run" 480 $moe --prompts $n1 --tokens $t1 \
+                    --batch 8 ) ;;
     v2-parity)
       for fam in llama qwen3_moe; do
         say "start v2-parity $fam"
         VLLM_USE_V2_MODEL_RUNNER=1 timeout 240 $PY compat_matrix/cell.py batch_order $fam --dtype auto \
-          --device $dev > "/tmp/cell-$fam.log" 2>&1
+          --device $dev --moe-env "${MOE_ENV:-}" > "/tmp/cell-$fam.log" 2>&1
         grep '^EAGLE_COMPAT_CELL ' "/tmp/cell-$fam.log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/v2_parity.jsonl"
         grep -q '^EAGLE_COMPAT_CELL ' "/tmp/cell-$fam.log" || tail -c 20000 "/tmp/cell-$fam.log" > "$out/v2-$fam.err"
         say "end v2-parity $fam $(grep -o '"status": "[a-z]*"' "/tmp/cell-$fam.log" | tail -1) $(grep -o '"model_runner": "[^"]*"' "/tmp/cell-$fam.log" | tail -1)"
