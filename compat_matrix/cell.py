@@ -55,9 +55,12 @@ MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 def is_moe(model: str) -> bool:
     """Whether a matrix model (tiny or quantized) is a mixture of experts: scripts/gpu_parity.sh gives MoE kernel
     settings to those cells only."""
-    from eagle_compat.capture.families import TINY
+    from eagle_compat.capture.families import REAL_MODELS, TINY
     from eagle_compat.quantized_models import QUANTIZED
-    tiny = TINY[QUANTIZED[model].base if model in QUANTIZED else model][1]
+    name = QUANTIZED[model].base if model in QUANTIZED else REAL_MODELS[model][3] if model in REAL_MODELS else model
+    if name not in TINY:
+        return False  # not a matrix model: the cell itself records that error
+    tiny = TINY[name][1]
     config = tiny.config or TINY[tiny.wraps][1].config
     return any(key in config for key in MOE_CONFIG_KEYS)
 

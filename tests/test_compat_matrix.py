@@ -178,7 +178,8 @@ def test_moe_kernel_settings_reach_the_mixture_of_experts_cells_only(matrix_code
     choice that cell made) and every MoE model must, llama4 and the quantized Kimi-K2.5 included."""
     import cell
     assert {m for m in ("llama", "qwen3", "gemma2", "llama_fp8", "llama4", "qwen3_moe", "mixtral", "gpt_oss",
-                        "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16", "deepseek_v3_fp8") if cell.is_moe(m)} \
+                        "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16", "deepseek_v3_fp8", "smollm2")
+            if cell.is_moe(m)} \
         == {"llama4", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16",
             "deepseek_v3_fp8"}
 
