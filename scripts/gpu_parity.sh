@@ -20,7 +20,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
 # each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
 # the running cell got (vLLM 0.21.0's first cell, session 10, came back with nothing from /tmp)
-for cell in ${CELLS-generator:llama generator:qwen3_moe generator:deepseek_v3 shim:llama shim:qwen3_moe shim:deepseek_v3}; do
+# default: the cells issue 24 asks of every release (each family, ours and speculators' under install())
+default_cells=$(for check in generator shim; do for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
+for cell in ${CELLS-$default_cells}; do
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
   timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
