@@ -21,7 +21,8 @@ python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 't
 # each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
 # the running cell got (vLLM 0.21.0's first cell, session 10, came back with nothing from /tmp)
 # default: the cells issue 24 asks of every release (each family, ours and speculators' under install())
-default_cells=$(for check in generator shim; do for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
+default_cells=$(for check in generator shim; do
+  for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
 for cell in ${CELLS-$default_cells}; do
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
