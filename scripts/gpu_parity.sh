@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool), in the call that carries the vLLM 0.20.0 bundle's last part or after it
-# (shared/notes/gpu-vllm-recipe.md): sets vLLM up once per machine, then runs the project's end-to-end parity cells
-# (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against HF transformers fp32 on the same GPU.
-#   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model)
+# On the lent H200 (device tool), in the call that carries a bundle's last part or after it (scripts/gpu_bundle.sh,
+# shared/notes/gpu-vllm-recipe.md): sets the bundle's vLLM up once per machine (another bundle replaces it), then
+# runs the project's end-to-end parity cells (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against
+# HF transformers fp32 on the same GPU.
+#   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model); default
+#                                            generator and shim for llama, qwen3_moe, deepseek_v3, kimi_k25
 #   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
 #   CELL_TIMEOUT_S=400                       per cell; its log is $OUT/cell-CHECK-MODEL.log while it runs
+#   KEEP_CELL_LOGS=1                         keep a passing cell's log too (the device returns few files: 8 logs at
+#                                            most came back, and then not gpu_parity.jsonl)
 #   MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0" settings for the MoE models' cells only (cell.py --moe-env; a cell
 #                                            records those in its RECORDED_ENV)
 # Results: $OUT/gpu_parity.jsonl, $OUT/preflight.jsonl (+ errors.log, gpu.txt, setup.log).
-# Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and .gpu/extra/ with the wheels
-# the image lacks: wrapt for eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate, pydantic-settings, python-dotenv,
-# typer-slim) for the shim cells.
+# Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and DIR/extra/ with the wheels
+# the image lacks: wrapt for eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate,
+# pydantic-settings, python-dotenv, typer-slim, typer) for the shim cells.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 source scripts/gpu_setup.sh
