@@ -120,6 +120,7 @@ echo SETUP_OK
 SETUP
 # the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
 # a GPU result ran from
+builds="$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
 printf '| %s | %d | %d | %s | %s |\n' "$release" "$(ls "$out"/part* | wc -l)" \
-  "$(( $(cat "$out"/part* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" "$(date -u +%F)" >> "$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
+  "$(( $(cat "$out"/part* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" "$(date -u +%F)" >> "$builds"
 ls -la "$out"
