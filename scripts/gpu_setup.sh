@@ -15,6 +15,7 @@ gpu_setup() {
     rm -rf /tmp/site.previous && mv /tmp/site /tmp/site.previous && rm -rf /tmp/g/b /tmp/g/bundle.tar
   fi
   if [ ! -f /tmp/site/vllm/__init__.py ]; then
+    local setup_start=$(date +%s)
     if ! bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1; then
       tail -20 "$out/setup.log"
       rm -rf /tmp/site && { [ ! -d /tmp/site.previous ] || mv /tmp/site.previous /tmp/site; }
@@ -31,6 +32,7 @@ gpu_setup() {
     python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
     echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
     echo "$bundle_md5" > /tmp/site/.bundle-md5
+    echo "set-up $(( $(date +%s) - setup_start )) s (join, check, unpack, install, compile)" >> "$out/setup.log"
   fi
   local d=/tmp/site/eagle_compat-0.1.0.dist-info
   mkdir -p $d
