@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -81,9 +82,18 @@ def classify(error_text: str) -> str:
     return "unsupported" if known_cause(error_text) is not None else "fail"
 
 
+# a traceback's exception lines ("ModuleNotFoundError: No module named 'x'"), which start at the line's beginning
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*$", re.M)
+
+
 def clip(text: str, keep: int = 1000) -> str:
-    """An error for the record: its head (what failed) and its tail (the worker's last frame: the actual cause)."""
-    return text if len(text) <= 2 * keep else f"{text[:keep]}\n[...]\n{text[-keep:]}"
+    """An error for the record: its head (what failed), its tail (the worker's last frame), and each exception line
+    cut from between them: a chained traceback's root cause is printed first, mid-text (vLLM 0.26.0's cells on the
+    H200 lost "No module named ..." to the cut)."""
+    if len(text) <= 2 * keep:
+        return text
+    causes = "".join(f"{m.group(0)[:300]}\n" for m in _EXCEPTION_LINE.finditer(text[keep:-keep]))
+    return f"{text[:keep]}\n[...]\n{causes}[...]\n{text[-keep:]}" if causes else f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
 
 def known_cause(error_text: str) -> str | None:

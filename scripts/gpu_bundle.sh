@@ -25,6 +25,7 @@ pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat -
 # a release listed here is built with them; its other added requirements are imported lazily by vLLM (the API
 # server, Blackwell-only MLA kernels), as 0.20.0's own unpinned ones were (nvidia-cutlass-dsl,
 # model-hosting-container-standards), and the run on the H200 shows whether that holds.
+mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==26.2.16"  # 0.26+, see 0.26.0
 case "$release" in
   # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:
   # compat_matrix/results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt.*), 0.20.0's did not
@@ -45,9 +46,13 @@ case "$release" in
                humming_kernels==$hk pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
   # 0.26.0 pins apache-tvm-ffi 0.1.10, below the 0.1.11 that xgrammar 0.2.9 needs: xgrammar 0.2.7 is the newest
   # that takes 0.1.10 (>=0.1.10; read from each xgrammar wheel's metadata) and meets 0.26's xgrammar>=0.2.1;
-  # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one)
+  # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one). From 0.26 vLLM imports transformers'
+  # MistralCommonBackend at worker start (structured_output/backend_guidance.py), which imports mistral-common's
+  # tokenizers: they need attrs, pydantic-extra-types and pycountry, which the image lacks (every cell of the first
+  # run failed on it: results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*)
   0.26.0) overrides="xgrammar==0.2.7 apache_tvm_ffi==0.1.10 flashinfer_python==0.6.14 cuda_tile nvidia_cudnn_frontend \
-                     humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
+                     humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15 \
+                     $mistral_tokenizer_needs" ;;
   # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton, cuDNN and NCCL are carried and shadow
   # the image's (/tmp/site is first on the path). cuDNN 9.20: torch refuses a runtime cuDNN minor older than its
   # build's (torch/backends/cudnn; the image's is 9.19). NCCL 2.29.7: torch 2.13's libtorch_cuda.so needs 8 symbols
@@ -57,7 +62,7 @@ case "$release" in
   0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
                      nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
                      cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 pyelftools tabulate \
-                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1" ;;
+                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'

@@ -184,6 +184,23 @@ def test_moe_kernel_settings_reach_the_mixture_of_experts_cells_only(matrix_code
             "deepseek_v3_fp8"}
 
 
+def test_a_clipped_error_keeps_the_root_cause_of_a_chained_worker_traceback(matrix_code):
+    """A chained traceback prints its root cause first, mid-text: vLLM 0.26.0's cells on the H200 recorded a cut
+    that had dropped "No module named ...", the one line that said what to carry."""
+    import cell
+    frames = "".join(f'  File "/tmp/site/vllm/m{i}.py", line {i}, in <module>\n    import m{i + 1}\n' for i in range(60))
+    text = ("WorkerError: ModuleNotFoundError in a vLLM worker during 'worker start-up': Could not import module "
+            "'MistralCommonBackend'.\n--- worker traceback ---\nTraceback (most recent call last):\n" + frames
+            + "ModuleNotFoundError: No module named 'pycountry'\n\nThe above exception was the direct cause of the "
+            "following exception:\n\nTraceback (most recent call last):\n" + frames
+            + "ModuleNotFoundError: Could not import module 'MistralCommonBackend'.\n")
+    clipped = cell.clip(text)
+    assert len(clipped) < len(text) and clipped.startswith("WorkerError: ModuleNotFoundError in a vLLM worker")
+    assert "No module named 'pycountry'" in clipped
+    assert clipped.rstrip().endswith("Could not import module 'MistralCommonBackend'.")
+    assert cell.clip("short") == "short"
+
+
 def test_cell_refuses_moe_settings_that_are_not_key_value_pairs(capsys):
     import subprocess
     proc = subprocess.run([sys.executable, str(ROOT / "compat_matrix" / "cell.py"), "generator", "qwen3_moe",

@@ -133,7 +133,7 @@ def build(name: str) -> tuple[str, str, int]:
     engine_src, reference_src, n = tiny_models.build_family(q.base)
     out = os.path.join(os.path.dirname(engine_src), f"{os.path.basename(engine_src)}-{name}-{cache_key(q)}")
     ref_out = out + "-reference"
-    if os.path.exists(os.path.join(out, ".complete")) and os.path.exists(os.path.join(ref_out, ".complete")):
+    if tiny_models.is_built(out) and tiny_models.is_built(ref_out):
         return out, ref_out, n
     pattern = re.compile(q.quantize)
     tensors = load_file(os.path.join(engine_src, "model.safetensors"))
@@ -148,28 +148,29 @@ def build(name: str) -> tuple[str, str, int]:
             quantized[key] = value.to(torch.bfloat16) if value.is_floating_point() and value.dim() >= 2 else value
     if not dequantized:
         raise ValueError(f"{name}: the pattern {q.quantize!r} matched no weight of {engine_src}")
-    for d in (out, ref_out):
-        shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(engine_src, out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
-    shutil.copytree(reference_src, ref_out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
-    save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
     reference = load_file(os.path.join(reference_src, "model.safetensors"))
     missing = set(dequantized) - set(reference)
     if missing:
         raise ValueError(f"{name}: dequantized weights missing from the reference checkpoint: {sorted(missing)[:3]}")
     reference.update(dequantized)
-    save_file(reference, os.path.join(ref_out, "model.safetensors"), metadata={"format": "pt"})
-    config_path = os.path.join(out, "config.json")
-    config = read_json(config_path)
-    # where the real checkpoints keep it: Kimi-K2.5 in its text_config, the others at the top
-    (config.get("text_config") or config)["quantization_config"] = quantization_config(q)
-    for holder in (config, config.get("text_config") or {}):  # the checkpoint's dtype: bf16, as quantized ones ship
-        for key in ("dtype", "torch_dtype"):
-            if key in holder:
-                holder[key] = "bfloat16"
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=1)
-    for d in (out, ref_out):
-        open(os.path.join(d, ".complete"), "w").close()
+    # each folder published whole (tiny_models.publishing): concurrent builders never read a half-written one
+    with tiny_models.publishing(ref_out) as building:
+        shutil.copytree(reference_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
+                        dirs_exist_ok=True)
+        save_file(reference, os.path.join(building, "model.safetensors"), metadata={"format": "pt"})
+    with tiny_models.publishing(out) as building:
+        shutil.copytree(engine_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
+                        dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(building, "model.safetensors"),
+                  metadata={"format": "pt"})
+        config_path = os.path.join(building, "config.json")
+        config = read_json(config_path)
+        # where the real checkpoints keep it: Kimi-K2.5 in its text_config, the others at the top
+        (config.get("text_config") or config)["quantization_config"] = quantization_config(q)
+        for holder in (config, config.get("text_config") or {}):  # the checkpoint's dtype: bf16, as quantized ones ship
+            for key in ("dtype", "torch_dtype"):
+                if key in holder:
+                    holder[key] = "bfloat16"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=1)
     return out, ref_out, n

@@ -6,10 +6,13 @@ of the family table (`capture/families.py`, `Family.tiny`); this module only bui
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from typing import Any
+import shutil
+import uuid
+from typing import Any, Iterator
 
 from .capture.families import FAMILIES as _FAMILY_TABLE
 from .capture.families import QUANTIZED, REAL_MODELS, TINY, VOCAB_SIZE, Tiny
@@ -18,6 +21,39 @@ BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+def is_built(out_dir: str) -> bool:
+    return os.path.exists(os.path.join(out_dir, ".complete"))
+
+
+@contextlib.contextmanager
+def publishing(out_dir: str) -> Iterator[str]:
+    """A private folder to build `out_dir` in, published whole by one rename when the block ends without error.
+    Builders that race on one cache (pytest-xdist workers, two jobs) never read a half-written checkpoint nor write
+    into another's: the first rename wins and the others' copies are dropped. An incomplete folder in the cache (an
+    interrupted build of an older version) or an empty one is replaced; elsewhere one with files is refused."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    ours = os.path.abspath(cache_dir()) == parent
+    if os.path.exists(out_dir) and not is_built(out_dir) and os.listdir(out_dir) and not ours:
+        raise FileExistsError(f"{out_dir} exists and holds no complete build: remove it or choose another folder")
+    os.makedirs(parent, exist_ok=True)
+    private = os.path.join(parent, f".{name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(private)
+    try:
+        yield private
+        open(os.path.join(private, ".complete"), "w").close()
+        if os.path.exists(out_dir) and not is_built(out_dir):
+            stale = f"{private}.stale"
+            with contextlib.suppress(OSError):  # another builder may be moving it too
+                os.rename(out_dir, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        with contextlib.suppress(OSError):  # taken by a concurrent builder: theirs is complete, ours is dropped
+            os.rename(private, out_dir)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    if not is_built(out_dir):
+        raise RuntimeError(f"could not publish the built checkpoint at {out_dir}")
+
 
 def _tiny(name: str) -> Tiny:
     if name not in TINY:
@@ -106,17 +142,16 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
                                      transformers.__version__, BUILD_REVISION],
                                     sort_keys=True, default=str).encode()).hexdigest()[:12]
     out_dir = out_dir or os.path.join(cache_dir(), f"{family}-{key}")
-    if os.path.exists(os.path.join(out_dir, ".complete")):
+    if is_built(out_dir):
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
     config = _config(tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tiny.config.get("topk_method") == "noaux_tc":
-        _fix_deepseek_checkpoint(out_dir, config)
-    save_tokenizer(out_dir, config.vocab_size, list(tiny.extra_tokens))
-    open(os.path.join(out_dir, ".complete"), "w").close()
+    with publishing(out_dir) as building:
+        model.save_pretrained(building, safe_serialization=True)
+        if tiny.config.get("topk_method") == "noaux_tc":
+            _fix_deepseek_checkpoint(building, config)
+        save_tokenizer(building, config.vocab_size, list(tiny.extra_tokens))
     return out_dir
 
 
@@ -193,16 +228,19 @@ def _kimi_vision_shapes(v: dict, text_hidden: int) -> dict[str, tuple[int, ...]]
 
 
 def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0, text_model: str = "deepseek_v3") -> str:
-    import shutil
+    text_dir = build_tiny_model(text_model, seed=seed)
+    out_dir = out_dir or text_dir + "-kimi_k25"
+    if is_built(out_dir):
+        return out_dir
+    with publishing(out_dir) as building:
+        _write_kimi_k25(building, text_dir, seed)
+    return out_dir
 
+
+def _write_kimi_k25(out_dir: str, text_dir: str, seed: int) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    text_dir = build_tiny_model(text_model, seed=seed)
-    out_dir = out_dir or text_dir + "-kimi_k25"
-    if os.path.exists(os.path.join(out_dir, ".complete")):
-        return out_dir
-    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(text_dir, "config.json")) as f:
         text_config = json.load(f)
     g = torch.Generator().manual_seed(seed)
@@ -234,8 +272,6 @@ def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0, text_model: s
     for name in os.listdir(text_dir):
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
             shutil.copy(os.path.join(text_dir, name), out_dir)
-    open(os.path.join(out_dir, ".complete"), "w").close()
-    return out_dir
 
 
 # the tiny models with a parity run (tests, `eagle-compat check`, the matrix), in the family table's order
@@ -328,7 +364,7 @@ def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
         raise ValueError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}")
     package, gguf_name, requirement = REAL_MODELS[name][:3]
     out_dir = out_dir or os.path.join(cache_dir(), f"{name}-tf{transformers.__version__}-r{BUILD_REVISION}")
-    if os.path.exists(os.path.join(out_dir, ".complete")):
+    if is_built(out_dir):
         return out_dir
     specs = {module: importlib.util.find_spec(module) for module in (package, "gguf")}
     for module, req in ((package, requirement), ("gguf", "gguf")):
@@ -346,15 +382,14 @@ def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
         del config.quantization_config
     plain = type(loaded)(config).to(torch.float32)
     plain.load_state_dict(loaded.state_dict())
-    os.makedirs(out_dir, exist_ok=True)
-    plain.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        tok_cfg = json.load(f)
-    if not tok_cfg.get("chat_template") and not os.path.exists(os.path.join(out_dir, "chat_template.jinja")):
-        tok_cfg["chat_template"] = tokenizer.chat_template
-        with open(cfg_path, "w") as f:
-            json.dump(tok_cfg, f, indent=1)
-    open(os.path.join(out_dir, ".complete"), "w").close()
+    with publishing(out_dir) as building:
+        plain.save_pretrained(building, safe_serialization=True)
+        tokenizer.save_pretrained(building)
+        cfg_path = os.path.join(building, "tokenizer_config.json")
+        with open(cfg_path) as f:
+            tok_cfg = json.load(f)
+        if not tok_cfg.get("chat_template") and not os.path.exists(os.path.join(building, "chat_template.jinja")):
+            tok_cfg["chat_template"] = tokenizer.chat_template
+            with open(cfg_path, "w") as f:
+                json.dump(tok_cfg, f, indent=1)
     return out_dir
