@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -252,6 +253,7 @@ class Run:
     def stage_model(self) -> None:
         if os.path.exists(os.path.join(self.model, ".complete")):
             return
+        shutil.rmtree(self.model, ignore_errors=True)  # an interrupted stage's (the builder refuses a folder with files)
         sys.path.insert(0, os.path.join(REPO, "src"))
         from eagle_compat.tiny_models import build_real_model
         build_real_model("smollm2", out_dir=self.model)

@@ -92,7 +92,8 @@ def clip(text: str, keep: int = 1000) -> str:
     H200 lost "No module named ..." to the cut)."""
     if len(text) <= 2 * keep:
         return text
-    causes = "".join(f"{m.group(0)[:300]}\n" for m in _EXCEPTION_LINE.finditer(text[keep:-keep]))
+    lines = dict.fromkeys(m.group(0)[:300] for m in _EXCEPTION_LINE.finditer(text[keep:-keep]))  # once each
+    causes = "".join(f"{line}\n" for line in list(lines)[:10])
     return f"{text[:keep]}\n[...]\n{causes}[...]\n{text[-keep:]}" if causes else f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
 

@@ -34,15 +34,16 @@ CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel nee
 measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata), or one whose own
 pins the script lists (0.21.0-0.27.1; what it built: `results/gpu/bundle-builds.md`). 0.20.0, 0.20.2, 0.21.0, 0.22.1,
 0.23.0, 0.24.0 and 0.25.1 ran. 0.26.0's first bundle lacked what its worker start newly imports (mistral-common's
-tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`): rebuilt, not yet run, as 0.27.1 (torch
-2.13, triton, cuDNN and NCCL carried over the image's: 26 parts). MoE kernel: 0.21.0 and 0.22.1 default to FlashInfer's bf16 MoE on Hopper,
-whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE cells ran on Triton MoE
-(`VLLM_USE_FLASHINFER_MOE_FP16=0`, shown in the cell); from 0.23.0 vLLM puts Triton first on Hopper, and the 0.23-0.25
-cells ran Triton MoE (each machine note). Whether a release can be carried is measured against this machine's
-package registry (`scripts/gpu_requirements_probe.py`, `compat_matrix/results/gpu/carry-probe.md`, measured again in
-session 13 with every manylinux tag from 2_17 to 2_35: the session-8 probe skipped NCCL's and llguidance's tags and
-wrongly reported them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python
-0.7.3, which is not. The GPU table of docs/compatibility.md shows each release's status.
+tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`); it is rebuilt and not yet run, as is 0.27.1
+(torch 2.13, triton, cuDNN and NCCL carried over the image's: 26 parts). MoE kernel: 0.21.0 and 0.22.1 default to
+FlashInfer's bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE
+cells ran on Triton MoE (`VLLM_USE_FLASHINFER_MOE_FP16=0`, shown in the cell); from 0.23.0 vLLM puts Triton first on
+Hopper, so by vLLM's source the 0.23-0.25 cells ran Triton MoE (each machine note). Whether a release can be carried is
+measured against this machine's package registry (`scripts/gpu_requirements_probe.py`,
+`compat_matrix/results/gpu/carry-probe.md`, measured again in session 13 with every manylinux tag from 2_17 to 2_35: the
+session-8 probe skipped NCCL's and llguidance's tags and wrongly reported them not served). Every requirement of
+0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is not. The GPU table of docs/compatibility.md shows
+each release's status.
 """
 
 

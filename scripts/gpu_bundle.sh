@@ -25,7 +25,8 @@ pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat -
 # a release listed here is built with them; its other added requirements are imported lazily by vLLM (the API
 # server, Blackwell-only MLA kernels), as 0.20.0's own unpinned ones were (nvidia-cutlass-dsl,
 # model-hosting-container-standards), and the run on the H200 shows whether that holds.
-mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==26.2.16"  # 0.26+, see 0.26.0
+# each case from 0.26.0 on adds these (see 0.26.0); a later release needs its own case, as every one has
+mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==26.2.16"
 case "$release" in
   # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:
   # compat_matrix/results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt.*), 0.20.0's did not

@@ -188,7 +188,8 @@ def test_a_clipped_error_keeps_the_root_cause_of_a_chained_worker_traceback(matr
     """A chained traceback prints its root cause first, mid-text: vLLM 0.26.0's cells on the H200 recorded a cut
     that had dropped "No module named ...", the one line that said what to carry."""
     import cell
-    frames = "".join(f'  File "/tmp/site/vllm/m{i}.py", line {i}, in <module>\n    import m{i + 1}\n' for i in range(60))
+    frames = "".join(f'  File "/tmp/site/vllm/m{i}.py", line {i}, in <module>\n    import m{i + 1}\n'
+                     for i in range(60))
     text = ("WorkerError: ModuleNotFoundError in a vLLM worker during 'worker start-up': Could not import module "
             "'MistralCommonBackend'.\n--- worker traceback ---\nTraceback (most recent call last):\n" + frames
             + "ModuleNotFoundError: No module named 'pycountry'\n\nThe above exception was the direct cause of the "

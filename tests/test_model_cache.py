@@ -1,6 +1,8 @@
 """The tiny-model cache under concurrent builders (pytest-xdist workers, two jobs on one machine): a checkpoint is
 published whole, by one rename, or not at all (tiny_models.publishing)."""
 import os
+import re
+import subprocess
 
 import pytest
 
@@ -46,11 +48,12 @@ def test_two_racing_builders_get_the_same_complete_checkpoint(empty_cache, monke
     assert AutoConfig.from_pretrained(path).num_hidden_layers == tiny_models.num_layers("llama")
 
 
-def test_a_folder_with_other_files_is_refused_and_left_as_it_was(tmp_path):
-    target = tmp_path / "mine"
-    target.mkdir()
+@pytest.mark.parametrize("where", ["elsewhere", "inside the cache"])
+def test_a_folder_with_other_files_is_refused_and_left_as_it_was(tmp_path, empty_cache, where):
+    target = (tmp_path if where == "elsewhere" else empty_cache) / "mine"
+    target.mkdir(parents=True)
     (target / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=str(target)):
+    with pytest.raises(FileExistsError, match=re.escape(str(target))):
         tiny_models.build_tiny_model("llama", out_dir=str(target))
     assert os.listdir(target) == ["notes.txt"] and (target / "notes.txt").read_text() == "keep me"
 
@@ -61,3 +64,48 @@ def test_an_interrupted_build_in_the_cache_is_replaced(empty_cache):
     os.remove(os.path.join(first, "config.json"))
     again = tiny_models.build_tiny_model("llama")
     assert again == first and tiny_models.is_built(again) and os.path.exists(os.path.join(again, "config.json"))
+
+
+def test_an_incomplete_folder_another_builder_completes_meanwhile_is_kept(empty_cache, monkeypatch):
+    """Two builders find an older version's incomplete folder; one publishes over it while the other is about to set
+    it aside: the published checkpoint must stay, not be deleted as if it were still incomplete."""
+    first = tiny_models.build_tiny_model("llama")
+    os.remove(os.path.join(first, ".complete"))
+    set_aside = tiny_models._set_aside
+
+    def the_other_builder_publishes_first(out_dir, aside):
+        open(os.path.join(out_dir, "published-by-the-other"), "w").close()
+        open(os.path.join(out_dir, ".complete"), "w").close()
+        return set_aside(out_dir, aside)
+
+    monkeypatch.setattr(tiny_models, "_set_aside", the_other_builder_publishes_first)
+    again = tiny_models.build_tiny_model("llama")
+    assert again == first and tiny_models.is_built(again)
+    assert os.path.exists(os.path.join(again, "published-by-the-other"))
+    assert os.listdir(empty_cache) == [os.path.basename(first)]
+
+
+def test_a_rename_that_fails_for_another_reason_is_raised_and_leaves_nothing(empty_cache, monkeypatch):
+    rename = os.rename
+
+    def read_only(src, dest):
+        if ".building-" in str(src):
+            raise PermissionError(1, "Operation not permitted", str(dest))
+        return rename(src, dest)
+
+    monkeypatch.setattr(os, "rename", read_only)
+    with pytest.raises(PermissionError, match="Operation not permitted"):
+        tiny_models.build_tiny_model("llama")
+    assert os.listdir(empty_cache) == []
+
+
+def test_the_private_folder_of_a_builder_that_died_is_dropped(empty_cache):
+    built = tiny_models.build_tiny_model("llama")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = empty_cache / f".{os.path.basename(built)}.building-{dead.pid}-0badc0de"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    os.remove(os.path.join(built, ".complete"))
+    tiny_models.build_tiny_model("llama")
+    assert not abandoned.exists() and os.listdir(empty_cache) == [os.path.basename(built)]

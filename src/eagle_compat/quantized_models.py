@@ -154,11 +154,11 @@ def build(name: str) -> tuple[str, str, int]:
         raise ValueError(f"{name}: dequantized weights missing from the reference checkpoint: {sorted(missing)[:3]}")
     reference.update(dequantized)
     # each folder published whole (tiny_models.publishing): concurrent builders never read a half-written one
-    with tiny_models.publishing(ref_out) as building:
+    with tiny_models.publishing(ref_out, replace_incomplete=True) as building:
         shutil.copytree(reference_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
                         dirs_exist_ok=True)
         save_file(reference, os.path.join(building, "model.safetensors"), metadata={"format": "pt"})
-    with tiny_models.publishing(out) as building:
+    with tiny_models.publishing(out, replace_incomplete=True) as building:
         shutil.copytree(engine_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
                         dirs_exist_ok=True)
         save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(building, "model.safetensors"),

@@ -7,6 +7,8 @@ of the family table (`capture/families.py`, `Family.tiny`); this module only bui
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import json
 import os
@@ -22,33 +24,75 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
+
 def is_built(out_dir: str) -> bool:
     return os.path.exists(os.path.join(out_dir, ".complete"))
 
 
+def _rename_unless_taken(src: str, dest: str) -> bool:
+    """Rename `src` to `dest`; False if `dest` is a folder with files (another builder's, or a stale one)."""
+    try:
+        os.rename(src, dest)
+        return True
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+
+
+def _set_aside(out_dir: str, aside: str) -> bool:
+    try:
+        os.rename(out_dir, aside)
+        return True
+    except FileNotFoundError:  # another builder moved it first
+        return False
+
+
+def _drop_abandoned_builds(parent: str, name: str) -> None:
+    """Private folders of builders that no longer run (killed, out of memory): a real model's is hundreds of MB."""
+    for path in glob.glob(os.path.join(parent, f".{glob.escape(name)}.building-*")):
+        pid = path.rsplit(".building-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _is_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+
+
 @contextlib.contextmanager
-def publishing(out_dir: str) -> Iterator[str]:
+def publishing(out_dir: str, replace_incomplete: bool = False) -> Iterator[str]:
     """A private folder to build `out_dir` in, published whole by one rename when the block ends without error.
     Builders that race on one cache (pytest-xdist workers, two jobs) never read a half-written checkpoint nor write
-    into another's: the first rename wins and the others' copies are dropped. An incomplete folder in the cache (an
-    interrupted build of an older version) or an empty one is replaced; elsewhere one with files is refused."""
+    into another's: the first rename wins and the others' copies are dropped. `replace_incomplete` (the cache's own
+    folders): a folder there without `.complete` (an older version's interrupted build) is replaced; otherwise a
+    folder with files is refused and left as it was."""
     parent, name = os.path.split(os.path.abspath(out_dir))
-    ours = os.path.abspath(cache_dir()) == parent
-    if os.path.exists(out_dir) and not is_built(out_dir) and os.listdir(out_dir) and not ours:
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not is_built(out_dir) and not replace_incomplete:
         raise FileExistsError(f"{out_dir} exists and holds no complete build: remove it or choose another folder")
     os.makedirs(parent, exist_ok=True)
+    _drop_abandoned_builds(parent, name)
     private = os.path.join(parent, f".{name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.makedirs(private)
     try:
         yield private
         open(os.path.join(private, ".complete"), "w").close()
-        if os.path.exists(out_dir) and not is_built(out_dir):
-            stale = f"{private}.stale"
-            with contextlib.suppress(OSError):  # another builder may be moving it too
-                os.rename(out_dir, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        with contextlib.suppress(OSError):  # taken by a concurrent builder: theirs is complete, ours is dropped
-            os.rename(private, out_dir)
+        if not _rename_unless_taken(private, out_dir) and not is_built(out_dir):
+            if not replace_incomplete:
+                raise FileExistsError(f"{out_dir} gained files while it was built: left as it was, build dropped")
+            aside = f"{private}.incomplete"
+            if _set_aside(out_dir, aside):
+                # it may have been completed by another builder between the check and the move: that one stays
+                if is_built(aside) and _rename_unless_taken(aside, out_dir):
+                    return
+                shutil.rmtree(aside, ignore_errors=True)
+            _rename_unless_taken(private, out_dir)  # False: another builder published meanwhile, theirs stays
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if not is_built(out_dir):
@@ -141,13 +185,14 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
     key = hashlib.sha256(json.dumps([[tiny.config_class, tiny.architecture, tiny.config], seed,
                                      transformers.__version__, BUILD_REVISION],
                                     sort_keys=True, default=str).encode()).hexdigest()[:12]
+    in_cache = out_dir is None
     out_dir = out_dir or os.path.join(cache_dir(), f"{family}-{key}")
     if is_built(out_dir):
         return out_dir
     config = _config(tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
-    with publishing(out_dir) as building:
+    with publishing(out_dir, replace_incomplete=in_cache) as building:
         model.save_pretrained(building, safe_serialization=True)
         if tiny.config.get("topk_method") == "noaux_tc":
             _fix_deepseek_checkpoint(building, config)
@@ -229,10 +274,11 @@ def _kimi_vision_shapes(v: dict, text_hidden: int) -> dict[str, tuple[int, ...]]
 
 def build_tiny_kimi_k25(out_dir: str | None = None, seed: int = 0, text_model: str = "deepseek_v3") -> str:
     text_dir = build_tiny_model(text_model, seed=seed)
+    in_cache = out_dir is None
     out_dir = out_dir or text_dir + "-kimi_k25"
     if is_built(out_dir):
         return out_dir
-    with publishing(out_dir) as building:
+    with publishing(out_dir, replace_incomplete=in_cache) as building:
         _write_kimi_k25(building, text_dir, seed)
     return out_dir
 
@@ -363,6 +409,7 @@ def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
     if name not in REAL_MODELS:
         raise ValueError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}")
     package, gguf_name, requirement = REAL_MODELS[name][:3]
+    in_cache = out_dir is None
     out_dir = out_dir or os.path.join(cache_dir(), f"{name}-tf{transformers.__version__}-r{BUILD_REVISION}")
     if is_built(out_dir):
         return out_dir
@@ -382,7 +429,7 @@ def build_real_model(name: str = "smollm2", out_dir: str | None = None) -> str:
         del config.quantization_config
     plain = type(loaded)(config).to(torch.float32)
     plain.load_state_dict(loaded.state_dict())
-    with publishing(out_dir) as building:
+    with publishing(out_dir, replace_incomplete=in_cache) as building:
         plain.save_pretrained(building, safe_serialization=True)
         tokenizer.save_pretrained(building)
         cfg_path = os.path.join(building, "tokenizer_config.json")
