@@ -93,8 +93,8 @@ def clip(text: str, keep: int = 1000) -> str:
     if len(text) <= 2 * keep:
         return text
     lines = dict.fromkeys(m.group(0)[:300] for m in _EXCEPTION_LINE.finditer(text[keep:-keep]))  # once each
-    causes = "".join(f"{line}\n" for line in list(lines)[:10])
-    return f"{text[:keep]}\n[...]\n{causes}[...]\n{text[-keep:]}" if causes else f"{text[:keep]}\n[...]\n{text[-keep:]}"
+    causes = "".join(f"{line}\n[...]\n" for line in list(lines)[:10])
+    return f"{text[:keep]}\n[...]\n{causes}{text[-keep:]}"
 
 
 def known_cause(error_text: str) -> str | None:

@@ -65,7 +65,7 @@ def kimi_k25(dest: str) -> str:
     """The tiny Kimi-K2.5 checkpoint's files (remote-code config, processor) with Kimi-K2.5's text config."""
     from eagle_compat import quantized_models, tiny_models
     src = tiny_models.build_family("kimi_k25")[0]
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors", ".complete"), dirs_exist_ok=True)
+    tiny_models.copy_without_weights(src, dest)
     with open(os.path.join(dest, "config.json")) as f:
         config = json.load(f)
     text = {k: v for k, v in KIMI_K2_TEXT.items() if k != "quantization_config"}

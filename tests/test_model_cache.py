@@ -2,6 +2,7 @@
 published whole, by one rename, or not at all (tiny_models.publishing)."""
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -103,9 +104,21 @@ def test_the_private_folder_of_a_builder_that_died_is_dropped(empty_cache):
     built = tiny_models.build_tiny_model("llama")
     dead = subprocess.Popen(["true"])
     dead.wait()
-    abandoned = empty_cache / f".{os.path.basename(built)}.building-{dead.pid}-0badc0de"
+    abandoned = empty_cache / f".{os.path.basename(built)}.building-{dead.pid}-0badc0de-{socket.gethostname()}"
     abandoned.mkdir()
     (abandoned / "model.safetensors").write_bytes(b"half")
     os.remove(os.path.join(built, ".complete"))
     tiny_models.build_tiny_model("llama")
     assert not abandoned.exists() and os.listdir(empty_cache) == [os.path.basename(built)]
+
+
+def test_the_private_folder_of_another_hosts_builder_is_left_alone(empty_cache):
+    """A cache shared by containers: a PID from another PID namespace says nothing about that builder here."""
+    built = tiny_models.build_tiny_model("llama")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    elsewhere = empty_cache / f".{os.path.basename(built)}.building-{dead.pid}-0badc0de-another-host"
+    elsewhere.mkdir()
+    os.remove(os.path.join(built, ".complete"))
+    tiny_models.build_tiny_model("llama")
+    assert elsewhere.exists()

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import shutil
 
 # The quantized tiny models are rows of the family table (capture/families.py: QUANTIZED), read here.
 from .capture.families import QUANTIZED, QuantizedTiny
@@ -155,12 +154,10 @@ def build(name: str) -> tuple[str, str, int]:
     reference.update(dequantized)
     # each folder published whole (tiny_models.publishing): concurrent builders never read a half-written one
     with tiny_models.publishing(ref_out, replace_incomplete=True) as building:
-        shutil.copytree(reference_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
-                        dirs_exist_ok=True)
+        tiny_models.copy_without_weights(reference_src, building)
         save_file(reference, os.path.join(building, "model.safetensors"), metadata={"format": "pt"})
     with tiny_models.publishing(out, replace_incomplete=True) as building:
-        shutil.copytree(engine_src, building, ignore=shutil.ignore_patterns("*.safetensors", ".complete"),
-                        dirs_exist_ok=True)
+        tiny_models.copy_without_weights(engine_src, building)
         save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(building, "model.safetensors"),
                   metadata={"format": "pt"})
         config_path = os.path.join(building, "config.json")

@@ -12,7 +12,9 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
 from typing import Any, Iterator
 
@@ -48,11 +50,22 @@ def _set_aside(out_dir: str, aside: str) -> bool:
         return False
 
 
+def copy_without_weights(src: str, dest: str) -> None:
+    """A checkpoint's config, tokenizer and code files, without weights or build mark: a variant is built on them."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors", ".complete"), dirs_exist_ok=True)
+
+
+# a builder's private folder: ".NAME.building-PID-RANDOM-HOST" (+ ".incomplete" when set aside); the host, because a
+# cache shared by containers sees PIDs of other PID namespaces that this one cannot check
+_PRIVATE = re.compile(r"\.building-(\d+)-[0-9a-f]{8}-(.+?)(?:\.incomplete)?$")
+
+
 def _drop_abandoned_builds(parent: str, name: str) -> None:
-    """Private folders of builders that no longer run (killed, out of memory): a real model's is hundreds of MB."""
+    """Private folders of this host's builders that no longer run (killed, out of memory): a real model's is hundreds
+    of MB."""
     for path in glob.glob(os.path.join(parent, f".{glob.escape(name)}.building-*")):
-        pid = path.rsplit(".building-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not _is_running(int(pid)):
+        mark = _PRIVATE.search(path)
+        if mark and mark.group(2) == socket.gethostname() and not _is_running(int(mark.group(1))):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -78,7 +91,7 @@ def publishing(out_dir: str, replace_incomplete: bool = False) -> Iterator[str]:
         raise FileExistsError(f"{out_dir} exists and holds no complete build: remove it or choose another folder")
     os.makedirs(parent, exist_ok=True)
     _drop_abandoned_builds(parent, name)
-    private = os.path.join(parent, f".{name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    private = os.path.join(parent, f".{name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}")
     os.makedirs(private)
     try:
         yield private
