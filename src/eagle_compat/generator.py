@@ -390,7 +390,7 @@ class VllmHiddenStatesGenerator:
                 self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
                 batch.pending.add(rid)
             while True:
-                out = self.scheduler.schedule()
+                out = engine.schedule(self.scheduler)  # an empty output's finished ids go with the next
                 if out.total_num_scheduled_tokens == 0:
                     break
                 self._room_for(2)

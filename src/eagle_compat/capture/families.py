@@ -78,6 +78,11 @@ _DEEPSEEK_V3 = dict(
 # wrong states, vLLM 0.20.0 layers/linear.py), as in DeepSeek-V3's own 1536.
 _DEEPSEEK_V3_B128 = dict(_DEEPSEEK_V3, q_lora_rank=128)
 
+# For CUDA vLLM 0.26+ on Hopper: it prefills MLA only through FlashAttention, which takes (qk_nope, qk_rope, v) head
+# dims (64, 64, 128), (128, 64, 128) (DeepSeek-V3's, Kimi's) or (192, 64, 256), and refuses the CPU-sized (64, 64, 64)
+# at engine start ("No valid MLA prefill backend", results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*)
+_DEEPSEEK_V3_V128 = dict(_DEEPSEEK_V3, v_head_dim=128)
+
 # Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
 # states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
 _DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
@@ -133,6 +138,10 @@ FAMILIES: tuple[Family, ...] = (
                     matrix=()),
                Tiny("kimi_k25", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3, wraps="deepseek_v3",
                     matrix=("shim", "generator")),
+               # GPU cells on vLLM 0.26+ (see _DEEPSEEK_V3_V128)
+               Tiny("deepseek_v3_v128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_V128, matrix=()),
+               Tiny("kimi_k25_v128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_V128,
+                    wraps="deepseek_v3_v128", matrix=()),
                # the bases of the quantized checkpoints (quantized_models.QUANTIZED)
                Tiny("deepseek_v3_b128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_B128, matrix=()),
                Tiny("kimi_k25_b128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_B128,

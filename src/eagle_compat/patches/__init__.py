@@ -6,7 +6,7 @@ name contribute to its one adapter (`_adapters`), whose composition does not dep
 from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv_budget, cpu_mla_disable,
-               cpu_tp_thread_binding, gpu_sampler_no_jit,
+               cpu_tp_thread_binding, finished_requests_delivered, gpu_sampler_no_jit,
                kv_cache_config_helpers, platform_block_size, prefix_caching_off, quiet_shutdown, request_eos_token_id,
                scheduler_block_size, scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
                speculators_trainer_target_norm, step_deadline, text_only_model,
@@ -33,6 +33,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     scheduler_block_size.UNIT,
     request_eos_token_id.UNIT,
     two_phase_step.UNIT,
+    finished_requests_delivered.UNIT,
     unique_reply_shape.UNIT,
     warm_up_separate.UNIT,
     cpu_kv_budget.UNIT,

@@ -6,9 +6,10 @@ Instead the first unit that needs a name installs its one adapter, every unit ad
 comes back when the last contribution is withdrawn (`Patcher.revert`). The composition is defined by the adapter,
 never by the order in which units contributed:
 
-* `KeywordsAdapter` (a constructor speculators calls with keywords): every transform sees the caller's keywords,
-  never another unit's result; the changes are merged, and two contributions changing one keyword differently
-  are refused at the call. Contributions commute by construction.
+* `ConstructorAdapter` (a constructor speculators calls with keywords): every keyword rewrite sees the caller's
+  keywords, never another unit's result; the changes are merged, and two contributions changing one keyword
+  differently are refused at the call. Then each `built(instance)` contribution, in unit-name order, on the object
+  built (a unit that needs that instance's method: `instance_method_hook`). Contributions commute by construction.
 * `ExecutorAdapter` (the executor speculators builds; vLLM's class is untouched): in phases, each phase's
   contributions in unit-name order:
     1. `spawning(args, kwargs)`: context managers entered around the construction (each restores only what it set);
@@ -50,13 +51,28 @@ class Adapter:
         raise NotImplementedError
 
 
-class KeywordsAdapter(Adapter):
+@dataclass(frozen=True)
+class ConstructorHooks:
+    rewrite: Callable[[dict], dict] | None = None  # the caller's keywords -> the keywords to call with
+    built: Callable[[Any], None] | None = None  # on each object built, before the caller gets it
+
+
+class ConstructorAdapter(Adapter):
+    def describe(self) -> dict[str, Any]:
+        hooks = self.ordered()
+        return {"target": self.name, "units": [u for u, _ in hooks],
+                "rewrite": [u for u, h in hooks if h.rewrite], "built": [u for u, h in hooks if h.built]}
+
     def __call__(self, wrapped, instance, args, kwargs):
-        return wrapped(*args, **self.transform(kwargs))
+        built = wrapped(*args, **self.transform(kwargs))
+        for _, h in self.ordered():
+            if h.built:
+                h.built(built)
+        return built
 
     def transform(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         out, changed_by = dict(kwargs), {}
-        for unit, rewrite in self.ordered():
+        for unit, rewrite in ((u, h.rewrite) for u, h in self.ordered() if h.rewrite):
             new = rewrite(dict(kwargs))
             for key in set(kwargs) | set(new):
                 value = new.get(key, _MISSING)
@@ -137,6 +153,11 @@ class ExecutorAdapter(Adapter):
             executor.shutdown()
             raise
         return executor
+
+
+def instance_method_hook(obj: Any, method: str, hook: Callable[[Any, Callable, tuple, dict], Any]) -> None:
+    """Put `hook(obj, call, args, kwargs)` on one object's `method` (that object only; its class is untouched)."""
+    setattr(obj, method, _instance_method(obj, getattr(obj, method), hook))
 
 
 def _instance_method(obj: Any, current: Callable, hook: Callable) -> Callable:

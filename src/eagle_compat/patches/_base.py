@@ -107,7 +107,7 @@ class Patcher:
     def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
         """wrapt-style wrapper `(wrapped, instance, args, kwargs)` around `owner.attribute` (looked up where the
         caller looks it up: the speculators module namespace), for a name only this unit wraps; a name several
-        units need takes contributions to its one adapter (`rewrite_kwargs`, `hook_executor`)."""
+        units need takes contributions to its one adapter (`rewrite_kwargs`, `hook_built`, `hook_executor`)."""
         current = _current(owner, attribute)
         if _adapters.wrapped_by_us(current):
             raise IncompatibleEnvironment(f"{_name(owner)}.{attribute} is already wrapped by eagle_compat; a second "
@@ -120,8 +120,13 @@ class Patcher:
     def rewrite_kwargs(self, owner: Any, attribute: str, rewrite: Callable[[dict], dict]) -> None:
         """Contribute a keyword rewrite to the call of `owner.attribute` (speculators calls these constructors with
         keywords only; rewriting by name, never by position). `rewrite` gets the caller's keywords and returns
-        them changed; see `_adapters.KeywordsAdapter` for how several units' rewrites combine."""
-        self._contribute(owner, attribute, _adapters.KeywordsAdapter, rewrite)
+        them changed; see `_adapters.ConstructorAdapter` for how several units' rewrites combine."""
+        self._contribute(owner, attribute, _adapters.ConstructorAdapter, _adapters.ConstructorHooks(rewrite=rewrite))
+
+    def hook_built(self, owner: Any, attribute: str, built: Callable[[Any], None]) -> None:
+        """Contribute `built(obj)`, called on each object the call of `owner.attribute` builds (a constructor
+        speculators calls), before speculators gets it: the way to change that one object's methods."""
+        self._contribute(owner, attribute, _adapters.ConstructorAdapter, _adapters.ConstructorHooks(built=built))
 
     def hook_executor(self, owner: Any, factory: str, hooks: "_adapters.ExecutorHooks") -> None:
         """Contribute to each executor built through `owner.factory` (the MultiprocExecutor name in speculators'
