@@ -24,9 +24,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
 # each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
 # the running cell got (vLLM 0.21.0's first cell, session 10, came back with nothing from /tmp)
-# default: the cells issue 24 asks of every release (each family, ours and speculators' under install())
+# default: the cells issue 24 asks of every release (each family, ours and speculators' under install()). vLLM 0.26+
+# on Hopper refuses the CPU-sized tiny MLA models' head dims at engine start (results/gpu/attempts/
+# h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_matrix)
+mla="deepseek_v3 kimi_k25"
+case "$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)" in 0.2[0-5].*|"") ;; *) mla="deepseek_v3_v128 kimi_k25_v128" ;; esac
 default_cells=$(for check in generator shim; do
-  for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
+  for m in llama qwen3_moe $mla; do echo "$check:$m"; done; done)
 for cell in ${CELLS-$default_cells}; do
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"

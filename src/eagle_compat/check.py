@@ -209,9 +209,9 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
         model, reference_model, num_layers = quantized_models.build(family)
         trust_remote_code = trust_remote_code or tiny_models.needs_remote_code(family)
     elif model is None:
-        if family not in tiny_models.FAMILIES:
-            raise InvalidInput(f"family {family!r}; allowed: "
-                               f"{', '.join(tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS) + tuple(QUANTIZED))}")
+        if family not in tiny_models.FAMILIES + tiny_models.GPU_VARIANTS:
+            allowed = tiny_models.FAMILIES + tiny_models.GPU_VARIANTS + tuple(tiny_models.REAL_MODELS) + tuple(QUANTIZED)
+            raise InvalidInput(f"family {family!r}; allowed: {', '.join(allowed)}")
         model, reference_model, num_layers = tiny_models.build_family(family)
         trust_remote_code = trust_remote_code or tiny_models.needs_remote_code(family)
     else:

@@ -335,6 +335,8 @@ def _write_kimi_k25(out_dir: str, text_dir: str, seed: int) -> None:
 
 # the tiny models with a parity run (tests, `eagle-compat check`, the matrix), in the family table's order
 FAMILIES = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.matrix)
+# and the variants the GPU cells run where CUDA vLLM refuses the CPU-sized model (families.Tiny.gpu_matrix)
+GPU_VARIANTS = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.gpu_matrix)
 
 # wrapper checkpoints around another tiny model's weights, by architecture
 _WRAPPERS = {"KimiK25ForConditionalGeneration": build_tiny_kimi_k25}

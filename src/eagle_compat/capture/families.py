@@ -29,6 +29,9 @@ class Tiny:
     # checks the compatibility matrix runs ("shim": speculators 0.3.0 under install(); "generator": ours, fp32);
     # () = a variant for one test, not a parity family
     matrix: tuple[str, ...] = ("generator",)
+    # checks the GPU cells run on a variant made for CUDA vLLM where the CPU-sized model cannot run there
+    # (scripts/gpu_parity.sh); `eagle-compat check --family` takes these too
+    gpu_matrix: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -139,9 +142,10 @@ FAMILIES: tuple[Family, ...] = (
                Tiny("kimi_k25", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3, wraps="deepseek_v3",
                     matrix=("shim", "generator")),
                # GPU cells on vLLM 0.26+ (see _DEEPSEEK_V3_V128)
-               Tiny("deepseek_v3_v128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_V128, matrix=()),
+               Tiny("deepseek_v3_v128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_V128, matrix=(),
+                    gpu_matrix=("shim", "generator")),
                Tiny("kimi_k25_v128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_V128,
-                    wraps="deepseek_v3_v128", matrix=()),
+                    wraps="deepseek_v3_v128", matrix=(), gpu_matrix=("shim", "generator")),
                # the bases of the quantized checkpoints (quantized_models.QUANTIZED)
                Tiny("deepseek_v3_b128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_B128, matrix=()),
                Tiny("kimi_k25_b128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_B128,
