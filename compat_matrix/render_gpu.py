@@ -33,9 +33,11 @@ deepest layer's median per-token error: the engine's, then HF's own.
 CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel needs what vLLM 0.20.0's needs (the pins
 measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata), or one whose own
 pins the script lists (0.21.0-0.27.1; what it built: `results/gpu/bundle-builds.md`). 0.20.0, 0.20.2, 0.21.0, 0.22.1,
-0.23.0, 0.24.0 and 0.25.1 ran. 0.26.0's first bundle lacked what its worker start newly imports (mistral-common's
-tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`); it is rebuilt and not yet run, as is 0.27.1
-(torch 2.13, triton, cuDNN and NCCL carried over the image's: 26 parts). MoE kernel: 0.21.0 and 0.22.1 default to
+0.23.0, 0.24.0, 0.25.1, 0.26.0 and 0.27.1 ran; 0.27.1 on a carried torch 2.13 (torch, triton, cuDNN and NCCL over the
+image's: 26 parts, set-up 33 s). 0.26.0's first bundle lacked what its worker start newly imports (mistral-common's
+tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`). From 0.26.0 vLLM refuses the tiny MLA
+models' head dims on Hopper (`results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*`): there the MLA cells run the
+v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`). MoE kernel: 0.21.0 and 0.22.1 default to
 FlashInfer's bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE
 cells ran on Triton MoE (`VLLM_USE_FLASHINFER_MOE_FP16=0`, shown in the cell); from 0.23.0 vLLM puts Triton first on
 Hopper, so by vLLM's source the 0.23-0.25 cells ran Triton MoE (each machine note). Whether a release can be carried is

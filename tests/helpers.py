@@ -29,6 +29,17 @@ def requests_held_by_workers(executor) -> list[set[str]]:
     return executor.collective_rpc(held)
 
 
+def assert_workers_hold_only_the_last_batch(gen) -> None:
+    """Generate four batches with `gen` (ours or speculators'); then the model runners hold the last one's requests
+    at most: each batch's finished ids reached the workers with the next batch."""
+    for seed in range(3):
+        gen.generate(prompts(4, 5, 30, seed=seed))
+    last = prompts(2, 5, 30, seed=99)
+    gen.generate(last)
+    for held in requests_held_by_workers(gen.executor):
+        assert len(held) <= len(last), f"the model runner still holds {len(held)} requests: {sorted(held)[:8]}"
+
+
 def prompts(n: int, lo: int, hi: int, vocab: int = 512, seed: int = 0, prefix: list[int] | None = None):
     rng = random.Random(seed)
     out = []

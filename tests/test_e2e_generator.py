@@ -9,7 +9,7 @@ import torch
 
 from eagle_compat import InvalidInput, VllmHiddenStatesGenerator, tiny_models
 
-from helpers import assert_matches_hf, prompts, requests_held_by_workers
+from helpers import assert_matches_hf, assert_workers_hold_only_the_last_batch, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -55,13 +55,7 @@ def test_the_workers_hear_that_each_batchs_requests_finished(fp32_generator):
     nothing and is not sent, so its finished ids must go with the next batch (engine.schedule): otherwise the V1
     runner keeps every request for the engine's life and the V2 runner fails after max_num_seqs ('No free
     indices', vLLM 0.27.1 on the H200)."""
-    _, _, _, gen = fp32_generator
-    for seed in range(3):
-        gen.generate(prompts(4, 5, 30, seed=seed))
-    last = prompts(2, 5, 30, seed=99)
-    gen.generate(last)
-    for held in requests_held_by_workers(gen.executor):
-        assert len(held) <= len(last), f"the model runner still holds {len(held)} requests: {sorted(held)[:8]}"
+    assert_workers_hold_only_the_last_batch(fp32_generator[3])
 
 
 @pytest.mark.parametrize("bad, message", [

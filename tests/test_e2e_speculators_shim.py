@@ -10,7 +10,7 @@ import torch
 import eagle_compat
 from eagle_compat import tiny_models
 
-from helpers import assert_matches_hf, prompts, requests_held_by_workers
+from helpers import assert_matches_hf, assert_workers_hold_only_the_last_batch, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -72,13 +72,7 @@ def test_big_mixed_batch_two_calls_and_alone(shim):
 def test_the_workers_hear_that_each_of_speculators_batches_finished(shim):
     """speculators stops at the output that schedules nothing and never sends it, with the batch's finished ids in
     it (patch unit finished_requests_delivered): the model runner must hold no more than the last batch."""
-    _, _, _, gen = shim
-    for seed in range(3):
-        gen.generate(prompts(4, 5, 30, seed=seed))
-    last = prompts(2, 5, 30, seed=99)
-    gen.generate(last)
-    for held in requests_held_by_workers(gen.executor):
-        assert len(held) <= len(last), f"the model runner still holds {len(held)} requests: {sorted(held)[:8]}"
+    assert_workers_hold_only_the_last_batch(shim[3])
 
 
 def test_speculators_steps_run_with_eagle_compats_step_deadline(monkeypatch):
