@@ -127,10 +127,11 @@ def _self_consistency(a: list[dict], b: list[dict]) -> dict:
 
 def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.CheckResult":
     """Mixed lengths in no sorted order: a runner that sorts its batch (the V2 runner does) must be undone. Batched
-    results must equal one-at-a-time and pipelined ones, and HF."""
+    results must equal one-at-a-time and pipelined ones, and HF; after more requests than the runner has slots, it
+    holds no more than the last batch's."""
     import random
 
-    from eagle_compat import VllmHiddenStatesGenerator, tiny_models
+    from eagle_compat import VllmHiddenStatesGenerator, engine, tiny_models
     from eagle_compat import check as parity
     path, ref_path, n = tiny_models.build_family(family)
     layer_ids = list(range(n))
@@ -145,9 +146,17 @@ def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.Che
         piped = [r for rs in gen.generate_batches(halves) for r in rs]
         apart = [r for half in halves for r in gen.generate(half)]
         out["model_runner"] = gen.executor.collective_rpc(_runner_class)[0]
+        # more requests than the runner has slots (max_num_seqs): each batch's must have been freed by the next
+        # (engine.schedule; the V2 runner failed with "No free indices" when they were not)
+        for _ in range(-(-gen.vllm_config.scheduler_config.max_num_seqs // len(batch)) + 1):
+            gen.generate(batch)
+        out["requests_held_after"] = max(map(len, gen.executor.collective_rpc(engine.requests_held_by_runner)))
         engine_dtype = str(gen.vllm_config.model_config.dtype)
     out["batched_vs_alone"] = _self_consistency(results, alone)
     out["pipelined_vs_generate"] = _self_consistency(piped, apart)
+    if out["requests_held_after"] > len(batch):
+        raise AssertionError(f"the model runner holds {out['requests_held_after']} requests after a batch of "
+                             f"{len(batch)}: finished requests were not freed")
     if not (out["batched_vs_alone"]["ok"] and out["pipelined_vs_generate"]["ok"]):
         raise AssertionError(f"batched results differ from one-at-a-time or pipelined ones: "
                              f"{out['batched_vs_alone']} {out['pipelined_vs_generate']}")

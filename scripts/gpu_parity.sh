@@ -27,10 +27,15 @@ python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 't
 # default: the cells issue 24 asks of every release (each family, ours and speculators' under install()). vLLM 0.26+
 # on Hopper refuses the CPU-sized tiny MLA models' head dims at engine start (results/gpu/attempts/
 # h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_matrix)
-mla="deepseek_v3 kimi_k25"
-case "$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)" in 0.2[0-5].*|"") ;; *) mla="deepseek_v3_v128 kimi_k25_v128" ;; esac
-default_cells=$(for check in generator shim; do
-  for m in llama qwen3_moe $mla; do echo "$check:$m"; done; done)
+release=$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)
+if [ -n "$release" ] && [ "$(printf '%s\n' 0.26 "$release" | sort -V | head -1)" = 0.26 ]; then
+  default_cells=$(python3 -c "from eagle_compat.capture.families import TINY
+print(' '.join(f'{c}:{m}' for c in ('generator', 'shim') for m in ('llama', 'qwen3_moe') + tuple(
+    n for n, (_, t) in TINY.items() if c in t.gpu_matrix)))")
+else
+  default_cells=$(for check in generator shim; do
+    for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
+fi
 for cell in ${CELLS-$default_cells}; do
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"

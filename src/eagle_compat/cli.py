@@ -230,7 +230,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if bad or not checks:
         raise InvalidInput(f"--checks: unknown {bad or checks}; allowed: {', '.join(parity.CHECKS)}")
     from . import tiny_models
-    known = tiny_models.FAMILIES + tuple(tiny_models.REAL_MODELS)
+    known = tiny_models.FAMILIES + tiny_models.GPU_VARIANTS + tuple(tiny_models.REAL_MODELS)
     bad = [f for f in families if f is not None and f not in known]
     if bad:
         raise InvalidInput(f"--family: unknown {bad}; allowed: {', '.join(known)}")

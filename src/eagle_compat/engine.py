@@ -386,11 +386,26 @@ def schedule(scheduler: Any, call: Callable[[], Any] | None = None) -> Any:
     first output, as EngineCore's loop (which sends every output) would.
     `call`: what runs `scheduler.schedule()` (a hook on speculators' scheduler passes the method it wraps)."""
     out = (call or scheduler.schedule)()
-    finished = getattr(out, "finished_req_ids", None)
-    pending = getattr(scheduler, "finished_req_ids", None)
-    if out.total_num_scheduled_tokens == 0 and finished and isinstance(pending, set):
-        pending.update(finished)
+    if out.total_num_scheduled_tokens == 0:
+        keep_finished_ids(scheduler, out)
     return out
+
+
+def keep_finished_ids(scheduler: Any, unsent_output: Any) -> None:
+    """An output that will not reach the workers gives its finished request ids back to the scheduler, whose next
+    output carries them (`schedule`; the stable generator on a step it failed to send)."""
+    finished = getattr(unsent_output, "finished_req_ids", None)
+    pending = getattr(scheduler, "finished_req_ids", None)
+    if finished and isinstance(pending, set):
+        pending.update(finished)
+
+
+def requests_held_by_runner(worker: Any) -> list[str]:
+    """The request ids a worker's model runner still holds (`collective_rpc(requests_held_by_runner)`): the V1
+    runner's `requests`, the V2 runner's request-slot table. After a batch, only that batch's should be there."""
+    runner = worker.model_runner
+    table = getattr(runner, "requests", None)
+    return sorted(runner.req_states.req_id_to_index if table is None else table)
 
 
 def abort(scheduler: Any, request_ids: list[str]) -> None:

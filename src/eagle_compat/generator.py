@@ -393,10 +393,16 @@ class VllmHiddenStatesGenerator:
                 out = engine.schedule(self.scheduler)  # an empty output's finished ids go with the next
                 if out.total_num_scheduled_tokens == 0:
                     break
-                self._room_for(2)
+                # a step not sent keeps the finished ids it carries (the last batch's) for the next one
+                try:
+                    self._room_for(2)
+                except BaseException:
+                    engine.keep_finished_ids(self.scheduler, out)
+                    raise
                 try:
                     futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
                 except BaseException as exc:
+                    engine.keep_finished_ids(self.scheduler, out)
                     self._close_unless_replied(exc)
                     raise
                 calls = [("execute_model", f) for f in futures]

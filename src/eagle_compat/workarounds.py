@@ -99,7 +99,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "v2_runner_batch_order", "vLLM's V2 model runner lays a batch out sorted by length, not in the scheduler's "
         "order: rows would belong to other requests", ">=0.12",
         "capture/worker.py `runner_batch_order` + `_reorder`", "never: the capture must follow the runner's order",
-        True, _v2_runner_possible, condition="GPU with the V2 model runner (vLLM's default from 0.29)"),
+        True, _v2_runner_possible, condition="GPU with the V2 model runner (vLLM's default for Llama from 0.23, for every dense "
+                  "model from 0.25.1: config/vllm.py `_is_default_v2_model_runner_model`)"),
+    Workaround(
+        "finished_ids_to_next_output", "the output after a batch's last step schedules nothing and was not sent, and "
+        "with it the batch's finished request ids: the workers kept every request (V1 runner: its tokens for the "
+        "engine's life; V2 runner: 'No free indices' after max_num_seqs requests)", "",
+        "engine.py `schedule` (the stable generator; the shim has unit finished_requests_delivered)",
+        "never while eagle_compat drives vLLM's Scheduler itself", False, lambda: True),
     Workaround(
         "cpu_amx_permission", "vLLM's CPU kernels run AMX instructions without asking Linux for AMX state: a short "
         "first prompt in bf16 killed the worker with SIGILL", "",

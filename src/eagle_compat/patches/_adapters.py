@@ -9,7 +9,8 @@ never by the order in which units contributed:
 * `ConstructorAdapter` (a constructor speculators calls with keywords): every keyword rewrite sees the caller's
   keywords, never another unit's result; the changes are merged, and two contributions changing one keyword
   differently are refused at the call. Then each `built(instance)` contribution, in unit-name order, on the object
-  built (a unit that needs that instance's method: `instance_method_hook`). Contributions commute by construction.
+  built (a unit that needs that instance's method: `instance_method_hook`; two units hooking one method nest with
+  the last unit name outermost, unlike the executor's `methods`). Contributions commute by construction.
 * `ExecutorAdapter` (the executor speculators builds; vLLM's class is untouched): in phases, each phase's
   contributions in unit-name order:
     1. `spawning(args, kwargs)`: context managers entered around the construction (each restores only what it set);
