@@ -37,6 +37,7 @@ else
     for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
 fi
 for cell in ${CELLS-$default_cells}; do
+  free_gpu  # an earlier step's engine must not hold the memory this one needs
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
   timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \

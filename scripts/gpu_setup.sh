@@ -40,3 +40,17 @@ gpu_setup() {
   printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > $d/entry_points.txt
   export PYTHONPATH=/tmp/site:$PWD/src
 }
+
+# Kills what still holds the GPU before the next engine starts: a step cut off by `timeout` kills its python, but
+# vLLM's engine-core process can outlive it and keep its memory (session 16, 0.27.1: the throughput run's native
+# engine, killed at the call's 280 s, left 120 GiB held, and the three cells after it failed at start-up for "Free
+# memory ... less than desired GPU memory utilization": results/gpu/attempts/h200-vllm-0.27.1-leftover-engine.*).
+free_gpu() {
+  command -v nvidia-smi > /dev/null || return 0
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  [ -z "$pids" ] && return 0
+  echo "free_gpu: killing leftover GPU processes $pids" | tee -a "$out/setup.log"
+  kill -9 $pids 2>/dev/null
+  sleep 3
+}

@@ -33,6 +33,7 @@ if [ -z "${SMOKE:-}" ]; then
   n1=256; t1=1024; n2=32; t2=8192; dev=cuda
 else
   PY=${PY:-python3}; export PYTHONPATH=$PWD/src
+  free_gpu() { :; }
   big="--model tiny-llama --gmu 0.3"; moe="--model tiny-llama --gmu 0.3"
   n1=16; t1=128; n2=4; t2=512; dev=cpu
 fi
@@ -40,6 +41,7 @@ mkdir -p /tmp/bench
 phases=${PHASES:-plain,delivered,written,written_shm,native}
 bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2
+  free_gpu  # an earlier step's engine must not hold the memory this one needs
   say "start $name"
   timeout "$limit" $PY benchmarks/throughput.py "$@" --write-dir /tmp/bench --out "$out/$name.json" \
     > "$out/$name.log" 2>&1
@@ -54,6 +56,7 @@ for run in ${RUNS:-llama8b-256x1024 v2-parity llama8b-32x8192 moe-256x1024}; do
                     --batch 8 ) ;;
     v2-parity)
       for fam in llama qwen3_moe; do
+        free_gpu
         say "start v2-parity $fam"
         VLLM_USE_V2_MODEL_RUNNER=1 timeout 240 $PY compat_matrix/cell.py batch_order $fam --dtype auto \
           --device $dev --moe-env "${MOE_ENV:-}" > "/tmp/cell-$fam.log" 2>&1
