@@ -28,10 +28,11 @@ beside_tests=tests/test_nightly_index.py
 ignore=()
 first_py=$ENV_PY
 # a pass keeps about one core busy (engine start-up is mostly one process at a time): two pytest-xdist workers, one
-# test file each at a time (module fixtures start their engine once), use both of CI's cores.
+# test file each at a time (module fixtures start their engine once), use both of CI's cores; the heaviest files
+# first (tests/conftest.py FILE_SECONDS), not xdist's order (most tests first).
 # EAGLE_COMPAT_TEST_WORKERS=1 runs the tests in one process.
 workers=()
-[ "${EAGLE_COMPAT_TEST_WORKERS:-2}" -gt 1 ] && workers=(-n "${EAGLE_COMPAT_TEST_WORKERS:-2}" --dist loadfile)
+[ "${EAGLE_COMPAT_TEST_WORKERS:-2}" -gt 1 ] && workers=(-n "${EAGLE_COMPAT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 [ ${#releases[@]} -gt 1 ] && ignore=(--ignore="$beside_tests")
 beside=
 for v in "${releases[@]}"; do
@@ -42,7 +43,7 @@ for v in "${releases[@]}"; do
   fi
   ensure_env "$v"  # built: only re-points the editable install
   "$ENV_PY" -c "import pytest_timeout, xdist" 2>/dev/null \
-    || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3" "pytest-xdist>=3.5" >/dev/null
+    || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3" "pytest-xdist>=3.6" >/dev/null
   if [ "$v" = "${releases[-1]}" ] && [ ${#ignore[@]} -gt 0 ]; then
     beside_log=$(mktemp)
     "$first_py" -m pytest "$beside_tests" -p no:cacheprovider -q -rs --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" \
