@@ -63,11 +63,19 @@ case "$release" in
   # build's (torch/backends/cudnn; the image's is 9.19). NCCL 2.29.7: torch 2.13's libtorch_cuda.so needs 8 symbols
   # the image's 2.28.9 lacks (ncclCommSuspend, ncclSignal, ...; nm -D of both, session 13), and loads it at import.
   # cuSPARSELt 0.8.0 and cuBLAS 13.1.0 (the image's, via cuda-toolkit 13.0.2) define every symbol torch 2.13 takes
-  # from them (nm -D): they stay the image's. quack-kernels: 0.27 pins it exactly. Built here; not yet run.
+  # from them (nm -D): they stay the image's. quack-kernels: 0.27 pins it exactly. Ran: results/gpu/h200-vllm-0.27.1*.
   0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
                      nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
                      cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 pyelftools tabulate \
                      compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs \
+                     $openai_namespace_tool" ;;
+  # 0.28.0: 0.27.1's torch 2.13 set; its own humming-kernels 0.1.12 and quack-kernels 0.6.4 pins (results/gpu/
+  # carry-probe.md). It also asks huggingface_hub>=1.27.0 and nvidia-cutlass-dsl 4.6.2, not carried: the image's
+  # stay (a first run's errors.log says whether a cell needs them). Not yet run.
+  0.28.0) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
+                     nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
+                     cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.12 pyelftools tabulate \
+                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.4 $mistral_tokenizer_needs \
                      $openai_namespace_tool" ;;
   *) overrides="" ;;
 esac
