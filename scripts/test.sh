@@ -32,7 +32,8 @@ first_py=$ENV_PY
 # first (tests/conftest.py FILE_SECONDS), not xdist's order (most tests first).
 # EAGLE_COMPAT_TEST_WORKERS=1 runs the tests in one process.
 workers=()
-[ "${EAGLE_COMPAT_TEST_WORKERS:-2}" -gt 1 ] && workers=(-n "${EAGLE_COMPAT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
+[ "${EAGLE_COMPAT_TEST_WORKERS:-2}" -gt 1 ] \
+  && workers=(-n "${EAGLE_COMPAT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 [ ${#releases[@]} -gt 1 ] && ignore=(--ignore="$beside_tests")
 beside=
 for v in "${releases[@]}"; do
