@@ -129,7 +129,10 @@ def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[
     def paths_of(outputs) -> list[str]:
         return [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
 
+    started = time.perf_counter()
+    print("native: engine up", file=sys.stderr, flush=True)
     wait_for(paths_of(llm.generate([{"prompt_token_ids": ids} for ids in warm_prompts(args, batch)], sp)))  # warm
+    print(f"native: warm-up files written in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     for f in os.listdir(store):
         os.unlink(os.path.join(store, f))
     t0 = time.perf_counter()
@@ -316,17 +319,21 @@ def main() -> int:
                ["--keep-files"] if args.keep_files else [])
         if name == "native" and "written" in results["phases"] and "error" not in results["phases"]["written"]:
             cmd += ["--compare-dir", written_dir]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("PHASE ")), None)
+        # the phase's output goes to a file as it runs: a phase cut off by a time limit still shows how far it got
+        log_path = (args.out or os.path.join(work, "throughput")) + f".{name}.log"
+        with open(log_path, "w") as log:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        with open(log_path) as log:
+            output = log.read()
+        line = next((x for x in output.splitlines() if x.startswith("PHASE ")), None)
         if line is None:
-            tail = proc.stderr[-3000:]
+            tail = output[-3000:]
             if name == "native":  # vLLM's own path may not exist or run here: say why, go on
-                results["phases"][name] = {"skipped": native_skip_reason(proc.stdout + "\n" + proc.stderr),
-                                           "error": tail}
+                results["phases"][name] = {"skipped": native_skip_reason(output), "error": tail}
                 print(f"{name}: skipped ({results['phases'][name]['skipped']})", file=sys.stderr)
             else:
                 results["phases"][name] = {"error": tail}
-                print(f"{name}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                print(f"{name}: FAILED\n{output[-2000:]}", file=sys.stderr)
             continue
         r = json.loads(line[6:])
         r["tokens_per_s"] = r["tokens"] / r["seconds"]

@@ -4,7 +4,7 @@
 # the ones measured for vLLM 0.20.0 on that image (torch 2.11.0+cu130, transformers 5.17: shared/notes/
 # gpu-vllm-recipe.md). A release whose wheel asks for other requirements than 0.20.0's is refused, naming each
 # difference (measured from the wheel's own metadata): its pins must be measured before it can be carried.
-# usage: bash scripts/gpu_bundle.sh RELEASE OUTDIR      (OUTDIR ignored by git, e.g. .gpu)
+# usage: [BASE=DIR] bash scripts/gpu_bundle.sh RELEASE OUTDIR      (OUTDIR ignored by git, e.g. .gpu)
 # Then, one call each, within 30 s of the previous call's end (the machine goes back when idle):
 #   run carry [OUTDIR/part00]: mkdir -p /tmp/g && cp OUTDIR/part00 /tmp/g/   ... the same for each part ...
 #   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/extra: CELLS=... bash scripts/gpu_parity.sh
@@ -70,13 +70,13 @@ case "$release" in
                      compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs \
                      $openai_namespace_tool" ;;
   # 0.28.0: 0.27.1's torch 2.13 set; its own humming-kernels 0.1.12 and quack-kernels 0.6.4 pins (results/gpu/
-  # carry-probe.md). It also asks huggingface_hub>=1.27.0 and nvidia-cutlass-dsl 4.6.2, not carried: the image's
-  # stay (a first run's errors.log says whether a cell needs them). Not yet run.
+  # carry-probe.md). It asks huggingface_hub>=1.27.0: 1.33.0, the newest below the <2.0 of the image's transformers
+  # 5.17. nvidia-cutlass-dsl 4.6.2 is not carried (Blackwell MLA kernels, imported lazily as under 0.27.1).
   0.28.0) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
                      nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
                      cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.12 pyelftools tabulate \
-                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.4 $mistral_tokenizer_needs \
-                     $openai_namespace_tool" ;;
+                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.4 huggingface_hub==1.33.0 \
+                     $mistral_tokenizer_needs $openai_namespace_tool" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
@@ -120,26 +120,50 @@ mkdir -p "$work/site" && (cd "$work/site" && unzip -q "$work"/vllm/vllm-*.whl)
 rm -f "$work/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
 rm -rf "$work/site/vllm/third_party/deep_gemm/include" "$work/site/vllm/entrypoints/serve/instrumentator/static"
 mkdir -p "$work/bundle" && tar -czf "$work/bundle/vllm.tgz" -C "$work/site" . && cp -r "$work/whl" "$work/bundle/whl"
+# BASE=DIR: a delta over bundle DIR, for a machine that has DIR set up already (a release on the same torch stack: the
+# torch 2.13 set is 1.2 GB, 20 of 0.27.1's 26 parts); only the vLLM wheel and the wheels DIR lacks are carried
+rm -f "$out/base.md5"
+if [ -n "${BASE:-}" ]; then
+  base_parts=$(sed -n 's/^parts="\(.*\)"$/\1/p' "$BASE/setup.sh")
+  base_wheels=$(cd "$BASE" && cat $base_parts | tar -tf - | sed -n 's|^\./whl/||p')
+  for w in "$work"/bundle/whl/*.whl; do
+    if printf '%s\n' "$base_wheels" | grep -qxF "$(basename "$w")"; then rm "$w"; fi
+  done
+  echo "delta over $BASE ($(cat "$BASE/release.txt")): carries $(ls "$work"/bundle/whl | tr '\n' ' ')"
+  cp "$BASE/bundle.md5" "$out/base.md5"
+fi
 tar -cf "$work/bundle.tar" -C "$work/bundle" .
-rm -f "$out"/part*
-split -b 60000000 -d "$work/bundle.tar" "$out/part"
+# a delta's parts have their own names: the machine's /tmp/g keeps its base's parts
+prefix=part; [ -z "${BASE:-}" ] || prefix=delta
+rm -f "$out"/part* "$out"/delta*
+split -b 60000000 -d "$work/bundle.tar" "$out/$prefix"
 md5sum "$work/bundle.tar" | cut -c1-32 > "$out/bundle.md5"
 echo "$release" > "$out/release.txt"
 # setup.sh joins its own parts only: /tmp/g may still hold a larger bundle's from an earlier release on that machine
-echo "parts=\"$(cd "$out" && echo part*)\"" > "$out/setup.sh"
+echo "parts=\"$(cd "$out" && echo $prefix*)\"" > "$out/setup.sh"
 cat >> "$out/setup.sh" <<'SETUP'
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 cd /tmp/g && cat $parts > bundle.tar
 echo "$(cat "$here/bundle.md5")  bundle.tar" | md5sum -c
 rm -rf b && mkdir -p b && tar -xf bundle.tar -C b
+if [ -f "$here/base.md5" ]; then
+  # a delta (gpu_bundle.sh BASE=): its base's set-up, moved aside by gpu_setup, is linked in and vLLM replaced
+  if [ "$(cat /tmp/site.previous/.bundle-md5 2>/dev/null)" != "$(cat "$here/base.md5")" ]; then
+    echo "a delta bundle: set its base (bundle md5 $(cat "$here/base.md5")) up on this machine first"; exit 1
+  fi
+  cp -al /tmp/site.previous /tmp/site
+  rm -rf /tmp/site/vllm /tmp/site/vllm-*.dist-info /tmp/site/.bundle-md5
+  for w in b/whl/*.whl; do rm -rf /tmp/site/"$(basename "$w" | cut -d- -f1)"-*.dist-info; done
+fi
 mkdir -p /tmp/site && tar -xzf b/vllm.tgz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site b/whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site b/whl/*.whl
 echo SETUP_OK
 SETUP
 # the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
 # a GPU result ran from
 builds="$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
-printf '| %s | %d | %d | %s | %s |\n' "$release" "$(ls "$out"/part* | wc -l)" \
-  "$(( $(cat "$out"/part* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" "$(date -u +%F)" >> "$builds"
+printf '| %s | %d | %d | %s | %s |\n' "$release${BASE:+ (delta over $(cat "$BASE/bundle.md5"))}" \
+  "$(ls "$out"/$prefix* | wc -l)" "$(( $(cat "$out"/$prefix* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" \
+  "$(date -u +%F)" >> "$builds"
 ls -la "$out"

@@ -46,7 +46,9 @@ bench() {  # name timeout args...
   timeout "$limit" $PY benchmarks/throughput.py "$@" --write-dir /tmp/bench --out "$out/$name.json" \
     > "$out/$name.log" 2>&1
   say "end $name rc=$? $(grep -h 'over\|/ plain\|native files' "$out/$name.log" | tr '\n' ' ')"
-  tail -c 100000 "$out/$name.log" > "$out/$name.log.tail" && mv "$out/$name.log.tail" "$out/$name.log"
+  for f in "$out/$name.log" "$out/$name".json.*.log; do  # the run's log and each phase's (benchmarks/throughput.py)
+    [ -f "$f" ] && tail -c 100000 "$f" > "$f.tail" && mv "$f.tail" "$f"
+  done
 }
 for run in ${RUNS:-llama8b-256x1024 v2-parity llama8b-32x8192 moe-256x1024}; do
   case $run in
