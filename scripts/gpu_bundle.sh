@@ -141,25 +141,7 @@ md5sum "$work/bundle.tar" | cut -c1-32 > "$out/bundle.md5"
 echo "$release" > "$out/release.txt"
 # setup.sh joins its own parts only: /tmp/g may still hold a larger bundle's from an earlier release on that machine
 echo "parts=\"$(cd "$out" && echo $prefix*)\"" > "$out/setup.sh"
-cat >> "$out/setup.sh" <<'SETUP'
-set -e
-here=$(cd "$(dirname "$0")" && pwd)
-cd /tmp/g && cat $parts > bundle.tar
-echo "$(cat "$here/bundle.md5")  bundle.tar" | md5sum -c
-rm -rf b && mkdir -p b && tar -xf bundle.tar -C b
-if [ -f "$here/base.md5" ]; then
-  # a delta (gpu_bundle.sh BASE=): its base's set-up, moved aside by gpu_setup, is linked in and vLLM replaced
-  if [ "$(cat /tmp/site.previous/.bundle-md5 2>/dev/null)" != "$(cat "$here/base.md5")" ]; then
-    echo "a delta bundle: set its base (bundle md5 $(cat "$here/base.md5")) up on this machine first"; exit 1
-  fi
-  cp -al /tmp/site.previous /tmp/site
-  rm -rf /tmp/site/vllm /tmp/site/vllm-*.dist-info /tmp/site/.bundle-md5
-  for w in b/whl/*.whl; do rm -rf /tmp/site/"$(basename "$w" | cut -d- -f1)"-*.dist-info; done
-fi
-mkdir -p /tmp/site && tar -xzf b/vllm.tgz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site b/whl/*.whl
-echo SETUP_OK
-SETUP
+cat "$(dirname "$0")/gpu_bundle_setup.sh" >> "$out/setup.sh"
 # the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
 # a GPU result ran from
 builds="$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
