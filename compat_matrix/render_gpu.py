@@ -36,19 +36,19 @@ pins the script lists (0.21.0-0.28.0; what it built: `results/gpu/bundle-builds.
 0.23.0, 0.24.0, 0.25.1, 0.26.0, 0.27.1 and 0.28.0 ran; 0.27.1 on a carried torch 2.13 (torch, triton, cuDNN and NCCL
 over the image's: 26 parts, set-up 33 s); 0.28.0 on the same torch 2.13 set, from a delta bundle over 0.27.1's
 (`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s on the machine where 0.27.1 was set up:
-`results/gpu/h200-vllm-0.28.0.machine.txt`). 0.26.0's first bundle lacked what its worker start newly imports (mistral-common's
-tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`). From 0.26.0 vLLM refuses the tiny MLA
-models' head dims on Hopper (`results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*`): there the MLA cells run the
-v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`). MoE kernel: 0.21.0 and 0.22.1 default to
-FlashInfer's bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE
-cells ran on Triton MoE (`VLLM_USE_FLASHINFER_MOE_FP16=0`, shown in the cell); from 0.23.0 vLLM puts Triton first on
-Hopper, so by vLLM's source the 0.23-0.25 cells ran Triton MoE (each machine note); 0.27.1 and 0.28.0 no longer read
-`VLLM_USE_FLASHINFER_MOE_FP16` (the cells' `env_unread`): their MoE cells ran each release's default backend. Whether a release can be carried is
-measured against this machine's package registry (`scripts/gpu_requirements_probe.py`,
-`compat_matrix/results/gpu/carry-probe.md`, measured again in session 13 with every manylinux tag from 2_17 to 2_35: the
-session-8 probe skipped NCCL's and llguidance's tags and wrongly reported them not served). Every requirement of
-0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is not. The GPU table of docs/compatibility.md shows
-each release's status.
+`results/gpu/h200-vllm-0.28.0.machine.txt`). 0.26.0's first bundle lacked what its worker start newly imports
+(mistral-common's tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`). From 0.26.0 vLLM refuses
+the tiny MLA models' head dims on Hopper (`results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*`): there the MLA cells run
+the v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`). MoE kernel: 0.21.0 and 0.22.1 default to FlashInfer's
+bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE cells ran on
+Triton MoE (`VLLM_USE_FLASHINFER_MOE_FP16=0`, shown in the cell); from 0.23.0 vLLM puts Triton first on Hopper, so by
+vLLM's source the 0.23-0.25 cells ran Triton MoE (each machine note); from 0.24.0 vLLM no longer reads
+`VLLM_USE_FLASHINFER_MOE_FP16` (the cells' `env_unread`): the MoE cells of 0.24.0 on ran each release's default backend.
+Whether a release can be carried is measured against this machine's package registry
+(`scripts/gpu_requirements_probe.py`, `compat_matrix/results/gpu/carry-probe.md`, measured again in session 13 with
+every manylinux tag from 2_17 to 2_35: the session-8 probe skipped NCCL's and llguidance's tags and wrongly reported
+them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is not. The
+GPU table of docs/compatibility.md shows each release's status.
 """
 
 
