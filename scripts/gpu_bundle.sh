@@ -64,19 +64,33 @@ case "$release" in
   # the image's 2.28.9 lacks (ncclCommSuspend, ncclSignal, ...; nm -D of both, session 13), and loads it at import.
   # cuSPARSELt 0.8.0 and cuBLAS 13.1.0 (the image's, via cuda-toolkit 13.0.2) define every symbol torch 2.13 takes
   # from them (nm -D): they stay the image's. quack-kernels: 0.27 pins it exactly. Ran: results/gpu/h200-vllm-0.27.1*.
-  0.27.1) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
-                     nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
-                     cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.10 pyelftools tabulate \
-                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.1 $mistral_tokenizer_needs \
-                     $openai_namespace_tool" ;;
-  # 0.28.0: 0.27.1's torch 2.13 set; its own humming-kernels 0.1.12 and quack-kernels 0.6.4 pins (results/gpu/
-  # carry-probe.md). It asks huggingface_hub>=1.27.0: 1.33.0, the newest below the <2.0 of the image's transformers
-  # 5.17. nvidia-cutlass-dsl 4.6.2 is not carried (Blackwell MLA kernels, imported lazily as under 0.27.1).
-  0.28.0) overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 \
-                     nvidia_nccl_cu13==2.29.7 xgrammar==0.2.9 apache_tvm_ffi==0.1.11 flashinfer_python==0.6.16.post3 \
-                     cuda_tile nvidia_cudnn_frontend humming_kernels==0.1.12 pyelftools tabulate \
-                     compressed_tensors==0.17.0 nvtx==0.2.15 quack_kernels==0.6.4 huggingface_hub==1.33.0 \
-                     $mistral_tokenizer_needs $openai_namespace_tool" ;;
+  # 0.28.0-0.32.0 pin the same torch 2.13.0 (each wheel's metadata): one set, and each release's own pins beside it;
+  # build them as deltas over 0.27.1's bundle (BASE=) to carry only what differs.
+  0.27.1|0.28.0|0.29.0|0.30.0|0.31.0|0.32.0)
+    overrides="torch==2.13.0 torchvision==0.28.0 triton==3.7.1 nvidia_cudnn_cu13==9.20.0.48 nvidia_nccl_cu13==2.29.7 \
+               apache_tvm_ffi==0.1.11 cuda_tile nvidia_cudnn_frontend pyelftools tabulate compressed_tensors==0.17.0 \
+               nvtx==0.2.15 $mistral_tokenizer_needs $openai_namespace_tool"
+    # 0.28.0 asks huggingface_hub>=1.27.0 (0.30+: >=1.31.0): 1.33.0, the newest below the <2.0 of the image's
+    # transformers 5.17. Not carried, as under 0.27.1: nvidia-cutlass-dsl (Blackwell MLA kernels; quack needs it only
+    # when its kernels run), nccl4py (flashinfer's comm module), tokenspeed-mla (its own MLA backends), mcp (the API
+    # server). 0.29+ asks instanttensor (a load format) and 0.31+ oss-harmony (gpt-oss), carried, being small; 0.32
+    # asks tokenizers>=0.23.2: 0.23.3, which the image's transformers 5.17 takes (<0.24). 0.28.0 ran:
+    # results/gpu/h200-vllm-0.28.0*; 0.29.0-0.32.0 not yet run.
+    hub="huggingface_hub==1.33.0"
+    case "$release" in
+      0.27.1) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.16.post3 humming_kernels==0.1.10 \
+                         quack_kernels==0.6.1" ;;
+      0.28.0) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.16.post3 humming_kernels==0.1.12 \
+                         quack_kernels==0.6.4 $hub" ;;
+      0.29.0) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.18 humming_kernels==0.1.12 \
+                         quack_kernels==0.6.4 $hub instanttensor==0.2.2" ;;
+      0.30.0) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.18.post1 humming_kernels==0.1.12 \
+                         quack_kernels==0.6.5 $hub instanttensor==0.2.2" ;;
+      0.31.0) overrides="$overrides xgrammar==0.2.7 flashinfer_python==0.7.0.post1 humming_kernels==0.1.16 \
+                         quack_kernels==0.6.5 $hub instanttensor==0.2.2 oss_harmony==0.0.11" ;;
+      0.32.0) overrides="$overrides xgrammar==0.2.8 flashinfer_python==0.7.0.post1 humming_kernels==0.1.17 \
+                         quack_kernels==0.6.5 $hub instanttensor==0.2.2 oss_harmony==0.0.11 tokenizers==0.23.3" ;;
+    esac ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
