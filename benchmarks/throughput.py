@@ -97,6 +97,30 @@ def peak_memory() -> dict:
     return out
 
 
+def native_file_written(path: str) -> bool:
+    """Whether vLLM's ExampleHiddenStatesConnector has finished writing `path`. In vLLM 0.25.1-0.27.1 (its source,
+    example_hidden_states_connector.py) it writes on a thread pool: it takes an exclusive flock on PATH.lock when
+    the request is scheduled, before PATH exists, and releases it once the file is written, but never deletes the
+    .lock (only the reader-side cleanup_hidden_states does). 0.20.0's has no lock and writes the file before the
+    request's output returns. Waiting for no .lock file at all waited forever: the native phase never finished on
+    0.26.0 and 0.27.1."""
+    import fcntl
+
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int], extra: dict) -> dict:
     """vLLM's extract_hidden_states + ExampleHiddenStatesConnector, timed until every file is on disk."""
     import glob
@@ -120,11 +144,14 @@ def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[
         if not paths or None in paths:
             raise RuntimeError(f"vLLM returned no hidden_states_path for {paths.count(None)} of {len(paths)} requests")
         deadline = time.time() + args.native_timeout
+        waiting = list(paths)
         while time.time() < deadline:
-            if all(os.path.exists(p) for p in paths) and not glob.glob(os.path.join(store, "*.lock")):
+            waiting = [p for p in waiting if not native_file_written(p)]
+            if not waiting:
                 return
             time.sleep(0.002)
-        raise TimeoutError(f"native files not written within {args.native_timeout} s in {store}")
+        raise TimeoutError(f"{len(waiting)} of {len(paths)} native files not written within {args.native_timeout} s "
+                           f"in {store} ({len(glob.glob(os.path.join(store, '*.lock')))} .lock files there)")
 
     def paths_of(outputs) -> list[str]:
         return [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]

@@ -1,0 +1,30 @@
+"""benchmarks/throughput.py's native phase waits for each of vLLM's hidden-states files by the connector's own lock:
+a file is written once it exists and its PATH.lock (vLLM 0.25.1+) is not held; the .lock itself stays behind."""
+import fcntl
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
+throughput = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(throughput)
+
+
+def test_a_file_counts_as_written_only_once_the_connector_releases_its_lock(tmp_path):
+    path = str(tmp_path / "req-0.safetensors")
+    lock = os.open(path + ".lock", os.O_CREAT | os.O_RDWR)  # as the connector does when it schedules the request
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    assert not throughput.native_file_written(path)  # neither written nor released
+    with open(path, "wb") as f:
+        f.write(b"partial")
+    assert not throughput.native_file_written(path)  # being written: the lock is still held
+    os.close(lock)  # the write is done: the lock is released, its file stays (vLLM never deletes it)
+    assert os.path.exists(path + ".lock")
+    assert throughput.native_file_written(path)
+
+
+def test_without_a_lock_file_the_file_existing_is_enough(tmp_path):
+    path = str(tmp_path / "req-1.safetensors")  # vLLM < 0.25.1: written before the request's output returns
+    assert not throughput.native_file_written(path)
+    open(path, "wb").close()
+    assert throughput.native_file_written(path)
