@@ -149,6 +149,7 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
     if os.path.exists(probe_path):
         with open(probe_path) as f:
             probes = {p["release"]: p for p in map(json.loads, filter(str.strip, f))}
+    builds = bundle_builds(os.path.join(directory, "bundle-builds.md"))
     cols = sorted({c for r in cells.values() for c in r}, key=lambda c: (c.split("/")[0] != "generator", c))
     lines = ["", "## GPU (NVIDIA H200, CUDA vLLM)", "",
              "From `compat_matrix/results/gpu/` (runs of `scripts/gpu_parity.sh` on the lent H200; every run's "
@@ -176,10 +177,29 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
             else:
                 status = (f"not run yet: every requirement served ({p['carry_mb']} MB to carry, {p['carry_calls']} "
                           f"calls; {p['torch']})")
+            if release in builds:  # what carrying it costs with the bundle actually built (a delta is far smaller)
+                status += f"; bundle built: {builds[release]} (`results/gpu/bundle-builds.md`)"
             if tries:  # carried and started, but no cell gave a result: each attempt's note says why
                 status += f"; carried to the H200 {len(tries)}x, no cell result yet (why: `results/gpu/attempts/`)"
         lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
     return lines
+
+
+def bundle_builds(path: str) -> dict[str, str]:
+    """Each release's latest bundle from scripts/gpu_bundle.sh's build record: its parts and size, and for a delta
+    (BASE=) the release it needs set up first."""
+    if not os.path.exists(path):
+        return {}
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in open(path)
+            if line.startswith("| 0.")]
+    release_of_md5 = {r[3]: r[0] for r in rows}
+    out = {}
+    for name, parts, mb, _md5, _date in rows:
+        release, _, base = name.partition(" (delta over ")
+        base = base.rstrip(")")
+        out[release] = f"{parts} parts, {mb} MB" + (
+            f", a delta over {release_of_md5.get(base, base)}'s bundle" if base else "")
+    return out
 
 
 def _gpu_cell(runs: list[dict] | None) -> str:

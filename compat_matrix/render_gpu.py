@@ -32,7 +32,7 @@ deepest layer's median per-token error: the engine's, then HF's own.
 
 CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel needs what vLLM 0.20.0's needs (the pins
 measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata), or one whose own
-pins the script lists (0.21.0-0.28.0; what it built: `results/gpu/bundle-builds.md`). 0.20.0, 0.20.2, 0.21.0, 0.22.1,
+pins the script lists (0.21.0-0.32.0; what it built: `results/gpu/bundle-builds.md`). 0.20.0, 0.20.2, 0.21.0, 0.22.1,
 0.23.0, 0.24.0, 0.25.1, 0.26.0, 0.27.1 and 0.28.0 ran; 0.27.1 on a carried torch 2.13 (torch, triton, cuDNN and NCCL
 over the image's: 26 parts, set-up 33 s); 0.28.0 on the same torch 2.13 set, from a delta bundle over 0.27.1's
 (`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s on the machine where 0.27.1 was set up:

@@ -19,8 +19,10 @@ trap 'rm -rf "$work"' EXIT
 plat="--only-binary=:all: --python-version 3.12 --implementation cp $(for m in $(seq 35 -1 17); do
   echo --platform manylinux_2_${m}_x86_64; done) --platform manylinux2014_x86_64"
 # the requirements of the release the pins below were measured with, and the release asked for
-pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/ref.json" vllm==0.20.0
-pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/want.json" "vllm==$release"
+for want in ref:0.20.0 want:$release; do
+  pip install -q --dry-run --ignore-installed --no-deps --target "$work/x" $plat --report "$work/${want%%:*}.json" \
+    "vllm==${want#*:}"
+done
 # Per-release pins over 0.20.0's, from what the release's wheel adds (compat_matrix/results/gpu/carry-probe.md):
 # a release listed here is built with them; its other added requirements are imported lazily by vLLM (the API
 # server, Blackwell-only MLA kernels), as 0.20.0's own unpinned ones were (nvidia-cutlass-dsl,

@@ -41,9 +41,17 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
                "carry_calls": 5},
               {"release": "0.27.1", "wheel_served": True, "torch": "torch==2.13.0",
                "not_served": ["nvidia-nccl-cu13==2.29.7"], "carry_mb": 1812, "carry_calls": 32}]
+    probes.append({"release": "0.28.0", "wheel_served": True, "torch": "torch==2.13.0", "not_served": [],
+                   "carry_mb": 2024, "carry_calls": 36})
     (tmp_path / "carry-probe.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
+    (tmp_path / "bundle-builds.md").write_text("| vLLM | parts | MB | bundle md5 | built |\n|---|---|---|---|---|\n"
+                                               "| 0.27.1 | 26 | 1544 | " + "a" * 32 + " | 2026-12-03 |\n"
+                                               "| 0.28.0 (delta over " + "a" * 32 + ") | 3 | 178 | " + "b" * 32 +
+                                               " | 2026-12-04 |\n")
     rows = {line.split(" | ")[0][2:]: line for line in render.gpu_table(str(tmp_path)) if line.startswith("| 0.")}
-    assert list(rows) == ["0.20.0", "0.21.0", "0.27.1"]
+    assert list(rows) == ["0.20.0", "0.21.0", "0.27.1", "0.28.0"]
+    assert "bundle built: 3 parts, 178 MB, a delta over 0.27.1's bundle" in rows["0.28.0"]
+    assert "bundle built: 26 parts, 1544 MB (" in rows["0.27.1"]
     assert "| ran | pass (rel 3e-02) | FAIL |" in rows["0.20.0"]
     assert "not run yet: every requirement served (257 MB" in rows["0.21.0"]
     assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
