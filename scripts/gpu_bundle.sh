@@ -5,10 +5,13 @@
 # gpu-vllm-recipe.md). A release whose wheel asks for other requirements than 0.20.0's is refused, naming each
 # difference (measured from the wheel's own metadata): its pins must be measured before it can be carried.
 # usage: [BASE=DIR] bash scripts/gpu_bundle.sh RELEASE OUTDIR      (OUTDIR ignored by git, e.g. .gpu)
+# BASE=DIR builds a delta over bundle DIR (a release on the same torch): only what DIR lacks, set up on a machine where
+# DIR's bundle was set up before (scripts/gpu_setup.sh keeps each set-up; the delta's parts are named delta*).
 # Then, one call each, within 30 s of the previous call's end (the machine goes back when idle):
 #   run carry [OUTDIR/part00]: mkdir -p /tmp/g && cp OUTDIR/part00 /tmp/g/   ... the same for each part ...
-#   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/extra: CELLS=... bash scripts/gpu_parity.sh
-#   (gpu_parity.sh runs setup.sh once per machine; .gpu/extra holds wrapt and speculators 0.3.0's wheels)
+#   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/release.txt, OUTDIR/extra:
+#   BUNDLE=OUTDIR CELLS=... bash scripts/gpu_parity.sh
+#   (gpu_parity.sh runs setup.sh once per machine; OUTDIR/extra holds wrapt and speculators 0.3.0's wheels)
 set -euo pipefail
 release=${1:?usage: gpu_bundle.sh RELEASE OUTDIR}
 out=${2:?usage: gpu_bundle.sh RELEASE OUTDIR}
@@ -138,25 +141,26 @@ rm -rf "$work/site/vllm/third_party/deep_gemm/include" "$work/site/vllm/entrypoi
 mkdir -p "$work/bundle" && tar -czf "$work/bundle/vllm.tgz" -C "$work/site" . && cp -r "$work/whl" "$work/bundle/whl"
 # BASE=DIR: a delta over bundle DIR, for a machine that has DIR set up already (a release on the same torch stack: the
 # torch 2.13 set is 1.2 GB, 20 of 0.27.1's 26 parts); only the vLLM wheel and the wheels DIR lacks are carried
-rm -f "$out/base.md5"
 if [ -n "${BASE:-}" ]; then
+  [ "$(cd "$BASE" && pwd)" != "$out" ] || { echo "BASE and OUTDIR are the same folder: $out"; exit 2; }
   base_parts=$(sed -n 's/^parts="\(.*\)"$/\1/p' "$BASE/setup.sh")
   base_wheels=$(cd "$BASE" && cat $base_parts | tar -tf - | sed -n 's|^\./whl/||p')
   for w in "$work"/bundle/whl/*.whl; do
     if printf '%s\n' "$base_wheels" | grep -qxF "$(basename "$w")"; then rm "$w"; fi
   done
   echo "delta over $BASE ($(cat "$BASE/release.txt")): carries $(ls "$work"/bundle/whl | tr '\n' ' ')"
-  cp "$BASE/bundle.md5" "$out/base.md5"
 fi
 tar -cf "$work/bundle.tar" -C "$work/bundle" .
-# a delta's parts have their own names: the machine's /tmp/g keeps its base's parts
-prefix=part; [ -z "${BASE:-}" ] || prefix=delta
+# a delta's parts are named by release: the machine's /tmp/g keeps its base's parts, and another delta's
+prefix=part; [ -z "${BASE:-}" ] || prefix=delta-$release-
 rm -f "$out"/part* "$out"/delta*
 split -b 60000000 -d "$work/bundle.tar" "$out/$prefix"
 md5sum "$work/bundle.tar" | cut -c1-32 > "$out/bundle.md5"
 echo "$release" > "$out/release.txt"
 # setup.sh joins its own parts only: /tmp/g may still hold a larger bundle's from an earlier release on that machine
 echo "parts=\"$(cd "$out" && echo $prefix*)\"" > "$out/setup.sh"
+# a delta names its base in setup.sh itself: a delta set up as a full bundle would run vLLM on the image's torch
+[ -z "${BASE:-}" ] || echo "base=\"$(cat "$BASE/bundle.md5")\"" >> "$out/setup.sh"
 cat "$(dirname "$0")/gpu_bundle_setup.sh" >> "$out/setup.sh"
 # the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
 # a GPU result ran from

@@ -4,41 +4,50 @@
 # installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
 # Needs: $out (a folder for setup.log). Exports PYTHONPATH=/tmp/site:$PWD/src.
 gpu_setup() {
-  # one machine may run several bundles in turn, each known by its md5 (bundle.md5 is carried with setup.sh): the
-  # set-up one is kept aside until another bundle is set up in its place, and comes back if that fails
-  local bundle_md5
+  # one machine may run several bundles in turn, each known by its md5 (bundle.md5 is carried with setup.sh). The
+  # set-up one is $site; switching keeps it whole under $sites/MD5 (a delta's set-up links its base from there, and
+  # coming back to a kept one is a move, not a set-up). A set-up that never finished has no .bundle-md5: removed.
+  local bundle_md5 site=${GPU_SITE:-/tmp/site} sites=${GPU_SITES:-/tmp/sites} current
   bundle_md5=$(cat "${BUNDLE:-.gpu}/bundle.md5" 2>/dev/null)
   if [ -z "$bundle_md5" ]; then
     echo "no ${BUNDLE:-.gpu}/bundle.md5: carry it with setup.sh (scripts/gpu_bundle.sh)"; return 1
   fi
-  if [ -f /tmp/site/vllm/__init__.py ] && [ "$(cat /tmp/site/.bundle-md5 2>/dev/null)" != "$bundle_md5" ]; then
-    rm -rf /tmp/site.previous && mv /tmp/site /tmp/site.previous && rm -rf /tmp/g/b /tmp/g/bundle.tar
+  current=$(cat "$site/.bundle-md5" 2>/dev/null)
+  if [ -d "$site" ] && [ "$current" != "$bundle_md5" ]; then
+    if [ -n "$current" ]; then
+      mkdir -p "$sites" && rm -rf "${sites:?}/$current" && mv "$site" "$sites/$current"
+    else
+      rm -rf "$site"
+    fi
   fi
-  if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  if [ ! -d "$site" ] && [ -f "$sites/$bundle_md5/.bundle-md5" ]; then
+    mv "$sites/$bundle_md5" "$site"
+    echo "set-up kept from an earlier call on this machine" >> "$out/setup.log"
+  fi
+  if [ ! -f "$site/.bundle-md5" ]; then
     local setup_start=$(date +%s)
-    if ! bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1; then
+    if ! GPU_SITE=$site GPU_SITES=$sites bash "${BUNDLE:-.gpu}/setup.sh" > "$out/setup.log" 2>&1; then
       tail -20 "$out/setup.log"
-      rm -rf /tmp/site && { [ ! -d /tmp/site.previous ] || mv /tmp/site.previous /tmp/site; }
+      rm -rf "$site"
       return 1
     fi
-    rm -rf /tmp/site.previous
     if ls "${BUNDLE:-.gpu}"/extra/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site "${BUNDLE:-.gpu}"/extra/*.whl \
+      python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "${BUNDLE:-.gpu}"/extra/*.whl \
         >> "$out/setup.log" 2>&1
     fi
     # bytecode, as pip writes it when it installs vLLM: the bundle is unpacked without it, and the first import
     # after set-up compiled every module (most of the 78 s the first preflight took on a fresh machine)
     local compile_start=$(date +%s)
-    python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true
+    python3 -m compileall -q -j 0 "$site" > /dev/null 2>&1 || true
     echo "compileall $(( $(date +%s) - compile_start )) s" >> "$out/setup.log"
-    echo "$bundle_md5" > /tmp/site/.bundle-md5
+    echo "$bundle_md5" > "$site/.bundle-md5"
     echo "set-up $(( $(date +%s) - setup_start )) s (join, check, unpack, install, compile)" >> "$out/setup.log"
   fi
-  local d=/tmp/site/eagle_compat-0.1.0.dist-info
-  mkdir -p $d
-  printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > $d/METADATA
-  printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > $d/entry_points.txt
-  export PYTHONPATH=/tmp/site:$PWD/src
+  local d=$site/eagle_compat-0.1.0.dist-info
+  rm -rf "$d" && mkdir -p "$d"  # new files: a delta's set-up shares its base's by hard link
+  printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > "$d/METADATA"
+  printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > "$d/entry_points.txt"
+  export PYTHONPATH=$site:$PWD/src
 }
 
 # Kills what still holds the GPU before the next engine starts: a step cut off by `timeout` kills its python, but
