@@ -190,8 +190,8 @@ def bundle_builds(path: str) -> dict[str, str]:
     (BASE=) the release it needs set up first."""
     if not os.path.exists(path):
         return {}
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in open(path)
-            if line.startswith("| 0.")]
+    with open(path) as f:
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in f if line.startswith("| 0.")]
     release_of_md5 = {r[3]: r[0] for r in rows}
     out = {}
     for name, parts, mb, _md5, _date in rows:

@@ -2,7 +2,7 @@
 # (shared/notes/gpu-vllm-recipe.md; built by scripts/gpu_bundle.sh RELEASE .gpu), installs .gpu/extra/*.whl (the
 # wheels the image lacks: wrapt for eagle_compat; speculators 0.3.0 and what it imports), and makes eagle_compat an
 # installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
-# Needs: $out (a folder for setup.log). Exports PYTHONPATH=/tmp/site:$PWD/src.
+# Needs: $out (a folder for setup.log). Exports PYTHONPATH=$GPU_SITE:$PWD/src (GPU_SITE: /tmp/site; tests move it).
 gpu_setup() {
   # one machine may run several bundles in turn, each known by its md5 (bundle.md5 is carried with setup.sh). The
   # set-up one is $site; switching keeps it whole under $sites/MD5 (a delta's set-up links its base from there, and
