@@ -8,7 +8,8 @@
   native     vLLM's own `extract_hidden_states` speculative method + `ExampleHiddenStatesConnector` (one safetensors
              file per request), same layers (vLLM's id k is the input of layer k: speculators' id i -> vLLM i+1);
              a few of its files are compared with `written`'s at bf16 tolerance. Skipped, with the reason, where this
-             vLLM cannot run it.
+             vLLM cannot run it. vLLM does not fsync its files: `native_fsynced_over_plain` adds the time to fsync
+             them after the phase (`fsync_after_seconds`), native at the durability of `written`.
 
 Each phase runs in its own process (one engine at a time). Results: JSON with tokens/s per phase, the ratios, and
 each phase's peak memory (driver and engine processes, VmHWM; shared-memory pages count in both).
@@ -121,6 +122,19 @@ def native_file_written(path: str) -> bool:
         os.close(fd)
 
 
+def fsync_all(paths: list[str]) -> float:
+    """Seconds to fsync every file: vLLM's connector leaves its files in the page cache, ours fsyncs each one before
+    it counts (extract/writer.py), so `native` + this is native timed to the same durability as `written`."""
+    t0 = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int], extra: dict) -> dict:
     """vLLM's extract_hidden_states + ExampleHiddenStatesConnector, timed until every file is on disk."""
     import glob
@@ -168,7 +182,7 @@ def native_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[
     wait_for(paths)
     seconds = time.perf_counter() - t0
     result = {"seconds": seconds, "tokens": sum(map(len, batch)), "files": len(paths), "dir": store,
-              "vllm_layer_ids": vllm_ids}
+              "vllm_layer_ids": vllm_ids, "fsync_after_seconds": fsync_all(paths)}
     if args.compare_dir:
         try:
             result["compared_with_written"] = compare_native(paths, batch, args.compare_dir)
@@ -381,6 +395,11 @@ def main() -> int:
             if tps:
                 results[f"{name}_over_plain"] = tps / plain
                 print(f"{name} / plain = {tps / plain:.3f}")
+        native = results["phases"].get("native", {})
+        if "fsync_after_seconds" in native:  # the same durability as `written`: the files fsynced after the phase
+            durable = native["tokens"] / (native["seconds"] + native["fsync_after_seconds"]) / plain
+            results["native_fsynced_over_plain"] = durable
+            print(f"native fsynced / plain = {durable:.3f}")
     cmp = results["phases"].get("native", {}).get("compared_with_written")
     if cmp and "error" in cmp:
         print(f"native files vs ours: not compared ({cmp['error']})")

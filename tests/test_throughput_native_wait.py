@@ -28,3 +28,16 @@ def test_without_a_lock_file_the_file_existing_is_enough(tmp_path):
     assert not throughput.native_file_written(path)
     open(path, "wb").close()
     assert throughput.native_file_written(path)
+
+
+def test_native_is_also_timed_to_written_durability(tmp_path, monkeypatch):
+    """vLLM's connector never fsyncs; `written` fsyncs each file: fsync_all puts every native file on disk."""
+    paths = [str(tmp_path / f"req-{k}.safetensors") for k in range(3)]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    assert throughput.fsync_all(paths) >= 0
+    assert sorted(synced) == sorted(paths)
