@@ -80,7 +80,7 @@ case "$release" in
     # when its kernels run), nccl4py (flashinfer's comm module), tokenspeed-mla (its own MLA backends), mcp (the API
     # server). 0.29+ asks instanttensor (a load format) and 0.31+ oss-harmony (gpt-oss), carried, being small; 0.32
     # asks tokenizers>=0.23.2: 0.23.3, which the image's transformers 5.17 takes (<0.24). 0.28.0 ran:
-    # results/gpu/h200-vllm-0.28.0*; 0.29.0-0.32.0 not yet run.
+    # results/gpu/h200-vllm-0.28.0* and 0.29.0-0.32.0 (session 18).
     hub="huggingface_hub==1.33.0"
     case "$release" in
       0.27.1) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.16.post3 humming_kernels==0.1.10 \
@@ -96,6 +96,18 @@ case "$release" in
       0.32.0) overrides="$overrides xgrammar==0.2.8 flashinfer_python==0.7.0.post1 humming_kernels==0.1.17 \
                          quack_kernels==0.6.5 $hub instanttensor==0.2.2 oss_harmony==0.0.11 tokenizers==0.23.3" ;;
     esac ;;
+  # 0.33.0 pins torch 2.14.0 (its wheel's metadata; carry-probe.md): a new torch set, with the pins torch 2.14 asks
+  # (cuDNN 9.24, NCCL 2.30.7, Triton 3.8, cuSPARSELt 0.8.1, carried rather than checked against the image's 0.8.0)
+  # and 0.33.0's own (flashinfer 0.7.2.post1, humming 0.1.19, xgrammar 0.2.8; its protobuf==7.36.1 is for s390x
+  # only, so the image's protobuf stays). torch 2.14 asks cuBLAS 13.1.1.3 (cuda-toolkit 13.0.3): the image's 13.1.0.3
+  # defines every cublas* symbol libtorch_cuda.so (71) and libtorch_cuda_linalg.so (135) take (nm -D, session 18), so
+  # it stays the image's. Built (35 parts, 2,073 MB: bundle-builds.md), not yet run.
+  0.33.0)
+    overrides="torch==2.14.0 torchvision==0.29.0 triton==3.8.0 nvidia_cudnn_cu13==9.24.0.43 nvidia_nccl_cu13==2.30.7 \
+               nvidia_cusparselt_cu13==0.8.1 apache_tvm_ffi==0.1.11 cuda_tile nvidia_cudnn_frontend pyelftools \
+               tabulate compressed_tensors==0.17.0 nvtx==0.2.15 $mistral_tokenizer_needs $openai_namespace_tool \
+               xgrammar==0.2.8 flashinfer_python==0.7.2.post1 humming_kernels==0.1.19 quack_kernels==0.6.5 \
+               huggingface_hub==1.33.0 instanttensor==0.2.2 oss_harmony==0.0.11 tokenizers==0.23.3" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
