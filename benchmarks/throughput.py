@@ -125,13 +125,11 @@ def native_file_written(path: str) -> bool:
 def fsync_all(paths: list[str]) -> float:
     """Seconds to fsync every file: vLLM's connector leaves its files in the page cache, ours fsyncs each one before
     it counts (extract/writer.py), so `native` + this is native timed to the same durability as `written`."""
+    from eagle_compat.extract.writer import fsync_file
+
     t0 = time.perf_counter()
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
     return time.perf_counter() - t0
 
 

@@ -78,6 +78,15 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     atomic_write_file(path, write)
 
 
+def fsync_file(path: str) -> None:
+    """The file's data on disk, not only in the page cache (a machine crash keeps it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_file(path: str, write: Any) -> None:
     """`write(tmp_path)` makes the file under a temporary name; then fsync and rename: a reader sees the whole file
     or none. Nothing is left behind on failure (disk full, Ctrl-C), not even under the temporary name."""
@@ -87,11 +96,7 @@ def atomic_write_file(path: str, write: Any) -> None:
             write(tmp)
         except RuntimeError as exc:  # torch.save's C++ stream reports a failed write as a RuntimeError
             raise _write_error(exc, tmp) from exc
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:  # disk full, Ctrl-C: leave no partial file behind, not even under the temporary name
         try:
