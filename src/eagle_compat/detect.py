@@ -264,14 +264,44 @@ def _feature_explicit_block_size_is_final() -> bool:
     return "user_specified_block_size" in (fields or {})
 
 
+# 0.33 moved the KV-cache planning helpers speculators imports (and the stable generator calls) out of kv_cache_utils
+KV_UTILS_MODULE = "vllm.v1.core.kv_cache_utils"
+KV_PLANNING_MODULE = "vllm.v1.core.kv_cache_planning"
+
+
+def kv_planning_module_name() -> str:
+    """Where this vLLM defines get_kv_cache_config_from_groups and its siblings. Read from the source, not by import:
+    kv_cache_planning imports kv_cache_utils, and the unit that serves the moved names runs as kv_cache_utils ends
+    its import, possibly inside kv_cache_planning's (a half-made module would answer "not moved")."""
+    return KV_PLANNING_MODULE if _defines(KV_PLANNING_MODULE, "get_kv_cache_config_from_groups") else KV_UTILS_MODULE
+
+
+def kv_planning_module() -> Any:
+    return importlib.import_module(kv_planning_module_name())
+
+
+def _defines(module: str, function: str) -> bool:
+    return f"def {function}(" in (module_source(module) or "")
+
+
+def _feature_kv_helpers_moved_to_planning() -> bool:
+    return (kv_planning_module_name() == KV_PLANNING_MODULE
+            and not _defines(KV_UTILS_MODULE, "get_kv_cache_config_from_groups"))
+
+
 def _feature_kv_helper_takes_kv_cache_specs() -> bool:
-    from vllm.v1.core import kv_cache_utils
-    return has_parameter(kv_cache_utils.get_kv_cache_config_from_groups, "kv_cache_specs")
+    return has_parameter(kv_planning_module().get_kv_cache_config_from_groups, "kv_cache_specs")
 
 
 def _feature_kv_layout_must_be_resolved() -> bool:
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
     return hasattr(MultiprocExecutor, "get_supported_kv_cache_layouts")
+
+
+def _feature_kv_layout_takes_cp_interleave() -> bool:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    return has_parameter(MultiprocExecutor.set_kv_cache_layout, "cp_kv_cache_interleave_size") if hasattr(
+        MultiprocExecutor, "set_kv_cache_layout") else False
 
 
 def _feature_kv_block_size_resolver() -> bool:
@@ -333,7 +363,7 @@ def _feature_sliding_window_block_size_not_unified() -> bool:
     # sliding-window and full layers of different block sizes cannot be made one group. 0.27 promotes them with the
     # full layers' block size (_promote_local_kv_cache_specs / full_attention_block_size).
     attention = module_source("vllm.model_executor.layers.attention.attention") or ""
-    unify = module_source("vllm.v1.core.kv_cache_utils") or ""
+    unify = module_source(kv_planning_module_name()) or ""
     return "_largest_kernel_block_within" in attention and not (
         "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
@@ -420,6 +450,11 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
         _feature_kv_helper_takes_kv_cache_specs, "get_kv_cache_config_from_groups takes kv_cache_specs (<=0.11.x)"),
     "kv_layout_must_be_resolved": (
         _feature_kv_layout_must_be_resolved, "KV-cache layout must be resolved first (0.29+)"),
+    "kv_layout_takes_cp_interleave": (
+        _feature_kv_layout_takes_cp_interleave, "set_kv_cache_layout also takes the CP interleave size (0.33+)"),
+    "kv_helpers_moved_to_planning": (
+        _feature_kv_helpers_moved_to_planning, "the KV-cache planning helpers live in kv_cache_planning, not "
+                                               "kv_cache_utils (0.33+)"),
     "kv_block_size_resolver": (_feature_kv_block_size_resolver, "resolve_kv_cache_block_sizes exists (0.20+)"),
     "kv_cache_hit_alignment": (_feature_kv_cache_hit_alignment, "resolve_cache_hit_alignment_tokens exists (0.32+)"),
     "scheduler_requires_block_size": (_feature_scheduler_requires_block_size, "Scheduler needs block_size (0.11.1+)"),

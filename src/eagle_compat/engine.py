@@ -248,7 +248,15 @@ def publish_kv_cache_layout(vllm_config: Any, executor: Any, kv_cache_specs: lis
 
     layout = resolve_kv_cache_layout(vllm_config, executor.get_supported_kv_cache_layouts(),
                                      [s for specs in kv_cache_specs for s in specs.values()])
-    executor.set_kv_cache_layout(layout.name)
+    if not detect.feature("kv_layout_takes_cp_interleave"):
+        executor.set_kv_cache_layout(layout.name)
+        return
+    # 0.33+: the workers take the CP interleave size with the layout, after EngineCore settles it from the model's
+    # KV groups (it changes only for a KV-transfer instance: adjust_dcp_kv_cache_interleave_size returns early else)
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        groups = detect.kv_planning_module().get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+        vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+    executor.set_kv_cache_layout(layout.name, vllm_config.parallel_config.cp_kv_cache_interleave_size)
 
 
 def register_kv_cache_specs(vllm_config: Any) -> None:
@@ -316,7 +324,7 @@ def unify_kv_cache_specs(kv_cache_spec: dict[str, Any], unify: Callable[[dict[st
 
 def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int) -> Any:
     """speculators' semantics: unify the specs, one uniform group, a given KV budget."""
-    from vllm.v1.core import kv_cache_utils as kcu
+    kcu = detect.kv_planning_module()  # kv_cache_utils before 0.33
 
     register_kv_cache_specs(vllm_config)
     specs = rpc_all(executor, "get_kv_cache_spec")

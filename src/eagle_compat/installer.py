@@ -11,7 +11,7 @@ import wrapt
 from . import detect, startup
 from .environment import require_cpu_platform_ready
 from .errors import IncompatibleEnvironment, InvalidInput
-from .patches import REGISTRY, Patcher, PatchUnit
+from .patches import REGISTRY, Patcher, PatchUnit, kv_planning_helpers_moved
 # The run's variable: spawned vLLM workers inherit it; the `vllm.general_plugins` entry point re-applies install()
 # there (startup.py scopes it to the run's processes).
 from .startup import INSTALLED_ENV  # noqa: F401
@@ -23,7 +23,8 @@ SUPPORTED_SPECULATORS = ">=0.3.0,<0.4"
 # DD_TRACE_<X>_ENABLED and OpenTelemetry's OTEL_PYTHON_DISABLED_INSTRUMENTATIONS: for someone debugging a release.
 DISABLE_ENV = "EAGLE_COMPAT_DISABLE"
 
-# every vLLM name speculators 0.3.0's generator and worker extension import (present in 0.11.0-0.32.0)
+# every vLLM name speculators 0.3.0's generator and worker extension import (present in 0.11.0-0.32.0; 0.33 moved the
+# kv_cache_utils ones: patches/kv_planning_helpers_moved.py)
 SPECULATORS_VLLM_IMPORTS = (
     ("vllm.config", ("CacheConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig",
                      "SchedulerConfig", "VllmConfig")),
@@ -116,7 +117,8 @@ def check_environment() -> None:
         except Exception as exc:  # noqa: BLE001
             missing.append(f"{module_name} ({type(exc).__name__}: {exc})")
             continue
-        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+        missing += [f"{module_name}.{n}" for n in names
+                    if not hasattr(module, n) and not kv_planning_helpers_moved.serves(module_name, n)]
     if missing:
         raise IncompatibleEnvironment(
             f"speculators 0.3.0 needs vLLM APIs that this installation lacks ({v.describe()}): "

