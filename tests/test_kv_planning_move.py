@@ -117,3 +117,43 @@ def test_speculators_imports_the_moved_helpers_and_nothing_else_sees_them():
 def test_speculators_and_ours_match_hf_where_the_helpers_moved():
     worst = _run(ENGINE_SCRIPT, TESTS, timeout=900)
     assert set(worst) == {"speculators", "eagle_compat"}, worst
+
+
+@pytest.mark.parametrize("kv_transfer", [False, True], ids=["plain", "kv-transfer"])
+def test_the_layout_reaches_the_workers_with_the_interleave_size_where_vllm_takes_it(monkeypatch, kv_transfer):
+    """0.33's `set_kv_cache_layout(layout, cp_kv_cache_interleave_size)`, sent as EngineCore sends it: the size is
+    settled from the global KV groups first where a KV-transfer config can change it (the real call ran on the H200:
+    h200-vllm-0.33.0.jsonl)."""
+    from types import SimpleNamespace
+
+    import vllm.v1.attention.backends.utils as backend_utils
+
+    from eagle_compat import detect, engine
+
+    calls = []
+    features = {"kv_layout_must_be_resolved": True, "kv_layout_takes_cp_interleave": True}
+    monkeypatch.setattr(detect, "feature", lambda name: features[name])
+    monkeypatch.setattr(backend_utils, "resolve_kv_cache_layout",
+                        lambda config, supported, specs: SimpleNamespace(name=supported[0]), raising=False)
+    planning = SimpleNamespace(get_global_kv_cache_groups=lambda config, specs: calls.append(("groups", specs)) or ["g"])
+    monkeypatch.setattr(detect, "kv_planning_module", lambda: planning)
+    parallel = SimpleNamespace(cp_kv_cache_interleave_size=1)
+
+    def adjust(groups):
+        calls.append(("adjust", groups))
+        parallel.cp_kv_cache_interleave_size = 4
+
+    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None), parallel_config=parallel,
+                             kv_transfer_config=object() if kv_transfer else None,
+                             adjust_dcp_kv_cache_interleave_size=adjust)
+
+    class Executor:
+        def get_supported_kv_cache_layouts(self):
+            return ["HND", "NHD"]
+
+        def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size):
+            calls.append(("set", layout_name, cp_kv_cache_interleave_size))
+
+    engine.publish_kv_cache_layout(config, Executor(), [{"layer.0": "spec"}])
+    assert calls == ([("groups", [{"layer.0": "spec"}]), ("adjust", ["g"]), ("set", "HND", 4)] if kv_transfer
+                     else [("set", "HND", 1)])
