@@ -135,7 +135,8 @@ def test_the_layout_reaches_the_workers_with_the_interleave_size_where_vllm_take
     monkeypatch.setattr(detect, "feature", lambda name: features[name])
     monkeypatch.setattr(backend_utils, "resolve_kv_cache_layout",
                         lambda config, supported, specs: SimpleNamespace(name=supported[0]), raising=False)
-    planning = SimpleNamespace(get_global_kv_cache_groups=lambda config, specs: calls.append(("groups", specs)) or ["g"])
+    planning = SimpleNamespace(
+        get_global_kv_cache_groups=lambda config, specs: calls.append(("groups", specs)) or ["g"])
     monkeypatch.setattr(detect, "kv_planning_module", lambda: planning)
     parallel = SimpleNamespace(cp_kv_cache_interleave_size=1)
 

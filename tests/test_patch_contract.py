@@ -794,3 +794,25 @@ def test_the_transformers_units_decide_by_what_transformers_does_not_by_its_vers
         importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert detect._feature_transformers_lacks_attn_mask_utils()
+
+
+def test_speculators_cache_config_asks_for_a_whole_kv_cache_where_vllm_would_extend_it_later(monkeypatch):
+    """vLLM 0.34 backs the CUDA KV cache only when EngineCore extends it after warm-up, which speculators' engine
+    never does (patches/extensible_kv_cache_off.py, read from 0.34.0's source: no 0.34 ran here). The rewrite reaches
+    speculators' CacheConfig call, and ours, only where the option exists."""
+    import types
+
+    from eagle_compat import engine
+    from eagle_compat.patches import extensible_kv_cache_off
+
+    monkeypatch.setattr(detect, "feature", lambda name: name == "extensible_kv_cache_by_default")
+    seen = {}
+    owner = types.ModuleType("stand_in_for_speculators")
+    owner.CacheConfig = lambda **kw: seen.update(kw)
+    patcher = Patcher(extensible_kv_cache_off.UNIT.name)
+    extensible_kv_cache_off.UNIT.apply(patcher, owner)
+    owner.CacheConfig(block_size=16, gpu_memory_utilization=0.2)
+    assert seen == {"block_size": 16, "gpu_memory_utilization": 0.2, "enable_extensible_kv_cache": False}
+    assert patcher.revert() == []
+    monkeypatch.setattr(detect, "feature", lambda name: False)
+    assert engine.without_extensible_kv_cache({"block_size": 16}) == {"block_size": 16}

@@ -248,6 +248,12 @@ def _feature_prefix_caching_on_by_default() -> bool:
     return _param_default(CacheConfig, "enable_prefix_caching") is True
 
 
+def _feature_extensible_kv_cache_by_default() -> bool:
+    # 0.34: CacheConfig.enable_extensible_kv_cache, None = on wherever CUDA or ROCm supports it
+    from vllm.config import CacheConfig
+    return has_parameter(CacheConfig, "enable_extensible_kv_cache")
+
+
 def _feature_async_scheduling_not_off_by_default() -> bool:
     p = parameters(_sched_config()).get("async_scheduling")
     return p is not None and p.default is not False
@@ -450,6 +456,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
         _feature_kv_helper_takes_kv_cache_specs, "get_kv_cache_config_from_groups takes kv_cache_specs (<=0.11.x)"),
     "kv_layout_must_be_resolved": (
         _feature_kv_layout_must_be_resolved, "KV-cache layout must be resolved first (0.29+)"),
+    "extensible_kv_cache_by_default": (
+        _feature_extensible_kv_cache_by_default, "the KV cache is reserved as virtual memory and backed only when "
+                                                 "EngineCore extends it after warm-up, unless turned off (0.34+)"),
     "kv_layout_takes_cp_interleave": (
         _feature_kv_layout_takes_cp_interleave, "set_kv_cache_layout also takes the CP interleave size (0.33+)"),
     "kv_helpers_moved_to_planning": (

@@ -70,6 +70,13 @@ def without_prefix_caching(kw: dict[str, Any]) -> dict[str, Any]:
         CacheConfig, "enable_prefix_caching") else kw
 
 
+def without_extensible_kv_cache(kw: dict[str, Any]) -> dict[str, Any]:
+    """0.34 on CUDA reserves the KV cache as virtual memory and backs its blocks only when EngineCore calls
+    extend_kv_cache after warm-up. Engines built here (ours, speculators') size the cache up front and never make
+    that call: every block past the first few would be unbacked."""
+    return {**kw, "enable_extensible_kv_cache": False} if detect.feature("extensible_kv_cache_by_default") else kw
+
+
 def platform_block_size(kw: dict[str, Any]) -> dict[str, Any]:
     """CPU attention rejects speculators' 16 once it is final ("No common block size for 16 (CPU_ATTN:
     [MultipleOf(32)])", seen on 0.32). The block size does not change the states, so let the platform pick it."""
@@ -106,7 +113,7 @@ def scheduler_config_kwargs(kwargs: dict[str, Any], *, is_encoder_decoder: bool 
 def cache_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import CacheConfig
 
-    return known_kwargs(CacheConfig, platform_block_size(without_prefix_caching(kwargs)))
+    return known_kwargs(CacheConfig, platform_block_size(without_extensible_kv_cache(without_prefix_caching(kwargs))))
 
 
 def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_len: int,
