@@ -306,8 +306,8 @@ def _feature_kv_layout_must_be_resolved() -> bool:
 
 def _feature_kv_layout_takes_cp_interleave() -> bool:
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-    return has_parameter(MultiprocExecutor.set_kv_cache_layout, "cp_kv_cache_interleave_size") if hasattr(
-        MultiprocExecutor, "set_kv_cache_layout") else False
+    method = getattr(MultiprocExecutor, "set_kv_cache_layout", None)  # 0.29+
+    return method is not None and has_parameter(method, "cp_kv_cache_interleave_size")
 
 
 def _feature_kv_block_size_resolver() -> bool:
