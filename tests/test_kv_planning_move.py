@@ -19,13 +19,28 @@ from helpers import in_newest_pass_only
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
-# Makes the installed vLLM look like 0.33's layout. The moved functions keep a copy of kv_cache_utils' namespace as
-# their globals (they call its private helpers, as 0.33's do from their own module).
-AS_IN_0_33 = r"""
+# Makes the installed vLLM look like 0.33's layout, in two steps. First the sources the probes read: the planning
+# module is kv_cache_utils' own text (so every other probe that reads it answers as on the real release), and
+# kv_cache_utils no longer defines the three.
+SOURCES_AS_IN_0_33 = r"""
 import sys, types
 from eagle_compat import detect
-from vllm.v1.core import kv_cache_utils
 MOVED = ("_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs")
+installed_source = detect.module_source
+def module_source(name):
+    if name == detect.KV_PLANNING_MODULE:
+        return installed_source(detect.KV_UTILS_MODULE)
+    text = installed_source(name)
+    if name == detect.KV_UTILS_MODULE:
+        for n in MOVED:
+            text = text.replace(f"def {n}(", f"def _moved_{n}(")
+    return text
+detect.module_source = module_source
+"""
+# Then the modules: the three functions live only in a stand-in kv_cache_planning, keeping a copy of kv_cache_utils'
+# namespace as their globals (they call its private helpers, as 0.33's do from their own module).
+MODULES_AS_IN_0_33 = r"""
+from vllm.v1.core import kv_cache_utils
 namespace = dict(vars(kv_cache_utils))
 planning = types.ModuleType(detect.KV_PLANNING_MODULE)
 for name in MOVED:
@@ -37,17 +52,8 @@ for name in MOVED:
 sys.modules[planning.__name__] = planning
 import vllm.v1.core
 vllm.v1.core.kv_cache_planning = planning
-installed_source = detect.module_source
-def module_source(name):
-    if name == detect.KV_PLANNING_MODULE:
-        return "".join(f"def {n}(...): ...\n" for n in MOVED)
-    text = installed_source(name)
-    if name == detect.KV_UTILS_MODULE:
-        for n in MOVED:
-            text = text.replace(f"def {n}(", f"def _moved_{n}(")
-    return text
-detect.module_source = module_source
 """
+AS_IN_0_33 = SOURCES_AS_IN_0_33 + MODULES_AS_IN_0_33
 
 IMPORT_SCRIPT = AS_IN_0_33 + r"""
 import importlib, json, os
@@ -70,7 +76,20 @@ out["served_from_planning"] = {
 out["others_see_vllms_module"] = not any(hasattr(kv_cache_utils, n) for n in MOVED)
 eagle_compat.uninstall()
 out["left_after_uninstall"] = sorted(k for k in vars(kv_cache_utils) if k == "__getattr__" or k in MOVED)
+out["features"] = {name: detect.feature(name) for name in detect.FEATURE_PROBES}
 print("MOVE " + json.dumps(out))
+"""
+
+# A spawned worker of a run re-imports a script that imports speculators at its top: the start-up hook registered
+# the unit before anything was imported, so it applies as kv_cache_utils finishes importing.
+STARTUP_SCRIPT = SOURCES_AS_IN_0_33 + MODULES_AS_IN_0_33 + r"""
+import json
+import speculators.data_generation.vllm_hidden_states_generator as g
+from eagle_compat import installer
+print("MOVE " + json.dumps({
+    "served_from_planning": {n: getattr(g, n) is getattr(planning, n) for n in MOVED},
+    "state": {u.name: u.state for u in installer.status()}.get("kv_planning_helpers_moved"),
+    "started_up": installer.is_started_up(), "installed": installer.is_installed()}))
 """
 
 ENGINE_SCRIPT = AS_IN_0_33 + r"""
@@ -95,8 +114,8 @@ print("MOVE " + json.dumps(worst))
 """
 
 
-def _run(script: str, *args: str, timeout: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != installer.INSTALLED_ENV}
+def _run(script: str, *args: str, timeout: int, env: dict | None = None) -> dict:
+    env = env or {k: v for k, v in os.environ.items() if k != installer.INSTALLED_ENV}
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=TESTS)
     assert proc.returncode == 0 and "MOVE " in proc.stdout, proc.stderr[-4000:]
@@ -110,6 +129,20 @@ def test_speculators_imports_the_moved_helpers_and_nothing_else_sees_them():
     assert out["served_from_planning"] == dict.fromkeys(MOVED_NAMES, True), out
     assert out["others_see_vllms_module"], out
     assert out["left_after_uninstall"] == [], out
+    # the simulation changes no other probe's answer (a stand-in source that did would turn on units for 0.25)
+    from eagle_compat import detect
+    real = {name: detect.feature(name) for name in detect.FEATURE_PROBES}
+    assert {k: v for k, v in out["features"].items() if real[k] != v} == {"kv_helpers_moved_to_planning": True}
+
+
+def test_a_spawned_child_of_a_run_imports_speculators_at_its_top(tmp_path):
+    from eagle_compat import startup
+    hook_dir = startup.write_hook(str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k not in (installer.INSTALLED_ENV, "PYTHONPATH")}
+    env.update({"PYTHONPATH": hook_dir, installer.INSTALLED_ENV: "run:12345"})
+    out = _run(STARTUP_SCRIPT, startup.SPAWNED_CHILD_FLAG, timeout=300, env=env)
+    assert out["started_up"] and not out["installed"], out
+    assert out["state"] == "applied" and all(out["served_from_planning"].values()), out
 
 
 @pytest.mark.engine

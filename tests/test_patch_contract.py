@@ -229,8 +229,8 @@ def snapshot():
     out = {}
     for module_name, names in SPECULATORS_VLLM_IMPORTS:
         module = importlib.import_module(module_name)
-        for name in names:
-            obj = getattr(module, name)
+        for name in names:  # read in the namespace: on 0.33+ kv_cache_utils answers speculators' modules only
+            obj = vars(module).get(name)
             out[f"{module_name}.{name}"] = obj
             if isinstance(obj, type):
                 out.update({f"{module_name}.{name}.{k}": v for k, v in vars(obj).items()})
@@ -264,7 +264,9 @@ def _transformers_major() -> int:
 ])
 def test_vllm_namespaces_are_never_changed_in_any_import_order(order):
     """vars() of every vLLM class speculators touches, and every vLLM name it imports, are identical before,
-    during and after, whatever the order (patches go to speculators' namespaces, never vLLM's)."""
+    during and after, whatever the order (patches go to speculators' namespaces, never vLLM's; the one exception
+    is 0.33+: a module `__getattr__` on kv_cache_utils that answers speculators' modules only,
+    kv_planning_helpers_moved)."""
     import json
     import subprocess
     if order.startswith("import") and _transformers_major() >= 5:
@@ -816,3 +818,18 @@ def test_speculators_cache_config_asks_for_a_whole_kv_cache_where_vllm_would_ext
     assert patcher.revert() == []
     monkeypatch.setattr(detect, "feature", lambda name: False)
     assert engine.without_extensible_kv_cache({"block_size": 16}) == {"block_size": 16}
+    # the probe and the stable generator's keyword filter, on a CacheConfig that has the option (0.34's does)
+    import dataclasses
+
+    import vllm.config
+
+    @dataclasses.dataclass
+    class CacheConfigWithTheOption:
+        block_size: int = 16
+        enable_extensible_kv_cache: bool | None = None
+
+    assert detect.FEATURE_PROBES["extensible_kv_cache_by_default"][0]() is False  # this vLLM's CacheConfig
+    monkeypatch.setattr(vllm.config, "CacheConfig", CacheConfigWithTheOption)
+    assert detect.FEATURE_PROBES["extensible_kv_cache_by_default"][0]() is True
+    kept = engine.known_kwargs(CacheConfigWithTheOption, {"block_size": 16, "enable_extensible_kv_cache": False})
+    assert kept == {"block_size": 16, "enable_extensible_kv_cache": False}

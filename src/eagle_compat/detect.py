@@ -287,7 +287,8 @@ def kv_planning_module() -> Any:
 
 
 def _defines(module: str, function: str) -> bool:
-    return f"def {function}(" in (module_source(module) or "")
+    """A module-level `def function(` in the module's source (a method of the same name does not count)."""
+    return re.search(rf"^def {re.escape(function)}\(", module_source(module) or "", re.M) is not None
 
 
 def _feature_kv_helpers_moved_to_planning() -> bool:

@@ -2,8 +2,10 @@
 
 A unit says what broke (one sentence), which vLLM releases are affected (a PEP 440 specifier, documentation
 only), how the need is detected (feature detection, `needed()`), where it applies (the speculators module whose
-names it rewraps, or None for process-level state), how it applies (through a `Patcher`, which records every
-change), and when it can be deleted. Reverting is generic: the Patcher restores what it recorded.
+names it rewraps; for a break speculators hits while importing, the module it imports from: transformers, or vLLM's
+kv_cache_utils, which then answers speculators' modules only; or None for process-level state), how it applies
+(through a `Patcher`, which records every change), and when it can be deleted. Reverting is generic: the Patcher
+restores what it recorded.
 """
 from __future__ import annotations
 

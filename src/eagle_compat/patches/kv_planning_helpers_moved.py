@@ -3,7 +3,8 @@
 `speculators/data_generation/vllm_hidden_states_generator.py` does `from vllm.v1.core.kv_cache_utils import
 _get_kv_cache_groups_uniform_spec, get_kv_cache_config_from_groups, unify_hybrid_kv_cache_specs`; vLLM 0.33 moved
 them, unchanged in signature, with the rest of KV-cache planning to `vllm.v1.core.kv_cache_planning`, so the import
-raises ImportError (measured on the H200: results/gpu/attempts/h200-vllm-0.33.0-first.jsonl). Applied when
+raises ImportError (on the H200, install()'s import check refused, naming the three:
+results/gpu/attempts/h200-vllm-0.33.0-first.jsonl; the ImportError itself: tests/test_kv_planning_move.py). Applied when
 kv_cache_utils is imported, in every process of a run (a spawned worker re-imports a script that imports
 speculators): the module answers those three names (PEP 562 `__getattr__`) to speculators' own modules only, from
 where vLLM now defines them; any other caller sees the module as vLLM made it.
