@@ -312,11 +312,11 @@ def _feature_kv_layout_takes_cp_interleave() -> bool:
 
 
 def _feature_kv_block_size_resolver() -> bool:
-    return importable("vllm.v1.core.kv_cache_utils", "resolve_kv_cache_block_sizes")
+    return importable(KV_UTILS_MODULE, "resolve_kv_cache_block_sizes")
 
 
 def _feature_kv_cache_hit_alignment() -> bool:
-    return importable("vllm.v1.core.kv_cache_utils", "resolve_cache_hit_alignment_tokens")
+    return importable(KV_UTILS_MODULE, "resolve_cache_hit_alignment_tokens")
 
 
 def _feature_scheduler_requires_block_size() -> bool:
