@@ -122,10 +122,13 @@ def render(results: list[dict]) -> str:
                 for r in results if r.get("versions")]
     if versions:
         lines += ["", "Package versions per run:", ""] + versions
-    return "\n".join(lines + gpu_table()) + "\n"
+    return "\n".join(lines + gpu_table() + gpu_throughput_table()) + "\n"
 
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu")
+BENCH_RESULTS = os.path.join(os.path.dirname(HERE), "benchmarks", "results")
+# the issue-24 throughput run of each release: benchmarks/throughput.py's JSON from scripts/gpu_throughput.sh
+THROUGHPUT_RUN = re.compile(r"h200-llama8b-256x1024-vllm-(\d+\.\d+\.\d+)(-[\w-]+)?\.json$")
 
 
 def _release_key(release: str) -> tuple:
@@ -183,6 +186,51 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
                 status += f"; carried to the H200 {len(tries)}x, no cell result yet (why: `results/gpu/attempts/`)"
         lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
     return lines
+
+
+def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
+    """Each CUDA release's 8B-shaped throughput runs (256 prompts x 1024 tokens): every phase as a ratio to plain
+    vLLM prefill in the same run, the only comparison a shared, loaned machine allows."""
+    runs = []
+    for path in glob.glob(os.path.join(directory, "h200-llama8b-256x1024-vllm-*.json")):
+        match = THROUGHPUT_RUN.search(os.path.basename(path))
+        if match:
+            with open(path) as f:
+                runs.append((_release_key(match.group(1)), match.group(1), os.path.basename(path), json.load(f)))
+    lines = ["", "### Throughput on the H200 (8B-shaped Llama, 256 prompts x 1024 tokens)", "",
+             "From `benchmarks/results/h200-llama8b-256x1024-vllm-*.json` (`scripts/gpu_throughput.sh`, "
+             "`benchmarks/throughput.py`, dummy weights, 8 prompts per batch): tokens per second of each phase over "
+             "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
+             "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files. "
+             "A phase that did not finish shows why.", "",
+             "| vLLM | run | plain tok/s | delivered / plain | written / plain | native / plain |",
+             "|---|---|---|---|---|---|"]
+    for _, release, name, run in sorted(runs):
+        phases = run.get("phases", {})
+        plain = (phases.get("plain") or {}).get("tokens_per_s")
+        cells = [_throughput_ratio(phases.get(p), plain, run.get("complete")) for p in ("delivered", "written", "native")]
+        plain_cell = f"{plain:,.0f}" if plain else _throughput_ratio(phases.get("plain"), None, run.get("complete"))
+        lines.append(f"| {release} | `{name}` | {plain_cell} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _throughput_ratio(phase: dict | None, plain: float | None, complete: bool | None) -> str:
+    if phase is None:
+        return "not run" if complete else "cut off"  # the run's call ended before this phase did
+    if phase.get("skipped"):
+        return "skipped: " + _exception_line(str(phase["skipped"]))
+    if phase.get("error"):
+        return "error: " + _exception_line(phase["error"])
+    if not plain:
+        return f"{phase['tokens_per_s']:,.0f} tok/s (no plain)"
+    return f"{phase['tokens_per_s'] / plain:.2f}"
+
+
+def _exception_line(text: str) -> str:
+    """A traceback's first line naming an exception (the cause; shutdown noise may follow), else its last."""
+    lines = text.strip().splitlines() or [""]
+    named = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return (named[:1] or lines[-1:])[0][:80]
 
 
 def bundle_builds(path: str) -> dict[str, str]:

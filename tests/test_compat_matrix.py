@@ -57,6 +57,28 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
     assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
 
 
+def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(matrix_code, tmp_path):
+    import json
+
+    import render
+    phase = {"seconds": 6.0, "tokens": 262144}
+    finished = {"complete": True, "phases": {"plain": {**phase, "tokens_per_s": 40000.0},
+                                             "delivered": {**phase, "tokens_per_s": 39000.0},
+                                             "written": {**phase, "tokens_per_s": 30000.0},
+                                             "native": {**phase, "tokens_per_s": 16000.0}}}
+    cut_off = {"complete": False, "phases": {"plain": {**phase, "tokens_per_s": 40000.0},
+                                            "delivered": {"error": "Traceback (most recent call last):\n  x\n"
+                                                                   "AssertionError: No free indices\n"
+                                                                   "ImportError: sys.meta_path is None"}}}
+    (tmp_path / "h200-llama8b-256x1024-vllm-0.22.1.json").write_text(json.dumps(finished))
+    (tmp_path / "h200-llama8b-256x1024-vllm-0.10.0-run2.json").write_text(json.dumps(cut_off))
+    (tmp_path / "h200-llama8b-32x8192-vllm-0.22.1.json").write_text(json.dumps(finished))  # another shape
+    rows = [line for line in render.gpu_throughput_table(str(tmp_path)) if line.startswith("| 0.")]
+    assert rows == ["| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-run2.json` | 40,000 | "
+                    "error: AssertionError: No free indices | cut off | cut off |",
+                    "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 |"]
+
+
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
     import render
     from cell import classify
