@@ -32,9 +32,10 @@ done
 # model-hosting-container-standards), and the run on the H200 shows whether that holds.
 # each case from 0.26.0 on adds these (see 0.26.0); a later release needs its own case, as every one has
 mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==26.2.16"
-# and from 0.26 the engine's LLM() imports openai's NamespaceTool (tool_parsers/utils.py, through
+# and from 0.25.1 the engine's LLM() imports openai's NamespaceTool (tool_parsers/utils.py, through
 # log_non_default_args), which openai has from 2.25.0 although vLLM asks only >=2.0.0; with 0.20.0's 2.8.0 plain
-# LLM() fails at import (measured on the H200 with 0.27.1: benchmarks/results/h200-llama8b-256x1024-vllm-0.27.1*)
+# LLM() fails at import (measured on the H200 with 0.27.1 and 0.25.1: benchmarks/results/
+# h200-llama8b-256x1024-vllm-0.27.1*, -0.25.1.json; 0.22.1-0.24.0's tool_parsers/utils.py do not import it)
 openai_namespace_tool="openai==2.25.0"
 case "$release" in
   # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:
@@ -53,7 +54,8 @@ case "$release" in
   0.23.0|0.24.0|0.25.1)
     case "$release" in 0.23.0) fi=0.6.12 hk=0.1.4 ;; 0.24.0) fi=0.6.12 hk=0.1.6 ;; 0.25.1) fi=0.6.13 hk=0.1.10 ;; esac
     overrides="xgrammar==0.2.9 apache_tvm_ffi==0.1.15.post2 flashinfer_python==$fi cuda_tile nvidia_cudnn_frontend \
-               humming_kernels==$hk pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15" ;;
+               humming_kernels==$hk pyelftools tabulate compressed_tensors==0.17.0 nvtx==0.2.15"
+    [ "$release" != 0.25.1 ] || overrides="$overrides $openai_namespace_tool" ;;
   # 0.26.0 pins apache-tvm-ffi 0.1.10, below the 0.1.11 that xgrammar 0.2.9 needs: xgrammar 0.2.7 is the newest
   # that takes 0.1.10 (>=0.1.10; read from each xgrammar wheel's metadata) and meets 0.26's xgrammar>=0.2.1;
   # flashinfer 0.6.14 without a cubin package (0.26 no longer requires one). From 0.26 vLLM imports transformers'
