@@ -37,7 +37,9 @@ pins the script lists (0.21.0-0.32.0; what it built: `results/gpu/bundle-builds.
 over the image's: 26 parts, set-up 33 s); 0.28.0 on the same torch 2.13 set, from a delta bundle over 0.27.1's
 (`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s on the machine where 0.27.1 was set up:
 `results/gpu/h200-vllm-0.28.0.machine.txt`). 0.26.0's first bundle lacked what its worker start newly imports
-(mistral-common's tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`). From 0.26.0 vLLM refuses
+(mistral-common's tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`); 0.25.1's lacked openai
+2.25.0, whose `NamespaceTool` its `LLM()` imports (no cell uses `LLM()`; the throughput run's plain and native phases
+do: `results/gpu/h200-vllm-0.25.1-v2-runner-moe.machine.txt`). From 0.26.0 vLLM refuses
 the tiny MLA models' head dims on Hopper (`results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*`): there the MLA cells run
 the v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`). MoE kernel: 0.21.0 and 0.22.1 default to FlashInfer's
 bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE cells ran on
