@@ -344,7 +344,7 @@ def main() -> int:
     layers = args.layers or ",".join(str(i) for i in sorted({2, n // 2, n - 3, n - 1}))
     phases = [p for p in args.phases.split(",") if p]
     results = {"model": args.model, "prompts": args.prompts, "tokens_per_prompt": args.tokens, "layers": layers,
-               "batch": args.batch, "writer_threads": args.writer_threads, "phases": {}}
+               "batch": args.batch, "writer_threads": args.writer_threads, "phases_asked": phases, "phases": {}}
     written_dir = tempfile.mkdtemp(prefix="eagle-bench-written-", dir=args.write_dir)
     native_dir = tempfile.mkdtemp(prefix="eagle-bench-native-", dir=args.write_dir)
     for name in phases:
@@ -373,12 +373,12 @@ def main() -> int:
             else:
                 results["phases"][name] = {"error": tail}
                 print(f"{name}: FAILED\n{output[-2000:]}", file=sys.stderr)
-            continue
-        r = json.loads(line[6:])
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        results["phases"][name] = r
-        print(f"{name:>10}: {r['tokens_per_s']:>12,.0f} tok/s  ({r['seconds']:.2f} s)", flush=True)
-        if args.out:  # after every phase: a run stopped by a time limit keeps what it measured
+        else:
+            r = json.loads(line[6:])
+            r["tokens_per_s"] = r["tokens"] / r["seconds"]
+            results["phases"][name] = r
+            print(f"{name:>10}: {r['tokens_per_s']:>12,.0f} tok/s  ({r['seconds']:.2f} s)", flush=True)
+        if args.out:  # after every phase, failed ones too: a run stopped by a time limit keeps what it measured
             with open(args.out, "w") as f:
                 json.dump({**results, "complete": False}, f, indent=1)
     if not args.keep_files:

@@ -196,41 +196,50 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
         match = THROUGHPUT_RUN.search(os.path.basename(path))
         if match:
             with open(path) as f:
-                runs.append((_release_key(match.group(1)), match.group(1), os.path.basename(path), json.load(f)))
+                run = json.load(f)
+            shape = (run.get("prompts"), run.get("tokens_per_prompt"), run.get("batch"))
+            if shape != (256, 1024, 8):  # the name says what the table promises: a file that lies is refused
+                raise ValueError(f"{path}: prompts, tokens, batch {shape}, not (256, 1024, 8) as its name says")
+            runs.append((_release_key(match.group(1)), match.group(1), os.path.basename(path), run))
     lines = ["", "### Throughput on the H200 (8B-shaped Llama, 256 prompts x 1024 tokens)", "",
              "From `benchmarks/results/h200-llama8b-256x1024-vllm-*.json` (`scripts/gpu_throughput.sh`, "
              "`benchmarks/throughput.py`, dummy weights, 8 prompts per batch): tokens per second of each phase over "
              "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
              "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files. "
-             "A phase that did not finish shows why.", "",
+             "A phase without a figure shows why: its error, skipped (vLLM's path could not run), cut off (asked, "
+             "and the call's time ended first), not run (not asked).", "",
              "| vLLM | run | plain tok/s | delivered / plain | written / plain | native / plain |",
              "|---|---|---|---|---|---|"]
     for _, release, name, run in sorted(runs):
         phases = run.get("phases", {})
+        # which phases the run asked for: recorded since session 20; before, a complete run asked for all it shows
+        asked = run.get("phases_asked") or (list(phases) if run.get("complete") else None)
         plain = (phases.get("plain") or {}).get("tokens_per_s")
-        cells = [_throughput_ratio(phases.get(p), plain, run.get("complete")) for p in ("delivered", "written", "native")]
-        plain_cell = f"{plain:,.0f}" if plain else _throughput_ratio(phases.get("plain"), None, run.get("complete"))
-        lines.append(f"| {release} | `{name}` | {plain_cell} | " + " | ".join(cells) + " |")
+        cells = [_throughput_cell(p, phases.get(p), plain, asked) for p in ("plain", "delivered", "written", "native")]
+        lines.append(f"| {release} | `{name}` | " + " | ".join(cells) + " |")
     return lines
 
 
-def _throughput_ratio(phase: dict | None, plain: float | None, complete: bool | None) -> str:
+def _throughput_cell(name: str, phase: dict | None, plain: float | None, asked: list[str] | None) -> str:
     if phase is None:
-        return "not run" if complete else "cut off"  # the run's call ended before this phase did
+        return "not run" if asked is not None and name not in asked else "cut off"
     if phase.get("skipped"):
         return "skipped: " + _exception_line(str(phase["skipped"]))
     if phase.get("error"):
         return "error: " + _exception_line(phase["error"])
+    if name == "plain":
+        return f"{plain:,.0f}"
     if not plain:
         return f"{phase['tokens_per_s']:,.0f} tok/s (no plain)"
     return f"{phase['tokens_per_s'] / plain:.2f}"
 
 
 def _exception_line(text: str) -> str:
-    """A traceback's first line naming an exception (the cause; shutdown noise may follow), else its last."""
+    """A traceback's first line naming an exception (the cause; shutdown noise may follow), else its last; a table
+    cell, so its pipes are escaped."""
     lines = text.strip().splitlines() or [""]
-    named = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
-    return (named[:1] or lines[-1:])[0][:80]
+    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return (named[:1] or lines[-1:])[0][:80].replace("|", "\\|")
 
 
 def bundle_builds(path: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ mistral_tokenizer_needs="attrs==26.1.0 pydantic_extra_types==2.11.1 pycountry==2
 # and from 0.25.1 the engine's LLM() imports openai's NamespaceTool (tool_parsers/utils.py, through
 # log_non_default_args), which openai has from 2.25.0 although vLLM asks only >=2.0.0; with 0.20.0's 2.8.0 plain
 # LLM() fails at import (measured on the H200 with 0.27.1 and 0.25.1: benchmarks/results/
-# h200-llama8b-256x1024-vllm-0.27.1*, -0.25.1.json; 0.22.1-0.24.0's tool_parsers/utils.py do not import it)
+# h200-llama8b-256x1024-vllm-0.27.1*, -0.25.1.json; which wheels import it: results/gpu/openai-namespace-tool.md)
 openai_namespace_tool="openai==2.25.0"
 case "$release" in
   # xgrammar >= 0.2.0 needs tvm-ffi >= 0.1.11; its sampler imports flashinfer at worker start (measured on the H200:

@@ -61,22 +61,38 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
     import json
 
     import render
-    phase = {"seconds": 6.0, "tokens": 262144}
-    finished = {"complete": True, "phases": {"plain": {**phase, "tokens_per_s": 40000.0},
-                                             "delivered": {**phase, "tokens_per_s": 39000.0},
-                                             "written": {**phase, "tokens_per_s": 30000.0},
-                                             "native": {**phase, "tokens_per_s": 16000.0}}}
-    cut_off = {"complete": False, "phases": {"plain": {**phase, "tokens_per_s": 40000.0},
-                                            "delivered": {"error": "Traceback (most recent call last):\n  x\n"
-                                                                   "AssertionError: No free indices\n"
-                                                                   "ImportError: sys.meta_path is None"}}}
-    (tmp_path / "h200-llama8b-256x1024-vllm-0.22.1.json").write_text(json.dumps(finished))
-    (tmp_path / "h200-llama8b-256x1024-vllm-0.10.0-run2.json").write_text(json.dumps(cut_off))
-    (tmp_path / "h200-llama8b-32x8192-vllm-0.22.1.json").write_text(json.dumps(finished))  # another shape
+    shape = {"prompts": 256, "tokens_per_prompt": 1024, "batch": 8}
+
+    def phase(tokens_per_s):
+        return {"seconds": 6.0, "tokens": 262144, "tokens_per_s": tokens_per_s}
+
+    finished = {**shape, "complete": True, "phases": {"plain": phase(40000.0), "delivered": phase(39000.0),
+                                                      "written": phase(30000.0), "native": phase(16000.0)}}
+    cut_off = {**shape, "complete": False, "phases_asked": ["plain", "delivered", "written", "native"],
+               "phases": {"plain": phase(40000.0),
+                          "delivered": {"error": "Traceback (most recent call last):\n  x\n"
+                                                 "AssertionError: No free indices | slots\n"
+                                                 "ImportError: sys.meta_path is None"}}}
+    no_plain = {**shape, "complete": True, "phases_asked": ["plain", "delivered"],
+                "phases": {"plain": {"error": "Traceback\nException: no LLM"}, "delivered": phase(41000.0)}}
+    skipped = {**shape, "complete": True, "phases": {"plain": phase(40000.0), "native": {
+        "skipped": "ImportError: no extract_hidden_states", "error": "..."}}}
+    runs = {"h200-llama8b-256x1024-vllm-0.22.1.json": finished, "h200-llama8b-256x1024-vllm-0.10.0-run2.json": cut_off,
+            "h200-llama8b-256x1024-vllm-0.9.0.json": no_plain, "h200-llama8b-256x1024-vllm-0.10.0-b.json": skipped,
+            "h200-llama8b-32x8192-vllm-0.22.1.json": finished}  # another shape: not this table's
+    for name, run in runs.items():
+        (tmp_path / name).write_text(json.dumps(run))
     rows = [line for line in render.gpu_throughput_table(str(tmp_path)) if line.startswith("| 0.")]
-    assert rows == ["| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-run2.json` | 40,000 | "
-                    "error: AssertionError: No free indices | cut off | cut off |",
+    assert rows == ["| 0.9.0 | `h200-llama8b-256x1024-vllm-0.9.0.json` | error: Exception: no LLM | "
+                    "41,000 tok/s (no plain) | not run | not run |",
+                    "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-b.json` | 40,000 | not run | not run | "
+                    "skipped: ImportError: no extract_hidden_states |",
+                    "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-run2.json` | 40,000 | "
+                    "error: AssertionError: No free indices \\| slots | cut off | cut off |",
                     "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 |"]
+    (tmp_path / "h200-llama8b-256x1024-vllm-0.23.0.json").write_text(json.dumps({**finished, "batch": 2}))
+    with pytest.raises(ValueError, match="0.23.0.json: prompts, tokens, batch"):
+        render.gpu_throughput_table(str(tmp_path))
 
 
 def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):

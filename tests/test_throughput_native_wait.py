@@ -41,3 +41,38 @@ def test_native_is_also_timed_to_written_durability(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     assert throughput.fsync_all(paths) >= 0
     assert sorted(synced) == sorted(map(os.path.realpath, paths))
+
+
+def test_a_failed_phase_is_kept_in_the_results_before_the_run_ends(tmp_path, monkeypatch):
+    """The results JSON is rewritten after every phase, failed ones too, with the phases asked: a run its call cuts
+    off later still shows which phase failed and which never ran (compat_matrix/render.py's throughput table)."""
+    import json
+    import sys
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    out = tmp_path / "run.json"
+
+    class CutOff(Exception):
+        pass
+
+    def run_phase(cmd, stdout, stderr):  # stands in for each phase's process
+        name = cmd[cmd.index("--phase") + 1]
+        if name == "plain":
+            stdout.write("PHASE " + json.dumps({"seconds": 2.0, "tokens": 100}) + "\n")
+        elif name == "delivered":
+            stdout.write("Traceback (most recent call last):\nRuntimeError: engine died\n")
+        else:
+            raise CutOff  # the call's time limit ends the run here
+    monkeypatch.setattr(throughput.subprocess, "run", run_phase)
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--model", str(model), "--phases", "plain,delivered,written",
+                                      "--write-dir", str(tmp_path), "--out", str(out)])
+    try:
+        throughput.main()
+    except CutOff:
+        pass
+    results = json.loads(out.read_text())
+    assert results["complete"] is False and results["phases_asked"] == ["plain", "delivered", "written"]
+    assert results["phases"]["plain"]["tokens_per_s"] == 50.0
+    assert "RuntimeError: engine died" in results["phases"]["delivered"]["error"]
+    assert "written" not in results["phases"]
