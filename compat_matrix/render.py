@@ -205,17 +205,21 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
              "From `benchmarks/results/h200-llama8b-256x1024-vllm-*.json` (`scripts/gpu_throughput.sh`, "
              "`benchmarks/throughput.py`, dummy weights, 8 prompts per batch): tokens per second of each phase over "
              "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
-             "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files. "
+             "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files "
+             "(its connector leaves them in the page cache); native + fsync = native with the fsync of its files "
+             "after the phase counted, the durability `written` has (timed since session 19). "
              "A phase without a figure shows why: its error, skipped (vLLM's path could not run), cut off (asked, "
              "and the call's time ended first), not run (not asked).", "",
-             "| vLLM | run | plain tok/s | delivered / plain | written / plain | native / plain |",
-             "|---|---|---|---|---|---|"]
+             "| vLLM | run | plain tok/s | delivered / plain | written / plain | native / plain | "
+             "native + fsync / plain |",
+             "|---|---|---|---|---|---|---|"]
     for _, release, name, run in sorted(runs):
         phases = run.get("phases", {})
         # which phases the run asked for: recorded since session 20; before, a complete run asked for all it shows
         asked = run.get("phases_asked") or (list(phases) if run.get("complete") else None)
         plain = (phases.get("plain") or {}).get("tokens_per_s")
         cells = [_throughput_cell(p, phases.get(p), plain, asked) for p in ("plain", "delivered", "written", "native")]
+        cells.append(_native_fsynced_cell(phases.get("native"), plain, cells[-1]))
         lines.append(f"| {release} | `{name}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -232,6 +236,16 @@ def _throughput_cell(name: str, phase: dict | None, plain: float | None, asked: 
     if not plain:
         return f"{phase['tokens_per_s']:,.0f} tok/s (no plain)"
     return f"{phase['tokens_per_s'] / plain:.2f}"
+
+
+def _native_fsynced_cell(native: dict | None, plain: float | None, native_cell: str) -> str:
+    """Native timed to written's durability: its seconds plus the fsync of its files after the phase."""
+    if native is None or native.get("skipped") or native.get("error"):
+        return native_cell  # the same reason the native phase has no figure
+    if native.get("fsync_after_seconds") is None:
+        return "not timed"  # runs before the fsync was timed (session 19)
+    tokens_per_s = native["tokens"] / (native["seconds"] + native["fsync_after_seconds"])
+    return f"{tokens_per_s / plain:.2f}" if plain else f"{tokens_per_s:,.0f} tok/s (no plain)"
 
 
 def _exception_line(text: str) -> str:
