@@ -5,6 +5,9 @@
   written    eagle-compat extract: the same, written to disk as training files (pipelined, writer threads; each
              file fsynced, as extract does)
   written_shm  the same writer into /dev/shm (memory): the software's speed where the disk is no limit
+  disk       the same writer, same threads, writing the same number of same-sized files (fsynced) from memory, no
+             engine: how fast this machine's disk takes what `written` writes. `disk_over_plain` < 1 means the disk
+             alone cannot keep up with plain prefill, whatever the software does. Needs no GPU (a few seconds).
   native     vLLM's own `extract_hidden_states` speculative method + `ExampleHiddenStatesConnector` (one safetensors
              file per request), same layers (vLLM's id k is the input of layer k: speculators' id i -> vLLM i+1);
              a few of its files are compared with `written`'s at bf16 tolerance. Skipped, with the reason, where this
@@ -247,6 +250,8 @@ def phase(args: argparse.Namespace) -> dict:
         return {"seconds": time.perf_counter() - t0, "tokens": tokens, "memory": peak_memory()}
     if args.phase == "native":
         return native_phase(args, batch, layers, extra)
+    if args.phase == "disk":
+        return disk_phase(args, batch, layers)
     from eagle_compat import VllmHiddenStatesGenerator
     from eagle_compat.generator import QUEUED_BATCHES
 
@@ -295,6 +300,37 @@ def phase(args: argparse.Namespace) -> dict:
               "memory": peak_memory(), **extra_out}
     gen.close()
     return result
+
+
+def disk_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int]) -> dict:
+    """`written`'s writer without the engine: one sample's states of the model's shape and dtype, written once per
+    prompt by the same pool into the same kind of folder, each file fsynced as extract does."""
+    import shutil
+
+    import torch
+
+    from eagle_compat.extract import pipeline, writer
+
+    with open(os.path.join(args.model_path, "config.json")) as f:
+        config = json.load(f)
+    dtype = torch.float32 if config.get("torch_dtype", config.get("dtype")) == "float32" else torch.bfloat16
+    out_dir = tempfile.mkdtemp(prefix="eagle-bench-disk-", dir=args.write_dir)
+    by_length = {}  # one sample per prompt length, built before the clock starts
+    for ids in batch:
+        if len(ids) not in by_length:
+            by_length[len(ids)] = {"input_ids": torch.tensor(ids), "loss_mask": torch.ones(len(ids), dtype=torch.long),
+                                   "hidden_states": [torch.randn(len(ids), config["hidden_size"]).to(dtype)
+                                                     for _ in layers]}
+    t0 = time.perf_counter()
+    with pipeline.WriterPool(args.writer_threads) as pool:
+        for k, ids in enumerate(batch):
+            pool.submit(writer.save_sample, out_dir, k, by_length[len(ids)], "pt")
+    seconds = time.perf_counter() - t0
+    written = sum(os.path.getsize(os.path.join(out_dir, name)) for name in os.listdir(out_dir))
+    files = len(os.listdir(out_dir))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"seconds": seconds, "tokens": sum(map(len, batch)), "files": files, "bytes": written,
+            "bytes_per_s": written / seconds, "writer_threads": pool.threads, "dir": out_dir}
 
 
 def native_skip_reason(stderr: str) -> str:
@@ -388,7 +424,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     plain = results["phases"].get("plain", {}).get("tokens_per_s")
     if plain:
-        for name in ("delivered", "written", "written_shm", "native"):
+        for name in ("delivered", "written", "written_shm", "native", "disk"):
             tps = results["phases"].get(name, {}).get("tokens_per_s")
             if tps:
                 results[f"{name}_over_plain"] = tps / plain

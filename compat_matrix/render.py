@@ -207,12 +207,14 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
              "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
              "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files "
              "(its connector leaves them in the page cache); native + fsync = native with the fsync of its files "
-             "after the phase counted, the durability `written` has (timed since session 19). "
+             "after the phase counted, the durability `written` has (timed since session 19); disk alone = the "
+             "same writer writing the same files with no engine (since session 21): below 1, this machine's disk "
+             "alone could not keep up with plain prefill. "
              "A phase without a figure shows why: its error, skipped (vLLM's path could not run), cut off (asked, "
              "and the call's time ended first), not run (not asked).", "",
              "| vLLM | run | plain tok/s | delivered / plain | written / plain | native / plain | "
-             "native + fsync / plain |",
-             "|---|---|---|---|---|---|---|"]
+             "native + fsync / plain | disk alone / plain |",
+             "|---|---|---|---|---|---|---|---|"]
     for _, release, name, run in sorted(runs):
         phases = run.get("phases", {})
         # which phases the run asked for: recorded since session 20; before, a complete run asked for all it shows
@@ -220,6 +222,7 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
         plain = (phases.get("plain") or {}).get("tokens_per_s")
         cells = [_throughput_cell(p, phases.get(p), plain, asked) for p in ("plain", "delivered", "written", "native")]
         cells.append(_native_fsynced_cell(phases.get("native"), plain, cells[-1]))
+        cells.append(_throughput_cell("disk", phases.get("disk"), plain, asked))
         lines.append(f"| {release} | `{name}` | " + " | ".join(cells) + " |")
     return lines
 

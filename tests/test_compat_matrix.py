@@ -69,7 +69,8 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
     finished = {**shape, "complete": True, "phases": {"plain": phase(40000.0), "delivered": phase(39000.0),
                                                       "written": phase(30000.0), "native": phase(16000.0)}}
     # native + the fsync of its files after it: 262144 tokens in 6.0 + 2.0 s = 32,768 tok/s, 0.82 of plain
-    fsynced = {**finished, "phases": {**finished["phases"], "native": {**phase(43690.0), "fsync_after_seconds": 2.0}}}
+    fsynced = {**finished, "phases": {**finished["phases"], "native": {**phase(43690.0), "fsync_after_seconds": 2.0},
+                                      "disk": phase(36000.0)}}
     cut_off = {**shape, "complete": False, "phases_asked": ["plain", "delivered", "written", "native"],
                "phases": {"plain": phase(40000.0),
                           "delivered": {"error": "Traceback (most recent call last):\n  x\n"
@@ -87,13 +88,14 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
         (tmp_path / name).write_text(json.dumps(run))
     rows = [line for line in render.gpu_throughput_table(str(tmp_path)) if line.startswith("| 0.")]
     assert rows == ["| 0.9.0 | `h200-llama8b-256x1024-vllm-0.9.0.json` | error: Exception: no LLM | "
-                    "41,000 tok/s (no plain) | not run | not run | not run |",
+                    "41,000 tok/s (no plain) | not run | not run | not run | not run |",
                     "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-b.json` | 40,000 | not run | not run | "
-                    "skipped: ImportError: no extract_hidden_states | skipped: ImportError: no extract_hidden_states |",
+                    "skipped: ImportError: no extract_hidden_states | skipped: ImportError: no extract_hidden_states | "
+                    "not run |",
                     "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-run2.json` | 40,000 | "
-                    "error: AssertionError: No free indices \\| slots | cut off | cut off | cut off |",
-                    "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 | not timed |",
-                    "| 0.24.0 | `h200-llama8b-256x1024-vllm-0.24.0.json` | 40,000 | 0.97 | 0.75 | 1.09 | 0.82 |"]
+                    "error: AssertionError: No free indices \\| slots | cut off | cut off | cut off | not run |",
+                    "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 | not timed | not run |",
+                    "| 0.24.0 | `h200-llama8b-256x1024-vllm-0.24.0.json` | 40,000 | 0.97 | 0.75 | 1.09 | 0.82 | 0.90 |"]
     (tmp_path / "h200-llama8b-256x1024-vllm-0.23.0.json").write_text(json.dumps({**finished, "batch": 2}))
     with pytest.raises(ValueError, match="0.23.0.json: prompts, tokens, batch"):
         render.gpu_throughput_table(str(tmp_path))

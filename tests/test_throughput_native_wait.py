@@ -77,3 +77,30 @@ def test_a_failed_phase_is_kept_in_the_results_before_the_run_ends(tmp_path, mon
     assert results["phases"]["plain"]["tokens_per_s"] == 50.0
     assert "RuntimeError: engine died" in results["phases"]["delivered"]["error"]
     assert "written" not in results["phases"]
+
+
+def test_the_disk_phase_writes_what_written_writes_without_an_engine(tmp_path, monkeypatch):
+    """`disk` times the writer alone on the run's folder: every prompt's file, the model's hidden size and dtype, each
+    fsynced, so `disk_over_plain` says whether the disk alone can keep up with plain prefill."""
+    import argparse
+    import json
+
+    import torch
+
+    from eagle_compat.extract import writer
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 32, "torch_dtype": "bfloat16"}))
+    synced = []
+    real_fsync = writer.fsync_file
+    monkeypatch.setattr(writer, "fsync_file", lambda path: (synced.append(path), real_fsync(path)))
+    args = argparse.Namespace(phase="disk", model_path=str(model), dummy=False, prompts=6, tokens=10, layers="1,3",
+                              writer_threads=2, write_dir=str(tmp_path), keep_files=False)
+    kept = []
+    monkeypatch.setattr("shutil.rmtree", lambda path, ignore_errors=False: kept.append(path))  # look at the files
+    result = throughput.phase(args)
+    assert result["files"] == 6 and result["tokens"] == 60 and result["seconds"] > 0
+    sample = torch.load(os.path.join(kept[0], "data_5.pt"))  # the last one submitted is there, whole
+    assert [tuple(h.shape) for h in sample["hidden_states"]] == [(10, 32), (10, 32)]
+    assert sample["hidden_states"][0].dtype == torch.bfloat16
+    assert result["bytes"] >= 6 * 2 * 10 * 32 * 2 and len(synced) >= 6
