@@ -304,7 +304,8 @@ def phase(args: argparse.Namespace) -> dict:
 
 def disk_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int]) -> dict:
     """`written`'s writer without the engine: one sample's states of the model's shape and dtype, written once per
-    prompt by the same pool into the same kind of folder, each file fsynced as extract does."""
+    prompt by the same pool into the same kind of folder, each file fsynced as extract does. Its files are removed
+    after it, also when a write fails (a full disk must not break the next phase)."""
     import shutil
 
     import torch
@@ -313,24 +314,27 @@ def disk_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[in
 
     with open(os.path.join(args.model_path, "config.json")) as f:
         config = json.load(f)
+    config = config.get("text_config", config)  # a wrapped language model (Kimi-K2.5) keeps its sizes there
     dtype = torch.float32 if config.get("torch_dtype", config.get("dtype")) == "float32" else torch.bfloat16
-    out_dir = tempfile.mkdtemp(prefix="eagle-bench-disk-", dir=args.write_dir)
     by_length = {}  # one sample per prompt length, built before the clock starts
     for ids in batch:
         if len(ids) not in by_length:
             by_length[len(ids)] = {"input_ids": torch.tensor(ids), "loss_mask": torch.ones(len(ids), dtype=torch.long),
                                    "hidden_states": [torch.randn(len(ids), config["hidden_size"]).to(dtype)
                                                      for _ in layers]}
-    t0 = time.perf_counter()
-    with pipeline.WriterPool(args.writer_threads) as pool:
-        for k, ids in enumerate(batch):
-            pool.submit(writer.save_sample, out_dir, k, by_length[len(ids)], "pt")
-    seconds = time.perf_counter() - t0
-    written = sum(os.path.getsize(os.path.join(out_dir, name)) for name in os.listdir(out_dir))
-    files = len(os.listdir(out_dir))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return {"seconds": seconds, "tokens": sum(map(len, batch)), "files": files, "bytes": written,
-            "bytes_per_s": written / seconds, "writer_threads": pool.threads, "dir": out_dir}
+    out_dir = tempfile.mkdtemp(prefix="eagle-bench-disk-", dir=args.write_dir)
+    try:
+        t0 = time.perf_counter()
+        with pipeline.WriterPool(args.writer_threads) as pool:  # leaving it waits for every write
+            for k, ids in enumerate(batch):
+                pool.submit(writer.save_sample, out_dir, k, by_length[len(ids)], "pt")
+        seconds = time.perf_counter() - t0
+        names = os.listdir(out_dir)
+        written = sum(os.path.getsize(os.path.join(out_dir, name)) for name in names)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return {"seconds": seconds, "tokens": sum(map(len, batch)), "files": len(names), "bytes": written,
+            "bytes_per_s": written / seconds, "writer_threads": pool.threads}
 
 
 def native_skip_reason(stderr: str) -> str:

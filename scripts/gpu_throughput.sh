@@ -3,9 +3,10 @@
 # gpu-vllm-recipe.md): sets the bundle's vLLM up (once per machine, scripts/gpu_setup.sh), then runs the issue-12
 # measurements, each writing to $OUT as it ends:
 #   llama8b-256x1024   benchmarks/throughput.py, 8B-shaped Llama (dummy weights), 256 x 1024, 8 prompts per batch
-#                      (extract's default batch size): plain, delivered, written (local disk, fsynced),
-#                      written_shm (the same writer into /dev/shm), native (+ native files compared with ours),
-#                      disk (the same writer with no engine: what this machine's disk takes; no GPU, seconds)
+#                      (extract's default batch size): plain, disk (the same writer with no engine: what this
+#                      machine's disk takes; no GPU, seconds, so second: a cut-off run keeps it), delivered,
+#                      written (local disk, fsynced), written_shm (the same writer into /dev/shm), native (+ native
+#                      files compared with ours)
 #   v2-parity          compat_matrix/cell.py batch_order under VLLM_USE_V2_MODEL_RUNNER=1 (llama, qwen3_moe):
 #                      mixed-length batch == one at a time == pipelined, and == HF (fp32 on the same GPU)
 #   llama8b-32x8192    the same benchmark, 32 x 8192 (2 prompts per batch)
@@ -39,7 +40,7 @@ else
   n1=16; t1=128; n2=4; t2=512; dev=cpu
 fi
 mkdir -p /tmp/bench
-phases=${PHASES:-plain,delivered,written,written_shm,native,disk}
+phases=${PHASES:-plain,disk,delivered,written,written_shm,native}
 bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2
   free_gpu  # an earlier step's engine must not hold the memory this one needs

@@ -78,11 +78,18 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
                                                  "ImportError: sys.meta_path is None"}}}
     no_plain = {**shape, "complete": True, "phases_asked": ["plain", "delivered"],
                 "phases": {"plain": {"error": "Traceback\nException: no LLM"}, "delivered": phase(41000.0)}}
+    before_phases_asked = {**shape, "complete": False, "phases": {"plain": phase(40000.0)}}  # before session 20
+    no_plain_no_disk = {**shape, "complete": True, "phases_asked": ["plain", "disk", "native"], "phases": {
+        "plain": {"error": "Traceback\nException: no LLM"},
+        "disk": {"error": "Traceback\nOSError: [Errno 28] No space left on device"},
+        "native": {**phase(43690.0), "fsync_after_seconds": 2.0}}}
     skipped = {**shape, "complete": True, "phases": {"plain": phase(40000.0), "native": {
         "skipped": "ImportError: no extract_hidden_states", "error": "..."}}}
     runs = {"h200-llama8b-256x1024-vllm-0.22.1.json": finished, "h200-llama8b-256x1024-vllm-0.10.0-run2.json": cut_off,
             "h200-llama8b-256x1024-vllm-0.9.0.json": no_plain, "h200-llama8b-256x1024-vllm-0.10.0-b.json": skipped,
             "h200-llama8b-256x1024-vllm-0.24.0.json": fsynced,
+            "h200-llama8b-256x1024-vllm-0.11.0.json": before_phases_asked,
+            "h200-llama8b-256x1024-vllm-0.12.0.json": no_plain_no_disk,
             "h200-llama8b-32x8192-vllm-0.22.1.json": finished}  # another shape: not this table's
     for name, run in runs.items():
         (tmp_path / name).write_text(json.dumps(run))
@@ -90,10 +97,13 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
     assert rows == ["| 0.9.0 | `h200-llama8b-256x1024-vllm-0.9.0.json` | error: Exception: no LLM | "
                     "41,000 tok/s (no plain) | not run | not run | not run | not run |",
                     "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-b.json` | 40,000 | not run | not run | "
-                    "skipped: ImportError: no extract_hidden_states | skipped: ImportError: no extract_hidden_states | "
-                    "not run |",
+                    "skipped: ImportError: no extract_hidden_states | as native | not run |",
                     "| 0.10.0 | `h200-llama8b-256x1024-vllm-0.10.0-run2.json` | 40,000 | "
                     "error: AssertionError: No free indices \\| slots | cut off | cut off | cut off | not run |",
+                    "| 0.11.0 | `h200-llama8b-256x1024-vllm-0.11.0.json` | 40,000 | cut off | cut off | cut off | cut off | "
+                    "not run |",
+                    "| 0.12.0 | `h200-llama8b-256x1024-vllm-0.12.0.json` | error: Exception: no LLM | not run | not run | "
+                    "43,690 tok/s (no plain) | 32,768 tok/s (no plain) | error: OSError: [Errno 28] No space left on device |",
                     "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 | not timed | not run |",
                     "| 0.24.0 | `h200-llama8b-256x1024-vllm-0.24.0.json` | 40,000 | 0.97 | 0.75 | 1.09 | 0.82 | 0.90 |"]
     (tmp_path / "h200-llama8b-256x1024-vllm-0.23.0.json").write_text(json.dumps({**finished, "batch": 2}))

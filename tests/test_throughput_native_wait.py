@@ -84,6 +84,7 @@ def test_the_disk_phase_writes_what_written_writes_without_an_engine(tmp_path, m
     fsynced, so `disk_over_plain` says whether the disk alone can keep up with plain prefill."""
     import argparse
     import json
+    import time
 
     import torch
 
@@ -92,14 +93,16 @@ def test_the_disk_phase_writes_what_written_writes_without_an_engine(tmp_path, m
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 32, "torch_dtype": "bfloat16"}))
     synced = []
-    real_fsync = writer.fsync_file
+    real_fsync, real_save = writer.fsync_file, writer.save_sample
     monkeypatch.setattr(writer, "fsync_file", lambda path: (synced.append(path), real_fsync(path)))
+    monkeypatch.setattr(writer, "save_sample", lambda *a: (time.sleep(0.1), real_save(*a))[1])  # a slow disk
     args = argparse.Namespace(phase="disk", model_path=str(model), dummy=False, prompts=6, tokens=10, layers="1,3",
                               writer_threads=2, write_dir=str(tmp_path), keep_files=False)
     kept = []
     monkeypatch.setattr("shutil.rmtree", lambda path, ignore_errors=False: kept.append(path))  # look at the files
     result = throughput.phase(args)
-    assert result["files"] == 6 and result["tokens"] == 60 and result["seconds"] > 0
+    assert result["files"] == 6 and result["tokens"] == 60
+    assert result["seconds"] >= 0.3  # 6 writes of 0.1 s on 2 threads: the clock waits for the last one
     sample = torch.load(os.path.join(kept[0], "data_5.pt"))  # the last one submitted is there, whole
     assert [tuple(h.shape) for h in sample["hidden_states"]] == [(10, 32), (10, 32)]
     assert sample["hidden_states"][0].dtype == torch.bfloat16
