@@ -8,7 +8,8 @@
 # BASE=DIR builds a delta over bundle DIR (a release on the same torch): only what DIR lacks, set up on a machine where
 # DIR's bundle was set up before (scripts/gpu_setup.sh keeps each set-up; the delta's parts are named delta*).
 # Then, one call each, within 30 s of the previous call's end (the machine goes back when idle):
-#   run carry [OUTDIR/part00]: mkdir -p /tmp/g && cp OUTDIR/part00 /tmp/g/   ... the same for each part ...
+#   run carry [OUTDIR/part00]: true   ... the same for each part (64 MiB a call: one part each; the device keeps
+#   each carried part in OUTDIR between calls, where setup.sh joins them from, else from /tmp/g) ...
 #   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/release.txt, OUTDIR/extra:
 #   BUNDLE=OUTDIR CELLS=... bash scripts/gpu_parity.sh
 #   (gpu_parity.sh runs setup.sh once per machine; OUTDIR/extra holds wrapt and speculators 0.3.0's wheels)

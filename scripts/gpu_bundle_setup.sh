@@ -10,7 +10,13 @@ g=${GPU_PARTS:-/tmp/g}
 site=${GPU_SITE:-/tmp/site}
 sites=${GPU_SITES:-/tmp/sites}
 new=$site.new
-cd "$g" && cat $parts > bundle.tar
+# each part from the bundle's own folder, where its carry call left it, else from $g: the last part then needs no
+# copy, and a same-named part of another release's bundle in $g is not taken (session 21 lost a call to both)
+mkdir -p "$g" && cd "$g"
+for part in $parts; do
+  if [ -f "$here/$part" ]; then cat "$here/$part"; elif [ -f "$part" ]; then cat "$part"; else
+    echo "part $part is in neither $here nor $g: carry it (scripts/gpu_bundle.sh)" >&2; exit 1; fi
+done > bundle.tar
 echo "$(cat "$here/bundle.md5")  bundle.tar" | md5sum -c
 rm -rf b "$new" && mkdir -p b && tar -xf bundle.tar -C b
 shopt -s nullglob

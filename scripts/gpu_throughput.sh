@@ -15,8 +15,8 @@
 #        [MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0"] [SMOKE=1] bash scripts/gpu_throughput.sh
 # SMOKE=1 runs every step with the tiny CPU models and tiny sizes (to test this script's logic on CPU).
 # Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR) with DIR/extra holding the wheels the image lacks (wrapt;
-# speculators 0.3.0 and what it imports), carried as scripts/gpu_bundle.sh says: its parts one per call
-# (`mkdir -p /tmp/g && cp DIR/partNN /tmp/g/`), then the last part with DIR/setup.sh, DIR/bundle.md5 and DIR/extra.
+# speculators 0.3.0 and what it imports), carried as scripts/gpu_bundle.sh says: its parts one per call (set-up
+# joins them from DIR, where the device keeps them), then the last part with DIR/setup.sh, DIR/bundle.md5, DIR/extra.
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 started=$(date +%s)

@@ -5,6 +5,7 @@ import base64
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -157,6 +158,22 @@ def test_a_delta_whose_base_has_every_wheel_installs_vllm_only(tmp_path):
     assert done.returncode == 0 and "SETUP_OK" in done.stdout, done.stdout + done.stderr
     assert "0.28.1" in read(tmp_path / "site" / "vllm" / "__init__.py")
     assert "0.1.10" in read(tmp_path / "site" / "humming" / "__init__.py")
+
+
+def test_parts_are_taken_from_the_bundle_s_own_folder_before_the_shared_parts_folder(tmp_path):
+    """On the device each carried part stays in its bundle's folder; the shared parts folder may hold another
+    release's part of the same name (session 21: 0.24.0's part00 where 0.20.2's was expected)."""
+    out = bundle(tmp_path, "b27", "0.27.1", [("humming_kernels", "0.1.10", "humming")])
+    os.rename(tmp_path / "g" / "part00", os.path.join(out, "part00"))  # carried, not copied to the parts folder
+    last = sorted(p.name for p in (tmp_path / "g").iterdir())[-1]
+    os.rename(tmp_path / "g" / last, os.path.join(out, last))
+    (tmp_path / "g" / last).write_bytes(b"another release's part of the same name")
+    done = set_up(tmp_path, out)
+    assert done.returncode == 0 and "SETUP_OK" in done.stdout, done.stdout + done.stderr
+    os.remove(os.path.join(out, "part00"))  # in neither folder: the set-up names it
+    shutil.rmtree(tmp_path / "site")
+    done = set_up(tmp_path, out)
+    assert done.returncode != 0 and "part part00 is in neither" in done.stderr
 
 
 def test_a_part_that_does_not_match_the_bundle_s_md5_stops_the_set_up(tmp_path):
