@@ -11,7 +11,7 @@ site=${GPU_SITE:-/tmp/site}
 sites=${GPU_SITES:-/tmp/sites}
 new=$site.new
 # each part from the bundle's own folder, where its carry call left it, else from $g: the last part then needs no
-# copy, and a same-named part of another release's bundle in $g is not taken (session 21 lost a call to both)
+# copy (session 21 lost two calls to that), and a same-named part of another release's bundle in $g is not taken
 mkdir -p "$g" && cd "$g"
 for part in $parts; do
   if [ -f "$here/$part" ]; then cat "$here/$part"; elif [ -f "$part" ]; then cat "$part"; else
