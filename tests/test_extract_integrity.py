@@ -545,3 +545,71 @@ def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fa
         sys.setprofile(None)
         threading.setprofile(None)
     assert [name for name, _ in entries] == ["run"], entries
+
+
+# ---- where the run's time went: the writers (the disk of --out) holding the engine back -------------------------
+
+
+def _wait_until(condition, what):
+    """Polls a state another thread sets (no timing window: the test fails only if it never happens)."""
+    gate = threading.Event()
+    for _ in range(3000):
+        if condition():
+            return
+        gate.wait(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_the_writer_pool_counts_the_submits_that_waited_for_a_free_slot():
+    from eagle_compat.extract import pipeline
+    release = threading.Event()
+    with pipeline.WriterPool(threads=1, max_pending=1) as pool:
+        pool.submit(release.wait)  # the one slot is taken until released
+        assert pool.blocked_submits == 0
+        second = threading.Thread(target=pool.submit, args=(lambda: None,))
+        second.start()
+        _wait_until(lambda: pool.blocking, "the second submit waiting for the slot")
+        release.set()
+        second.join()
+    assert pool.blocked_submits == 1 and pool.blocked_s > 0 and pool.done == 2
+    with pipeline.WriterPool(threads=2, max_pending=8) as free:
+        for _ in range(4):
+            free.submit(lambda: None)
+    assert free.blocked_submits == 0 and free.blocked_s == 0.0
+
+
+def test_a_run_held_back_by_its_writers_says_so_and_records_it(model, dataset, tmp_path, fake_engine, monkeypatch):
+    """One writer thread, four slots, batches of four: the second batch's first submit must wait until a file of
+    the first is written. The writes are held until the driver is seen waiting, so the wait is certain."""
+    from eagle_compat.extract import formats, pipeline
+    pools, write_sample = [], formats.write_sample
+    original_init = pipeline.WriterPool.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        pools.append(self)
+
+    def held_write(*args, **kwargs):
+        _wait_until(lambda: pools and pools[0].blocked_submits, "the driver waiting for a writer")
+        return write_sample(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.WriterPool, "__init__", recording_init)
+    monkeypatch.setattr(formats, "write_sample", held_write)
+    summary = job.run(_opts(model, dataset, tmp_path / "out", writer_threads=1))
+    record = json.load(open(tmp_path / "out" / "manifest.json"))["runs"][-1]["pipeline"]
+    assert summary["pipeline"] == record and record["writer_threads"] == 1
+    assert record["waited_for_writers_s"] > 0 and record["waited_for_engine_s"] >= 0
+    assert record["seconds"] + 0.015 >= record["waited_for_writers_s"] + record["last_batch_to_last_file_s"]  # rounded
+    assert summary["complete"] and len(_samples(tmp_path / "out")) == N
+
+
+def test_the_held_back_note_names_the_share_and_the_remedy_only_above_a_tenth():
+    assert job.writers_held_back(None) is None  # a --ray run records no pipeline section
+    assert job.writers_held_back({"seconds": 100.0, "waited_for_writers_s": 9.9, "waited_for_engine_s": 80.0,
+                                  "writer_threads": 8}) is None
+    assert job.writers_held_back({"seconds": 5.0, "waited_for_writers_s": 0.9, "waited_for_engine_s": 3.0,
+                                  "writer_threads": 2}) is None  # a tiny run: under a second is no news
+    note = job.writers_held_back({"seconds": 100.0, "waited_for_writers_s": 31.0, "waited_for_engine_s": 60.0,
+                                  "writer_threads": 8})
+    assert note.startswith("the writers held the engine back 31.0 s of the run's 100.0 s (31%)")
+    assert "8 writer threads" in note and "faster disk for --out" in note

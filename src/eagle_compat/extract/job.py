@@ -182,6 +182,23 @@ def _write_json(path: str, obj: Any) -> None:
         raise writer.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
 
 
+# Below a tenth of the run (or a second), the writers' hold on the engine is not worth a line of the summary.
+WRITERS_HELD_BACK_NOTE_SHARE, WRITERS_HELD_BACK_NOTE_MIN_S = 0.10, 1.0
+
+
+def writers_held_back(pipeline_record: dict | None) -> str | None:
+    """A sentence for the user when the writers (the disk of --out) held the engine back for a noticeable share of
+    the run (local runs record it: local_runner, `this_run["pipeline"]`); None otherwise."""
+    if not pipeline_record or not pipeline_record.get("seconds"):
+        return None
+    held, seconds = pipeline_record["waited_for_writers_s"], pipeline_record["seconds"]
+    if held < max(WRITERS_HELD_BACK_NOTE_SHARE * seconds, WRITERS_HELD_BACK_NOTE_MIN_S):
+        return None
+    return (f"the writers held the engine back {held:.1f} s of the run's {seconds:.1f} s ({held / seconds:.0%}): "
+            f"the disk of --out is slower than the engine with {pipeline_record['writer_threads']} writer threads; "
+            "a faster disk for --out would shorten the run (the numbers: manifest.json, this run's \"pipeline\")")
+
+
 def _say_waiting_once() -> Any:
     said = []
 
@@ -302,7 +319,7 @@ def run(opts: ExtractOptions) -> dict:
                                                                hidden_size, manifest, this_run)
             elif todo:
                 done_samples, done_tokens = local_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
-                                                                 hidden_size, manifest)
+                                                                 hidden_size, manifest, this_run)
         except KeyboardInterrupt:
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
             _best_effort_json(manifest_path, manifest)
@@ -346,6 +363,7 @@ def run(opts: ExtractOptions) -> dict:
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
+            "pipeline": this_run.get("pipeline"),
             "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}",
             "report": manifest["report"]}
 

@@ -20,9 +20,9 @@ def _ignore_sigint(worker: Any) -> None:
 
 
 def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
-            hidden_size: int, manifest: dict) -> tuple[int, int]:
-    """Runs `todo` (the batches job.run chose); records the engine's description in `manifest`; returns
-    (samples written, tokens)."""
+            hidden_size: int, manifest: dict, this_run: dict) -> tuple[int, int]:
+    """Runs `todo` (the batches job.run chose); records the engine's description in `manifest` and where the run's
+    time went in `this_run["pipeline"]`; returns (samples written, tokens)."""
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     fmt = formats.get(opts.format)
@@ -56,15 +56,29 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
         t_engine = time.time()
         progress = pipeline.Progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
+        # The driver either waits for the engine's next batch or for a writer slot; while it waits for a slot the
+        # engine finishes at most the batch ahead, then waits for a free buffer. So the writers hold the engine back
+        # for the slot waits before the last batch; after it, the last files are written whatever the disk's speed.
+        waited_for_engine = held_by_writers = 0.0
         with pipeline.WriterPool(opts.writer_threads) as pool, \
                 contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
-            for batch, results in batches:
+            asked = time.monotonic()
+            for n, (batch, results) in enumerate(batches, 1):
+                waited_for_engine += time.monotonic() - asked
+                if n == len(todo):
+                    held_by_writers, last_batch = pool.blocked_s, time.monotonic()
                 for s, r in zip(batch, results):
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)
                 del results
                 elapsed_engine = max(time.time() - t_engine, 1e-9)
                 progress.update(len(batch), pool.done / elapsed_engine, done_tokens / elapsed_engine)
+                asked = time.monotonic()
+        this_run["pipeline"] = {"seconds": round(time.time() - t_engine, 2),
+                                "waited_for_engine_s": round(waited_for_engine, 2),
+                                "waited_for_writers_s": round(held_by_writers, 2),
+                                "last_batch_to_last_file_s": round(time.monotonic() - last_batch, 2),
+                                "writer_threads": pool.threads}
         progress.close()
         done_samples = pool.done  # every submitted write finished (close() raised otherwise)
     return done_samples, done_tokens
