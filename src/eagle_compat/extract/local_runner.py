@@ -62,7 +62,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         waited_for_engine = held_by_writers = 0.0
         with pipeline.WriterPool(opts.writer_threads) as pool, \
                 contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
-            asked = time.monotonic()
+            asked = last_batch = time.monotonic()
             for n, (batch, results) in enumerate(batches, 1):
                 waited_for_engine += time.monotonic() - asked
                 if n == len(todo):
