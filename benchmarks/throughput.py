@@ -292,9 +292,9 @@ def phase(args: argparse.Namespace) -> dict:
                 del out, r
             # the last batch's files can only be written after its compute: the tail no overlap can hide
             engine_done = time.perf_counter() - t0
-        # how long submitting waited for a writer slot (pipeline.WriterPool): the writers' hold on the engine
+        # how long submitting waited for a writer slot (pipeline.WriterPool), every batch's, the last one's too
         extra_out = {"writer_threads": pool.threads, "dir": out_dir, "engine_done_seconds": engine_done,
-                     "waited_for_writers_s": pool.blocked_s, "submits_that_waited": pool.blocked_submits}
+                     "driver_waited_for_writers_s": pool.blocked_s, "submits_that_waited": pool.blocked_submits}
         if args.phase == "written_shm":
             shutil.rmtree(out_dir, ignore_errors=True)
     seconds = time.perf_counter() - t0

@@ -547,7 +547,7 @@ def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fa
     assert [name for name, _ in entries] == ["run"], entries
 
 
-# ---- where the run's time went: the writers (the disk of --out) holding the engine back -------------------------
+# ---- where the run's time went: the writers (the disk of --out) setting the pace ---------------------------------
 
 
 def _wait_until(condition, what):
@@ -568,7 +568,7 @@ def test_the_writer_pool_counts_the_submits_that_waited_for_a_free_slot():
         assert pool.blocked_submits == 0
         second = threading.Thread(target=pool.submit, args=(lambda: None,))
         second.start()
-        _wait_until(lambda: pool.blocking, "the second submit waiting for the slot")
+        _wait_until(lambda: pool.blocked_submits == 1, "the second submit waiting for the slot")
         release.set()
         second.join()
     assert pool.blocked_submits == 1 and pool.blocked_s > 0 and pool.done == 2
@@ -578,9 +578,9 @@ def test_the_writer_pool_counts_the_submits_that_waited_for_a_free_slot():
     assert free.blocked_submits == 0 and free.blocked_s == 0.0
 
 
-def test_a_run_held_back_by_its_writers_says_so_and_records_it(model, dataset, tmp_path, fake_engine, monkeypatch):
-    """One writer thread, four slots, batches of four: the second batch's first submit must wait until a file of
-    the first is written. The writes are held until the driver is seen waiting, so the wait is certain."""
+def _held_writes(monkeypatch):
+    """Each write waits until the driver has waited for a writer slot: the wait is certain, not a matter of speed.
+    Returns the run's writer pools."""
     from eagle_compat.extract import formats, pipeline
     pools, write_sample = [], formats.write_sample
     original_init = pipeline.WriterPool.__init__
@@ -595,21 +595,62 @@ def test_a_run_held_back_by_its_writers_says_so_and_records_it(model, dataset, t
 
     monkeypatch.setattr(pipeline.WriterPool, "__init__", recording_init)
     monkeypatch.setattr(formats, "write_sample", held_write)
+    return pools
+
+
+def test_a_run_paced_by_its_writers_records_the_driver_s_waits(model, dataset, tmp_path, fake_engine, monkeypatch):
+    """One writer thread, four slots, batches of four (three batches): the second batch's first submit waits."""
+    pools = _held_writes(monkeypatch)
     summary = job.run(_opts(model, dataset, tmp_path / "out", writer_threads=1))
     record = json.load(open(tmp_path / "out" / "manifest.json"))["runs"][-1]["pipeline"]
     assert summary["pipeline"] == record and record["writer_threads"] == 1
-    assert record["waited_for_writers_s"] > 0 and record["waited_for_engine_s"] >= 0
-    assert record["seconds"] + 0.015 >= record["waited_for_writers_s"] + record["last_batch_to_last_file_s"]  # rounded
+    assert pools[0].blocked_submits >= 1 and pools[0].blocked_s > 0
+    assert record["driver_waited_for_writers_s"] <= round(pools[0].blocked_s, 2)
+    assert record["seconds"] + 0.015 >= (record["driver_waited_for_writers_s"] + record["driver_waited_for_engine_s"]
+                                         + record["last_batch_to_last_file_s"])  # each rounded to 0.01
     assert summary["complete"] and len(_samples(tmp_path / "out")) == N
 
 
-def test_the_held_back_note_names_the_share_and_the_remedy_only_above_a_tenth():
-    assert job.writers_held_back(None) is None  # a --ray run records no pipeline section
-    assert job.writers_held_back({"seconds": 100.0, "waited_for_writers_s": 9.9, "waited_for_engine_s": 80.0,
-                                  "writer_threads": 8}) is None
-    assert job.writers_held_back({"seconds": 5.0, "waited_for_writers_s": 0.9, "waited_for_engine_s": 3.0,
-                                  "writer_threads": 2}) is None  # a tiny run: under a second is no news
-    note = job.writers_held_back({"seconds": 100.0, "waited_for_writers_s": 31.0, "waited_for_engine_s": 60.0,
-                                  "writer_threads": 8})
-    assert note.startswith("the writers held the engine back 31.0 s of the run's 100.0 s (31%)")
-    assert "8 writer threads" in note and "faster disk for --out" in note
+def test_waits_at_the_last_batch_are_not_counted_as_pacing_the_engine(model, tmp_path, fake_engine, monkeypatch):
+    """Two batches of four, one writer thread, four slots: only the last batch's submits wait, when the engine
+    has nothing left to do; that time is the tail (`last_batch_to_last_file_s`), not the writers pacing it."""
+    data = _write_lines(tmp_path / "eight.jsonl", [{"input_ids": ids} for ids in prompts(8, 10, 40, seed=3)])
+    pools = _held_writes(monkeypatch)
+    summary = job.run(_opts(model, data, tmp_path / "out", writer_threads=1))
+    assert pools[0].blocked_submits >= 1 and pools[0].blocked_s > 0  # all at the last batch: the first fills 4 slots
+    assert summary["pipeline"]["driver_waited_for_writers_s"] == 0.0
+    assert summary["pipeline"]["last_batch_to_last_file_s"] >= round(pools[0].blocked_s, 2)
+
+
+def _record(writers, engine, seconds=100.0, threads=8):
+    return {"seconds": seconds, "driver_waited_for_writers_s": writers, "driver_waited_for_engine_s": engine,
+            "last_batch_to_last_file_s": 0.5, "writer_threads": threads}
+
+
+def test_the_pace_note_names_the_waits_and_the_remedy_only_when_the_writers_dominate():
+    assert job.writers_set_the_pace(None) is None  # a --ray run records no pipeline section
+    assert job.writers_set_the_pace(_record(9.9, 1.0)) is None  # under a tenth of the run
+    assert job.writers_set_the_pace(_record(40.0, 55.0)) is None  # the engine set the pace
+    assert job.writers_set_the_pace(_record(0.9, 0.1, seconds=5.0)) is None  # a tiny run: under a second is no news
+    note = job.writers_set_the_pace(_record(61.0, 3.0))
+    assert note.startswith("the writers set this run's pace: of its 100.0 s the driver waited 61.0 s for a free "
+                           "writer (8 threads) and 3.0 s for the engine")
+    assert "a faster one would shorten the run" in note
+
+
+def test_extract_prints_the_pace_note_between_the_summary_and_the_report(model, dataset, tmp_path, fake_engine,
+                                                                        monkeypatch, capsys):
+    from eagle_compat import cli
+    real_run = job.run
+
+    def run_paced_by_writers(opts):
+        summary = real_run(opts)
+        return {**summary, "pipeline": _record(61.0, 3.0)}  # what a disk-bound run records
+
+    monkeypatch.setattr(job, "run", run_paced_by_writers)
+    assert cli.main(["extract", "--model", model, "--data", dataset, "--out", str(tmp_path / "out"),
+                     "--layers", "0,1", "--batch-size", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("extract: 12 samples in ")
+    assert out[1].startswith("extract: the writers set this run's pace: of its 100.0 s"), out
+    assert out[2].startswith("data report: 12 samples"), out

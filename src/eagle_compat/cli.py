@@ -331,7 +331,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
           f"manifest {summary['manifest']}")
     if summary["temp_files_swept"]:
         print(f"extract: removed {len(summary['temp_files_swept'])} temporary files left by an earlier run")
-    if disk_note := job.writers_held_back(summary.get("pipeline")):
+    if disk_note := job.writers_set_the_pace(summary.get("pipeline")):
         print(f"extract: {disk_note}")
     print(data_report.text(summary["report"]))
     if args.report_plot:

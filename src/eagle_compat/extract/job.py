@@ -182,21 +182,24 @@ def _write_json(path: str, obj: Any) -> None:
         raise writer.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
 
 
-# Below a tenth of the run (or a second), the writers' hold on the engine is not worth a line of the summary.
-WRITERS_HELD_BACK_NOTE_SHARE, WRITERS_HELD_BACK_NOTE_MIN_S = 0.10, 1.0
+# Below a tenth of the run (or a second), waiting for the writers is not worth a line of the summary.
+WRITERS_PACE_NOTE_SHARE, WRITERS_PACE_NOTE_MIN_S = 0.10, 1.0
 
 
-def writers_held_back(pipeline_record: dict | None) -> str | None:
-    """A sentence for the user when the writers (the disk of --out) held the engine back for a noticeable share of
-    the run (local runs record it: local_runner, `this_run["pipeline"]`); None otherwise."""
+def writers_set_the_pace(pipeline_record: dict | None) -> str | None:
+    """A sentence for the user when the writers (the disk of --out), not the engine, set the run's pace: the driver
+    waited longer for writer slots than for the engine, and for a noticeable share of the run (local runs record it:
+    local_runner, `this_run["pipeline"]`); None otherwise."""
     if not pipeline_record or not pipeline_record.get("seconds"):
         return None
-    held, seconds = pipeline_record["waited_for_writers_s"], pipeline_record["seconds"]
-    if held < max(WRITERS_HELD_BACK_NOTE_SHARE * seconds, WRITERS_HELD_BACK_NOTE_MIN_S):
+    writers, engine = pipeline_record["driver_waited_for_writers_s"], pipeline_record["driver_waited_for_engine_s"]
+    seconds = pipeline_record["seconds"]
+    if writers <= engine or writers < max(WRITERS_PACE_NOTE_SHARE * seconds, WRITERS_PACE_NOTE_MIN_S):
         return None
-    return (f"the writers held the engine back {held:.1f} s of the run's {seconds:.1f} s ({held / seconds:.0%}): "
-            f"the disk of --out is slower than the engine with {pipeline_record['writer_threads']} writer threads; "
-            "a faster disk for --out would shorten the run (the numbers: manifest.json, this run's \"pipeline\")")
+    return (f"the writers set this run's pace: of its {seconds:.1f} s the driver waited {writers:.1f} s for a free "
+            f"writer ({pipeline_record['writer_threads']} threads) and {engine:.1f} s for the engine, so the disk of "
+            "--out is slower than the engine and a faster one would shorten the run (manifest.json: this run's "
+            "\"pipeline\")")
 
 
 def _say_waiting_once() -> Any:

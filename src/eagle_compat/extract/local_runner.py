@@ -56,17 +56,18 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
         t_engine = time.time()
         progress = pipeline.Progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
-        # The driver either waits for the engine's next batch or for a writer slot; while it waits for a slot the
-        # engine finishes at most the batch ahead, then waits for a free buffer. So the writers hold the engine back
-        # for the slot waits before the last batch; after it, the last files are written whatever the disk's speed.
-        waited_for_engine = held_by_writers = 0.0
+        # The driver's time goes to waiting for the engine's next batch or for a writer slot. Which of the two it
+        # waits for says which sets the run's pace (not by how much: the engine thread keeps one batch ready and more
+        # in flight on the workers while the driver waits). Slot waits at the last batch are left out: no engine
+        # work is left to pace; what the last files take after it is `last_batch_to_last_file_s`.
+        driver_waited_for_engine = driver_waited_for_writers = 0.0
+        started = asked = last_batch = time.monotonic()
         with pipeline.WriterPool(opts.writer_threads) as pool, \
                 contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
-            asked = last_batch = time.monotonic()
             for n, (batch, results) in enumerate(batches, 1):
-                waited_for_engine += time.monotonic() - asked
+                driver_waited_for_engine += time.monotonic() - asked
                 if n == len(todo):
-                    held_by_writers, last_batch = pool.blocked_s, time.monotonic()
+                    driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
                 for s, r in zip(batch, results):
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)
@@ -74,10 +75,11 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                 elapsed_engine = max(time.time() - t_engine, 1e-9)
                 progress.update(len(batch), pool.done / elapsed_engine, done_tokens / elapsed_engine)
                 asked = time.monotonic()
-        this_run["pipeline"] = {"seconds": round(time.time() - t_engine, 2),
-                                "waited_for_engine_s": round(waited_for_engine, 2),
-                                "waited_for_writers_s": round(held_by_writers, 2),
-                                "last_batch_to_last_file_s": round(time.monotonic() - last_batch, 2),
+        ended = time.monotonic()
+        this_run["pipeline"] = {"seconds": round(ended - started, 2),
+                                "driver_waited_for_engine_s": round(driver_waited_for_engine, 2),
+                                "driver_waited_for_writers_s": round(driver_waited_for_writers, 2),
+                                "last_batch_to_last_file_s": round(ended - last_batch, 2),
                                 "writer_threads": pool.threads}
         progress.close()
         done_samples = pool.done  # every submitted write finished (close() raised otherwise)

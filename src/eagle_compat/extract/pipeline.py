@@ -28,7 +28,7 @@ def _lower_priority(nice: int) -> None:
 class WriterPool:
     """Run `fn(*args)` on `threads` threads; `submit` blocks while `max_pending` calls wait. The first error is
     raised by the next `submit` or by `close`. `blocked_s` / `blocked_submits`: how long and how often `submit` had
-    to wait for a free slot, i.e. how much the writers (the disk) held the caller back."""
+    to wait for a free slot (the caller waiting for the writers: the disk)."""
 
     def __init__(self, threads: int = DEFAULT_THREADS, max_pending: int | None = None, nice: int = 10):
         self.threads = max(1, int(threads))
@@ -39,17 +39,14 @@ class WriterPool:
         self._lock = threading.Lock()
         self.done = 0
         self.blocked_s = 0.0
-        self.blocked_submits = 0
-        self.blocking = False  # True while a submit waits for a slot (tests wait on it: no timing windows)
+        self.blocked_submits = 0  # counted before the wait: tests wait on it (hooks, no timing windows)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._raise()
         if not self._slots.acquire(blocking=False):
             start = time.monotonic()
             self.blocked_submits += 1
-            self.blocking = True
             self._slots.acquire()
-            self.blocking = False
             self.blocked_s += time.monotonic() - start
         try:
             future = self._pool.submit(fn, *args)
