@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -552,12 +553,11 @@ def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fa
 
 def _wait_until(condition, what):
     """Polls a state another thread sets (no timing window: the test fails only if it never happens)."""
-    gate = threading.Event()
-    for _ in range(3000):
-        if condition():
-            return
+    gate, deadline = threading.Event(), time.monotonic() + 300  # a bound on a stuck run, generous on a busy machine
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
         gate.wait(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_the_writer_pool_counts_the_submits_that_waited_for_a_free_slot():
