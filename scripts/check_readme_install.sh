@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+export PYTHONPYCACHEPREFIX="$work/pycache"  # this throw-away environment's bytecode goes with it
 python3 -m venv "$work/venv"
 source "$work/venv/bin/activate"
 # --- the README's commands, verbatim ---
