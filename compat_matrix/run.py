@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,6 +68,14 @@ def cell_environment(py: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def cell_process_env(cell_env: dict, pycache: str) -> dict:
+    """The environment of a release's cells: this checkout's eagle_compat (whatever is installed), the release's own
+    variables, and one bytecode cache for all its cells. Machines of this kind set PYTHONDONTWRITEBYTECODE=1, so each
+    cell's three processes compiled vLLM's and torch's sources again (scripts/_env.sh says what that costs)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPATH": os.path.join(ROOT, "src"), "PYTHONPYCACHEPREFIX": pycache, **cell_env}
 
 
 def _cpu_module():
@@ -128,10 +137,10 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
         write(path, data)
         return data
     data["cell_env"] = cell_environment(py)  # e.g. LD_PRELOAD for a release whose worker demands it
-    # this checkout's eagle_compat, whatever is installed
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), **data["cell_env"])
     # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    with tempfile.TemporaryDirectory(prefix="eagle-compat-pycache-") as pycache, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        env = cell_process_env(data["cell_env"], pycache)
         futures = {pool.submit(run_cell, py, check, family, env): (check, family) for check, family in todo}
         for future in concurrent.futures.as_completed(futures):
             check, family = futures[future]

@@ -1,6 +1,7 @@
 """The compatibility page is generated from the committed matrix results only."""
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -168,6 +169,29 @@ def test_runner_sets_ld_preload_only_for_a_worker_that_refuses_to_start_without(
     warns = refuses.replace('raise RuntimeError(\n                    f"{name} is not found', 'logger.warning(\n'
                             '                    "%s is not found')  # 0.19 onwards
     assert make_env.worker_demands_preload(refuses) and not make_env.worker_demands_preload(warns)
+
+
+def test_a_releases_cells_share_one_bytecode_cache_that_goes_with_the_run(matrix_code, monkeypatch, tmp_path):
+    """Machines of this kind set PYTHONDONTWRITEBYTECODE=1: without a cache each cell's processes compiled vLLM's and
+    torch's sources again. The cells of one release share one cache; it is removed when the release is done."""
+    import run
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setattr(run, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(run._cpu_module(), "run_kernel_probe", lambda py: {})
+    seen = []
+
+    def cell(py, check, family, env):
+        seen.append((env.get("PYTHONPYCACHEPREFIX"), os.path.isdir(env.get("PYTHONPYCACHEPREFIX", "")),
+                     "PYTHONDONTWRITEBYTECODE" in env, env["PYTHONPATH"]))
+        return {"check": check, "family": family, "status": "pass"}
+
+    monkeypatch.setattr(run, "run_cell", cell)
+    run.run_release("0.32.0", [("generator", "llama"), ("shim", "llama")], str(tmp_path / "env"), None, False,
+                    python=sys.executable, jobs=2)
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    cache, existed, no_bytecode, pythonpath = seen[0]
+    assert existed and not no_bytecode and pythonpath == str(ROOT / "src")
+    assert not os.path.exists(cache)  # gone with the release
 
 
 def _recorded_cells_for_this_release() -> list[tuple[str, str, dict]]:
