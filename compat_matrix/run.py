@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import json
 import os
@@ -70,12 +71,18 @@ def cell_environment(py: str) -> dict:
         return json.load(f)
 
 
+def bytecode_env(pycache: str) -> dict:
+    """This environment, with bytecode written to `pycache`. Machines of this kind set PYTHONDONTWRITEBYTECODE=1, so
+    each engine process of a cell compiled vLLM's and torch's sources again (scripts/_env.sh says what that costs); a
+    cache of the release's own is removed with it, and a `--python` environment is not written to."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPYCACHEPREFIX": pycache}
+
+
 def cell_process_env(cell_env: dict, pycache: str) -> dict:
     """The environment of a release's cells: this checkout's eagle_compat (whatever is installed), the release's own
-    variables, and one bytecode cache for all its cells. Machines of this kind set PYTHONDONTWRITEBYTECODE=1, so each
-    cell's three processes compiled vLLM's and torch's sources again (scripts/_env.sh says what that costs)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPATH": os.path.join(ROOT, "src"), "PYTHONPYCACHEPREFIX": pycache, **cell_env}
+    variables, the release's bytecode cache."""
+    return {**bytecode_env(pycache), "PYTHONPATH": os.path.join(ROOT, "src"), **cell_env}
 
 
 def _cpu_module():
@@ -83,9 +90,20 @@ def _cpu_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("eagle_compat_cpu", os.path.join(ROOT, "src", "eagle_compat",
                                                                                    "cpu.py"))
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    if spec.name in sys.modules:  # loaded once: a stand-in set on it (tests) stays
+        return sys.modules[spec.name]
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # (registered first: its dataclasses look their module up)
     return module
+
+
+@contextlib.contextmanager
+def _bytecode_cache():
+    path = tempfile.mkdtemp(prefix="eagle-compat-pycache-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # a cut-off cell's child may still write there
 
 
 def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spec: str | None,
@@ -106,54 +124,56 @@ def run_release(release: str, checks: list[tuple[str, str]], venv: str, vllm_spe
     if not todo:
         print(f"== {release}: all cells already recorded (use --rerun to repeat)")
         return data
-    t0 = time.time()
-    if python:  # an existing environment: nothing to build
-        build = subprocess.CompletedProcess([], 0, "", "")
-    else:
-        build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), "custom" if custom else release,
-                                venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else [])
-                               + (["--vllm-index", vllm_index] if vllm_index else []), capture_output=True, text=True)
-    data["env_seconds"] = round(time.time() - t0, 1)
-    if build.returncode != 0:
-        data["env_error"] = (build.stdout + build.stderr)[-3000:]
-        # the release could not be installed by our recipe: a failure of the matrix, with pip's own reason
-        reason = next((line for line in reversed(data["env_error"].splitlines()) if line.startswith("ERROR")),
-                      "see env_error")
-        for c, f in todo:
-            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "fail",
-                                         "error": f"the environment could not be built: {reason}"}
-        data["complete"] = True
-        write(path, data)
-        return data
-    py = python or os.path.join(venv, "bin", "python")
-    data["kernel_probe"] = probe = _cpu_module().run_kernel_probe(py)
-    if probe.get("cannot_load"):  # every engine would die in its workers with a secondary error: say the real one
-        data["env_error"] = probe["cannot_load"]
-        for c, f in todo:
-            data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
-                                         "error": f"vLLM's compiled extension does not load on this machine: "
-                                                  f"{probe['cannot_load']}"}
-        data["complete"] = True
-        write(path, data)
-        return data
-    data["cell_env"] = cell_environment(py)  # e.g. LD_PRELOAD for a release whose worker demands it
-    # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
-    with tempfile.TemporaryDirectory(prefix="eagle-compat-pycache-") as pycache, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    # one bytecode cache for the release's processes (its build, the kernel probe, its cells), removed with it
+    with _bytecode_cache() as pycache:
+        t0 = time.time()
+        if python:  # an existing environment: nothing to build
+            build = subprocess.CompletedProcess([], 0, "", "")
+        else:
+            build = subprocess.run([sys.executable, os.path.join(HERE, "make_env.py"), "custom" if custom else release,
+                                    venv, "--project", ROOT] + (["--vllm-spec", vllm_spec] if vllm_spec else [])
+                                   + (["--vllm-index", vllm_index] if vllm_index else []), capture_output=True,
+                                   text=True, env=bytecode_env(pycache))
+        data["env_seconds"] = round(time.time() - t0, 1)
+        if build.returncode != 0:
+            data["env_error"] = (build.stdout + build.stderr)[-3000:]
+            # the release could not be installed by our recipe: a failure of the matrix, with pip's own reason
+            reason = next((line for line in reversed(data["env_error"].splitlines()) if line.startswith("ERROR")),
+                          "see env_error")
+            for c, f in todo:
+                data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "fail",
+                                             "error": f"the environment could not be built: {reason}"}
+            data["complete"] = True
+            write(path, data)
+            return data
+        py = python or os.path.join(venv, "bin", "python")
+        data["kernel_probe"] = probe = _cpu_module().run_kernel_probe(py, env=bytecode_env(pycache))
+        if probe.get("cannot_load"):  # every engine would die in its workers with a secondary error: say the real one
+            data["env_error"] = probe["cannot_load"]
+            for c, f in todo:
+                data["cells"][f"{c}/{f}"] = {"check": c, "family": f, "status": "unsupported",
+                                             "error": f"vLLM's compiled extension does not load on this machine: "
+                                                      f"{probe['cannot_load']}"}
+            data["complete"] = True
+            write(path, data)
+            return data
+        data["cell_env"] = cell_environment(py)  # e.g. LD_PRELOAD for a release whose worker demands it
+        # cells are independent processes; on 2 cores two at a time overlap one engine's start-up with another's run
         env = cell_process_env(data["cell_env"], pycache)
-        futures = {pool.submit(run_cell, py, check, family, env): (check, family) for check, family in todo}
-        for future in concurrent.futures.as_completed(futures):
-            check, family = futures[future]
-            cell = future.result()
-            data["cells"][f"{check}/{family}"] = cell
-            data["versions"] = cell.get("versions", data.get("versions"))
-            write(path, data)  # after every cell: a long run can stop and resume here
-            print(f"   {release} {check:9s} {family:12s} {cell['status']}", flush=True)
-    data["cells"] = {f"{c}/{f}": data["cells"][f"{c}/{f}"] for c, f in CHECKS if f"{c}/{f}" in data["cells"]}
-    data["complete"] = True
-    data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    write(path, data)
-    return data
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(run_cell, py, check, family, env): (check, family) for check, family in todo}
+            for future in concurrent.futures.as_completed(futures):
+                check, family = futures[future]
+                cell = future.result()
+                data["cells"][f"{check}/{family}"] = cell
+                data["versions"] = cell.get("versions", data.get("versions"))
+                write(path, data)  # after every cell: a long run can stop and resume here
+                print(f"   {release} {check:9s} {family:12s} {cell['status']}", flush=True)
+        data["cells"] = {f"{c}/{f}": data["cells"][f"{c}/{f}"] for c, f in CHECKS if f"{c}/{f}" in data["cells"]}
+        data["complete"] = True
+        data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write(path, data)
+        return data
 
 
 def reclassify() -> int:

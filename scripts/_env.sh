@@ -4,9 +4,12 @@ venvs=${EAGLE_COMPAT_VENVS:-$HOME/.cache/eagle-compat/venvs}
 # Bytecode, once: machines of this kind set PYTHONDONTWRITEBYTECODE=1, so every process compiled vLLM's and torch's
 # sources again on each import (vLLM's CPU worker module: 18 s from source, 9 s from cached bytecode; one tiny extract
 # run: 40 s, 21 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
-# outside the source trees. docs/decisions.md, session 23.
-mkdir -p "$venvs/pycache"
-export PYTHONPYCACHEPREFIX="$(cd "$venvs/pycache" && pwd)"  # absolute: each process resolves it from its own cwd
+# outside the source trees (a prefix of yours is kept). docs/decisions.md, session 23.
+if [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
+  mkdir -p "$venvs/pycache"
+  PYTHONPYCACHEPREFIX=$(cd "$venvs/pycache" && pwd)  # absolute: each process resolves it from its own cwd
+fi
+export PYTHONPYCACHEPREFIX
 unset PYTHONDONTWRITEBYTECODE
 ensure_env() {
   local v=$1 venv="$venvs/vllm-$1" recipe

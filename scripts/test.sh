@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
+# the cache's entries for scratch folders (pytest's, the start-up hook's) are never read again: dropped each run
+rm -rf "${PYTHONPYCACHEPREFIX:?}${TMPDIR:-/tmp}"
 status=0
 started=$SECONDS
 releases=(${EAGLE_COMPAT_TEST_RELEASES:-0.32.0 0.16.0})

@@ -173,11 +173,14 @@ def test_runner_sets_ld_preload_only_for_a_worker_that_refuses_to_start_without(
 
 def test_a_releases_cells_share_one_bytecode_cache_that_goes_with_the_run(matrix_code, monkeypatch, tmp_path):
     """Machines of this kind set PYTHONDONTWRITEBYTECODE=1: without a cache each cell's processes compiled vLLM's and
-    torch's sources again. The cells of one release share one cache; it is removed when the release is done."""
+    torch's sources again. A release's kernel probe and cells share one cache; it is removed when the release is done
+    (an environment given with --python is not written to)."""
     import run
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.setattr(run, "RESULTS", str(tmp_path))
-    monkeypatch.setattr(run._cpu_module(), "run_kernel_probe", lambda py: {})
+    probes = []
+    monkeypatch.setattr(run._cpu_module(), "run_kernel_probe",
+                        lambda py, env=None: probes.append(env["PYTHONPYCACHEPREFIX"]) or {})
     seen = []
 
     def cell(py, check, family, env):
@@ -191,6 +194,7 @@ def test_a_releases_cells_share_one_bytecode_cache_that_goes_with_the_run(matrix
     assert len(seen) == 2 and seen[0] == seen[1], seen
     cache, existed, no_bytecode, pythonpath = seen[0]
     assert existed and not no_bytecode and pythonpath == str(ROOT / "src")
+    assert probes == [cache]  # the kernel probe (which imports vLLM) writes to the same cache
     assert not os.path.exists(cache)  # gone with the release
 
 

@@ -72,8 +72,10 @@ def md5_of(bundle_dir: str) -> str:
 
 
 def env(tmp_path) -> dict:
+    # its own bytecode cache: the set-up moves whole site folders to and from one path, and these tests' sources of
+    # one size and mtime 0 would meet a shared cache's entries for that path
     return {**os.environ, "GPU_PARTS": str(tmp_path / "g"), "GPU_SITE": str(tmp_path / "site"),
-            "GPU_SITES": str(tmp_path / "sites"), "LC_ALL": "C",
+            "GPU_SITES": str(tmp_path / "sites"), "LC_ALL": "C", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache"),
             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}  # this env's python3 and pip
 
 

@@ -149,11 +149,13 @@ def _has_op(torch, name: str) -> bool:
         return False
 
 
-def run_kernel_probe(python: str, timeout: float = 300) -> dict:
-    """`probe_vllm_kernels` in a process of `python` (an environment with vLLM), judged by `kernel_verdict`."""
+def run_kernel_probe(python: str, timeout: float = 300, env: dict | None = None) -> dict:
+    """`probe_vllm_kernels` in a process of `python` (an environment with vLLM), judged by `kernel_verdict`; `env`:
+    the process's environment (default: this one's)."""
     import subprocess
     try:
-        proc = subprocess.run([python, os.path.abspath(__file__)], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([python, os.path.abspath(__file__)], capture_output=True, text=True, timeout=timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return {"decided": False, "why": f"the kernel probe did not finish in {timeout:.0f} s"}
     return kernel_verdict(proc.returncode, proc.stdout, proc.stderr)
