@@ -5,10 +5,13 @@ venvs=${EAGLE_COMPAT_VENVS:-$HOME/.cache/eagle-compat/venvs}
 # sources again on each import (vLLM's CPU worker module: 18 s from source, 9 s from cached bytecode; one tiny extract
 # run: 40 s, 21 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
 # outside the source trees (a prefix of yours is kept). docs/decisions.md, session 23.
+EAGLE_COMPAT_OWN_PYCACHE=
 if [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
-  mkdir -p "$venvs/pycache"
-  PYTHONPYCACHEPREFIX=$(cd "$venvs/pycache" && pwd)  # absolute: each process resolves it from its own cwd
+  PYTHONPYCACHEPREFIX=$venvs/pycache
+  EAGLE_COMPAT_OWN_PYCACHE=1
 fi
+mkdir -p "$PYTHONPYCACHEPREFIX"
+PYTHONPYCACHEPREFIX=$(cd "$PYTHONPYCACHEPREFIX" && pwd)  # absolute: each process resolves it from its own cwd
 export PYTHONPYCACHEPREFIX
 unset PYTHONDONTWRITEBYTECODE
 ensure_env() {

@@ -12,8 +12,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
-# the cache's entries for scratch folders (pytest's, the start-up hook's) are never read again: dropped each run
-rm -rf "${PYTHONPYCACHEPREFIX:?}${TMPDIR:-/tmp}"
+# the cache's entries for scratch folders (pytest's, the start-up hook's) are never read again: dropped each run, in
+# our own cache only
+if [ -n "$EAGLE_COMPAT_OWN_PYCACHE" ]; then
+  scratch=$(cd "${TMPDIR:-/tmp}" && pwd)
+  rm -rf "$PYTHONPYCACHEPREFIX$scratch"/pytest-of-* "$PYTHONPYCACHEPREFIX$scratch"/eagle-compat-startup-*
+fi
 status=0
 started=$SECONDS
 releases=(${EAGLE_COMPAT_TEST_RELEASES:-0.32.0 0.16.0})

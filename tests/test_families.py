@@ -7,29 +7,23 @@ release says vLLM cannot run it (tests/test_compat_matrix.py reproduces that cel
 """
 from __future__ import annotations
 
-import json
-import pathlib
-
 import pytest
 
-from eagle_compat import VllmHiddenStatesGenerator, detect, tiny_models
+from eagle_compat import VllmHiddenStatesGenerator, tiny_models
 from eagle_compat.capture import families
 
-from helpers import assert_matches_hf, prompts
+from helpers import assert_matches_hf, prompts, recorded_matrix_cells
 
 FAMILIES = list(tiny_models.FAMILIES)
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "compat_matrix" / "results"
 
 
 def _recorded_failure(family: str) -> str | None:
     """Why this vLLM release cannot run the family's generator cell, as its recorded matrix result says (status
     `unsupported`: vLLM's own limit, measured); None otherwise: a passed or failed cell, or none recorded, runs."""
-    release = detect.base_version(detect.installed_versions().vllm)
-    path = RESULTS / f"vllm-{release}.json"
-    cell = json.loads(path.read_text())["cells"].get(f"generator/{family}") if path.exists() else None
+    cell = recorded_matrix_cells().get(f"generator/{family}")
     if cell is None or cell["status"] != "unsupported":
         return None
-    return f"{cell['status']}: {cell['error'].splitlines()[0][:160]}"
+    return f"{cell['status']}: {(cell.get('error') or 'no reason recorded').splitlines()[0][:160]}"
 
 
 @pytest.mark.engine

@@ -90,7 +90,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
             "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
             "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
-    report["bytecode"] = detect.engine_bytecode()
+    try:
+        report["bytecode"] = detect.engine_bytecode()
+    except Exception as exc:  # noqa: BLE001 - advice on speed must not turn a working doctor into a crash
+        report["bytecode"] = {"error": f"{type(exc).__name__}: {exc}", "note": None}
     from . import environment, startup
     report["environment"] = environment.variables_set()
     report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}

