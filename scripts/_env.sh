@@ -3,7 +3,7 @@
 venvs=${EAGLE_COMPAT_VENVS:-$HOME/.cache/eagle-compat/venvs}
 # Bytecode, once: machines of this kind set PYTHONDONTWRITEBYTECODE=1, so every process compiled vLLM's and torch's
 # sources again on each import (vLLM's CPU worker module: 18 s from source, 9 s from cached bytecode; one tiny extract
-# run: 40 s, 21 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
+# run: 46 s, 26 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
 # outside the source trees (a prefix of yours is kept). docs/decisions.md, session 23.
 EAGLE_COMPAT_OWN_PYCACHE=
 if [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
