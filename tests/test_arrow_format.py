@@ -12,6 +12,7 @@ import torch
 
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import arrow, convert, job, writer
+from eagle_compat.extract import layers as layers_mod
 
 from test_extract_integrity import THINK_TEMPLATE, _opts, _with_template, _write_lines
 from helpers import FakeEngine, prompts
@@ -90,13 +91,20 @@ def test_arrow_layout_rows_layers_and_manifest(model, dataset, tmp_path, fake_en
     assert not (out / "data_config.json").exists()
 
 
-def test_arrow_needs_the_final_pre_norm_state_last(model, dataset, tmp_path, no_engine):
+@pytest.mark.parametrize("fmt", ["arrow", "pt", "safetensors"])
+def test_training_files_need_ascending_layers_with_the_final_pre_norm_state_last(model, dataset, tmp_path, no_engine,
+                                                                                 fmt):
+    """Every format: speculators' trainers take the last slot as the verifier's last hidden state (0.3.0's
+    standardize_data_v1, 0.8-0.9's Arrow reader) and the others in file order, while vLLM feeds a drafter its
+    auxiliary states in model order at inference. Refused before anything is written."""
     out = tmp_path / "out"
     with pytest.raises(InvalidInput, match=r"the last layer must be the final pre-norm state, layer 5 .* id 6 in "
                                            r"vLLM's native 'entering' convention.*e\.g\. --layers 0,2,5"):
-        job.run(_opts(model, dataset, out, layers=[0, 2], format="arrow"))
-    with pytest.raises(InvalidInput, match="the last layer must be"):
-        job.run(_opts(model, dataset, out, layers=[5, 0, 2], format="arrow"))
+        job.run(_opts(model, dataset, out, layers=[0, 2], format=fmt))
+    for unordered in ([5, 0, 2], [2, 0, 5]):
+        with pytest.raises(InvalidInput, match=rf"layers \{unordered}\ .* are not in ascending order: .* "
+                                               r"permuted features.*e\.g\. --layers 0,2,5"):
+            job.run(_opts(model, dataset, out, layers=unordered, format=fmt))
     assert not out.exists()
 
 
@@ -151,18 +159,29 @@ def test_convert_both_ways_equals_direct_runs(model, dataset, tmp_path, fake_eng
     assert FakeEngine.started == before
 
 
-def test_convert_refuses_files_without_the_final_layer_and_reorders_it_last(model, dataset, tmp_path, fake_engine):
-    job.run(_opts(model, dataset, tmp_path / "no_last", layers=[0, 2], skip_uncovered=True))
-    with pytest.raises(InvalidInput, match=r"cannot become the Arrow layout: its files hold layers \[0, 2\] \(leaving; "
-                                           r"entering \[1, 3\]\) of a 6-layer model, without the final pre-norm state "
-                                           r"\(leaving 5, entering 6\)"):
-        convert.convert(str(tmp_path / "no_last"), str(tmp_path / "dst"))
+def test_convert_refuses_files_without_the_final_layer_and_puts_layers_in_ascending_order(
+        model, dataset, tmp_path, fake_engine, monkeypatch):
+    """Sets extracted before extract refused such layers (layers.check_training_layers) may hold any layers in any
+    order: without the final pre-norm state they are refused, otherwise their slots are put in ascending order."""
+    with monkeypatch.context() as m:
+        m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an extract of an earlier release
+        job.run(_opts(model, dataset, tmp_path / "no_last", layers=[0, 2], skip_uncovered=True))
+        job.run(_opts(model, dataset, tmp_path / "last_first", layers=[5, 0, 2], skip_uncovered=True))
+        job.run(_opts(model, dataset, tmp_path / "aux_swapped", layers=[2, 0, 5], skip_uncovered=True))
+    for to in ("arrow", "safetensors"):
+        with pytest.raises(InvalidInput, match=rf"cannot become training files in '{to}': its files hold layers "
+                                               r"\[0, 2\] \(leaving; entering \[1, 3\]\) of a 6-layer model, without the "
+                                               r"final pre-norm state \(leaving 5, entering 6\)"):
+            convert.convert(str(tmp_path / "no_last"), str(tmp_path / "dst"), to=to)
     assert not (tmp_path / "dst").exists()
-    job.run(_opts(model, dataset, tmp_path / "last_first", layers=[5, 0, 2], skip_uncovered=True))
-    summary = convert.convert(str(tmp_path / "last_first"), str(tmp_path / "dst"))
-    assert summary["layer_ids"] == [0, 2, 5] and summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
     job.run(_opts(model, dataset, tmp_path / "direct", layers=LAYERS, format="arrow", skip_uncovered=True))
-    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+    job.run(_opts(model, dataset, tmp_path / "direct_pt", layers=LAYERS, format="safetensors", skip_uncovered=True))
+    for src in ("last_first", "aux_swapped"):
+        summary = convert.convert(str(tmp_path / src), str(tmp_path / f"{src}_arrow"))
+        assert summary["layer_ids"] == [0, 2, 5] and summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+        _arrow_equal(tmp_path / "direct", tmp_path / f"{src}_arrow")
+        convert.convert(str(tmp_path / src), str(tmp_path / f"{src}_st"), to="safetensors")
+        _pt_equal(tmp_path / "direct_pt", tmp_path / f"{src}_st")
 
 
 def test_convert_refuses_an_incomplete_source_and_resumes_into_its_own_dst(model, dataset, tmp_path, fake_engine):
@@ -199,7 +218,7 @@ def test_convert_takes_speculators_0_3_0_own_output(model, dataset, tmp_path, fa
     json.dump(cfg, open(own / "data_config.json", "w"))
     with pytest.raises(InvalidInput, match="number of decoder layers is unknown .* pass --num-layers N"):
         convert.convert(str(own), str(tmp_path / "dst2"))
-    with pytest.raises(InvalidInput, match=r"cannot become the Arrow layout: its files hold layers \[0, 2, 5\] "
+    with pytest.raises(InvalidInput, match=r"cannot become training files in 'arrow': its files hold layers \[0, 2, 5\] "
                                            r"\(leaving; entering \[1, 3, 6\]\) of a 9-layer model"):
         convert.convert(str(own), str(tmp_path / "dst2"), num_layers=9)
     convert.convert(str(own), str(tmp_path / "dst2"), num_layers=6)
@@ -272,3 +291,56 @@ def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model,
                                                              r"0 \(input line 1\)"):
         job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(1, 2)))
     assert not (out / "state.json").exists() and json.load(open(out / "manifest.json"))["status"] == "incomplete"
+
+
+def test_convert_reads_speculators_0_3_0_slots_in_model_order_whatever_its_config_lists(model, dataset, tmp_path,
+                                                                                      fake_engine):
+    """speculators 0.3.0's worker collects the layers in model order (a frozenset looked up as the layers run), but
+    its data_config.json lists them as the user gave them: `--layer-ids 5 0 2` leaves files of slots [0, 2, 5]."""
+    kw = dict(layers=LAYERS, skip_uncovered=True)
+    own = tmp_path / "own"
+    job.run(_opts(model, dataset, own, **kw))
+    for name in ("manifest.json", ".eagle-compat.lock"):
+        os.unlink(own / name)
+    cfg = json.load(open(own / "data_config.json"))
+    cfg["hidden_states"]["layer_ids"] = [5, 0, 2, 2]
+    json.dump(cfg, open(own / "data_config.json", "w"))
+    job.run(_opts(model, dataset, tmp_path / "direct", format="arrow", **kw))
+    summary = convert.convert(str(own), str(tmp_path / "dst"))
+    assert summary["layer_ids"] == [0, 2, 5] and summary["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+
+
+def test_convert_takes_a_set_with_samples_left_out_for_too_few_loss_tokens(model, dataset, tmp_path, fake_engine):
+    kw = dict(layers=LAYERS, skip_uncovered=True, min_loss_tokens=12)
+    summary = job.run(_opts(model, dataset, tmp_path / "pt", **kw))
+    assert json.load(open(tmp_path / "pt" / "manifest.json"))["left_out_few_loss_tokens"], summary  # some left out
+    job.run(_opts(model, dataset, tmp_path / "direct", format="arrow", **kw))
+    convert.convert(str(tmp_path / "pt"), str(tmp_path / "dst"))
+    _arrow_equal(tmp_path / "direct", tmp_path / "dst")
+
+
+def test_convert_refuses_a_destination_another_run_wrote_while_it_started(model, dataset, tmp_path, fake_engine,
+                                                                       monkeypatch):
+    """DST is read before its lock is taken (to refuse early): a run that wrote it in between is caught under the
+    lock, and what it wrote is left as it was."""
+    job.run(_opts(model, dataset, tmp_path / "pt", layers=LAYERS, skip_uncovered=True))
+    dst = tmp_path / "dst"
+    real_enter, raced = writer.DirectoryLock.__enter__, []
+
+    def another_run_first(lock):
+        if not raced:
+            raced.append(True)
+            job.run(_opts(model, dataset, dst, layers=LAYERS, format="arrow", skip_uncovered=True))
+            raced.append(_tree(dst))
+        return real_enter(lock)
+
+    monkeypatch.setattr(writer.DirectoryLock, "__enter__", another_run_first)
+    with pytest.raises(InvalidInput, match="another"):
+        convert.convert(str(tmp_path / "pt"), str(dst))
+    assert _tree(dst) == raced[1]
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".eagle-compat.lock"}

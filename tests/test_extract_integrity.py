@@ -52,7 +52,7 @@ def dataset(tmp_path):
 
 
 def _opts(model, data, out, **kw):
-    kw.setdefault("layers", [0, 1])
+    kw.setdefault("layers", [0, 5])
     kw.setdefault("batch_size", 4)
     return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
 
@@ -86,14 +86,14 @@ def _equal_dirs(a, b):
 
 def test_other_layers_into_a_sharded_directory_are_refused_and_nothing_is_touched(model, dataset, tmp_path,
                                                                                  fake_engine):
-    """The issue's reproduction: --shard 0/2 --layers 0,1, then an unsharded --layers 2,3 without --resume."""
+    """The issue's reproduction: --shard 0/2 --layers 0,5, then an unsharded --layers 2,5 without --resume."""
     out = tmp_path / "out"
-    job.run(_opts(model, dataset, out, layers=[0, 1], shard=(0, 2)))
+    job.run(_opts(model, dataset, out, layers=[0, 5], shard=(0, 2)))
     before = _snapshot(out)
     assert _samples(out)
     for resume in (False, True):
-        with pytest.raises(InvalidInput, match=r"layer_ids: was \[0, 1\], now \[2, 3\]"):
-            job.run(_opts(model, dataset, out, layers=[2, 3], resume=resume))
+        with pytest.raises(InvalidInput, match=r"layer_ids: was \[0, 5\], now \[2, 5\]"):
+            job.run(_opts(model, dataset, out, layers=[2, 5], resume=resume))
         assert _snapshot(out) == before
     assert fake_engine.started == 1
 
@@ -104,7 +104,7 @@ def test_samples_without_a_settings_record_are_refused(model, dataset, tmp_path,
     for record in out.glob("manifest*.json"):
         record.unlink()
     before = _snapshot(out)
-    for layers, resume in (([2, 3], False), ([2, 3], True), ([0, 1], True)):  # other settings, and even the same
+    for layers, resume in (([2, 5], False), ([2, 5], True), ([0, 5], True)):  # other settings, and even the same
         with pytest.raises(InvalidInput, match="no settings record") as exc:
             job.run(_opts(model, dataset, out, layers=layers, resume=resume))
         assert "data_0.pt" in str(exc.value)
@@ -124,7 +124,7 @@ def test_shards_end_with_one_record_and_data_config_for_the_whole_set(model, dat
     second = job.run(_opts(model, dataset, sharded, shard=(0, 2)))
     assert sorted(f for f in os.listdir(sharded) if f.endswith(".json")) == ["data_config.json", "manifest.json"]
     config = json.load(open(sharded / "data_config.json"))
-    assert config["data"]["num_samples"] == N and config["hidden_states"]["layer_ids"] == [0, 1]
+    assert config["data"]["num_samples"] == N and config["hidden_states"]["layer_ids"] == [0, 5]
     assert not first["complete"] and second["complete"] and second["samples"] == N
     manifest = json.load(open(sharded / "manifest.json"))
     assert manifest["status"] == "complete" and [r["shard"] for r in manifest["runs"]] == ["1/2", "0/2"]
@@ -541,7 +541,7 @@ def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fa
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        job.run(_opts(model, dataset, tmp_path / "out", layers=[0, 5] if fmt == "arrow" else [0, 1], format=fmt))
+        job.run(_opts(model, dataset, tmp_path / "out", layers=[0, 5], format=fmt))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
@@ -649,7 +649,7 @@ def test_extract_prints_the_pace_note_between_the_summary_and_the_report(model, 
 
     monkeypatch.setattr(job, "run", run_paced_by_writers)
     assert cli.main(["extract", "--model", model, "--data", dataset, "--out", str(tmp_path / "out"),
-                     "--layers", "0,1", "--batch-size", "4", "--no-progress"]) == 0
+                     "--layers", "0,5", "--batch-size", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("extract: 12 samples in ")
     assert out[1].startswith("extract: the writers set this run's pace: of its 100.0 s"), out

@@ -27,8 +27,6 @@ import shutil
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import InvalidInput
-from . import layers as layer_ids_mod
 from . import writer
 
 HS_DIR = "hidden_states"
@@ -39,17 +37,6 @@ SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 def hs_path(out_dir: str, row: int) -> str:
     return os.path.join(out_dir, HS_DIR, f"hs_{row}.safetensors")
-
-
-def check_layers(layer_ids: list[int], num_layers: int, what: str = "--format arrow") -> None:
-    """The layout's last slot is the verifier's last hidden state: the final pre-norm state (leaving N-1)."""
-    if layer_ids[-1] != num_layers - 1:
-        want = [k for k in layer_ids if k != num_layers - 1] + [num_layers - 1]
-        raise InvalidInput(
-            f"{what}: the last layer must be the final pre-norm state, layer {num_layers - 1} in --layers' "
-            f"convention (leaving layer k; = id {num_layers} in vLLM's native 'entering' convention): speculators "
-            f"0.8-0.9 train on hidden_states[:, -1] as the verifier's last hidden state. Got layers {layer_ids} "
-            f"(entering: {layer_ids_mod.to_entering(layer_ids)}); e.g. --layers {','.join(map(str, want))}")
 
 
 def quantize_fp8(hs: Any) -> tuple[Any, Any]:

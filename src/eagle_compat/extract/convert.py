@@ -7,9 +7,10 @@ gets the same settings record with the format changed (so `extract --resume` wit
 it, and a converted directory is interchangeable with a directly extracted one: tested), plus `converted_from`.
 
 What cannot be converted is refused before anything is written, with the reason:
-* to Arrow, the files must hold the final pre-norm state (layer N-1, leaving; N entering): speculators 0.8-0.9 train
-  on hidden_states[:, -1] as the verifier's last hidden state. Where it is held but not in the last slot, it is moved
-  there (the manifest's layer lists follow);
+* the files must hold the final pre-norm state (layer N-1, leaving; N entering): speculators' trainers take the last
+  slot as the verifier's last hidden state. The destination's slots are in ascending layer order, the final pre-norm
+  state last (extract/layers.py check_training_layers says why); a source in another order is reordered (the
+  manifest's layer lists follow);
 * an incomplete source (a run still to be resumed), or one without a settings record.
 """
 from __future__ import annotations
@@ -38,9 +39,10 @@ def _indices(record: dict) -> list[int]:
     """The sample indices of a complete set, ascending (Arrow row r is the r-th)."""
     if "sample_indices" in record:  # speculators 0.3.0's own output: the files present
         return list(record["sample_indices"])
-    skipped = {int(s["index"]) for s in record.get("skipped_uncovered") or []}
+    left_out = {int(s["index"]) for key in ("skipped_uncovered", "left_out_few_loss_tokens")
+                for s in record.get(key) or []}  # no file: --skip-uncovered, --min-loss-tokens
     total = int(record.get("num_samples_in_data", record.get("num_samples", 0)))
-    return [i for i in range(total) if i not in skipped]
+    return [i for i in range(total) if i not in left_out]
 
 
 def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
@@ -53,7 +55,9 @@ def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
     try:
         with open(path) as f:
             cfg = json.load(f)
-        layer_ids = [int(k) for k in cfg["hidden_states"]["layer_ids"]]
+        # its files hold each listed layer once, in model order (its worker collects them in a frozenset while the
+        # layers run), whatever order data_config.json lists them in (the order the user gave)
+        layer_ids = sorted({int(k) for k in cfg["hidden_states"]["layer_ids"]})
         num_samples = int(cfg["data"]["num_samples"])
     except (ValueError, KeyError, TypeError) as exc:
         raise InvalidInput(f"{path} is not speculators' data-generation config ({exc!r} missing or "
@@ -116,24 +120,23 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
     record, fmt = _read_source(src, num_layers)
     source = formats.get(fmt)
     target = to or ("pt" if source.arrow else "arrow")
-    destination = formats.get(target, "convert --to")
+    formats.get(target, "convert --to")  # refuses an unknown format, naming the known ones
     if target == fmt:
         raise InvalidInput(f"{src} is already in format {fmt!r}; pass --to with another format")
     layer_ids = [int(k) for k in record["layer_ids"]]
     n = int(record.get("num_layers") or record.get("layers", {}).get("num_layers") or 0)
     if not n:
         raise InvalidInput(f"{src}/{writer.MANIFEST} does not record the model's number of layers")
-    order = list(range(len(layer_ids)))  # source slot of each destination slot
-    if destination.arrow and not source.arrow:
-        if n - 1 not in layer_ids:
-            raise InvalidInput(
-                f"{src} cannot become the Arrow layout: its files hold layers {layer_ids} (leaving; "
-                f"entering {layers.to_entering(layer_ids)}) of a {n}-layer model, without the final pre-norm state "
-                f"(leaving {n - 1}, entering {n}), which speculators 0.8-0.9 train on as the verifier's last hidden "
-                f"state (hidden_states[:, -1]). Extract again with --format arrow --layers "
-                f"{','.join(map(str, [*layer_ids, n - 1]))}")
-        last = layer_ids.index(n - 1)
-        order = [j for j in order if j != last] + [last]
+    if n - 1 not in layer_ids:
+        raise InvalidInput(
+            f"{src} cannot become training files in {target!r}: its files hold layers {layer_ids} (leaving; entering "
+            f"{layers.to_entering(layer_ids)}) of a {n}-layer model, without the final pre-norm state (leaving "
+            f"{n - 1}, entering {n}), which speculators' trainers (0.3.0's data_{{i}} files, 0.8-0.9's Arrow layout) "
+            f"train on as the verifier's last hidden state (the last slot). Extract again with --format {target} "
+            f"--layers {','.join(map(str, sorted({*layer_ids, n - 1})))}")
+    # source slot of each destination slot: layers ascending, so the final pre-norm state comes last
+    # (layers.check_training_layers says why; sets extracted before that check may hold another order)
+    order = sorted(range(len(layer_ids)), key=lambda j: layer_ids[j])
     indices = _indices(record)
     formats.SetReader(source, src).check_rows(len(indices))
     missing = [os.path.relpath(path, src) for path in (source.path(src, i, r) for r, i in enumerate(indices))
@@ -168,14 +171,8 @@ def _dst_record(src: str, p: dict) -> dict:
     return rec
 
 
-def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num_layers: int | None = None) -> dict:
-
-    p = plan(src, to, num_layers)
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise InvalidInput("SRC and DST are the same directory")
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise InvalidInput(f"DST {dst!r} is a file")
-    fresh = _dst_record(src, p)
+def _check_destination(dst: str, p: dict, resume: bool) -> dict | None:
+    """DST's own record, if it holds an earlier conversion of this SRC to be resumed; refuses anything else there."""
     existing = writer.read_manifest(dst)
     if existing is not None:
         same = (existing.get("converted_from", {}).get("manifest_sha256") == p["src_manifest_sha256"]
@@ -188,11 +185,27 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
                                "complete it (files present are whole and kept), or choose an empty DST")
     elif writer.sample_files(dst):
         raise InvalidInput(f"DST {dst} holds training files but no settings record; choose an empty DST")
+    return existing
+
+
+def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num_layers: int | None = None) -> dict:
+
+    p = plan(src, to, num_layers)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise InvalidInput("SRC and DST are the same directory")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise InvalidInput(f"DST {dst!r} is a file")
+    fresh = _dst_record(src, p)
+    existing = _check_destination(dst, p, resume)
     os.makedirs(dst, exist_ok=True)
     source, destination = formats.get(p["from"]), formats.get(p["to"])
     order, indices = p["order"], p["indices"]
     written = 0
     with writer.DirectoryLock(dst):
+        # again under the lock: another run may have written DST since it was read above
+        if _check_destination(dst, p, resume) != existing:
+            raise writer.OutputDirectoryConflict(f"DST {dst} was written by another run while this convert started; "
+                                                 "nothing was written by this one: choose an empty DST")
         swept = writer.sweep_temp_files(dst)
         rec = existing or fresh
         rec["status"] = "converting"

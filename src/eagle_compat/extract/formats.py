@@ -56,9 +56,6 @@ class SampleFiles:
     def __init__(self, name: str):
         self.name = name
 
-    def check_layers(self, layer_ids: list[int], num_layers: int, what: str) -> None:
-        """Any layers: 0.3.0's trainer reads the slots as its data_config.json lists them."""
-
     def path(self, out: str, index: int, row: int) -> str:
         return writer.sample_path(out, index, self.name)
 
@@ -88,9 +85,6 @@ class ArrowLayout:
 
     def __init__(self, name: str):
         self.name = name
-
-    def check_layers(self, layer_ids: list[int], num_layers: int, what: str) -> None:
-        arrow.check_layers(layer_ids, num_layers, what)
 
     def path(self, out: str, index: int, row: int) -> str:
         return arrow.hs_path(out, row)

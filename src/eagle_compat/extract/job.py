@@ -233,7 +233,7 @@ def run(opts: ExtractOptions) -> dict:
     layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
                  else generator.validate_layer_ids(opts.layers, num_layers))
     fmt = formats.get(opts.format)
-    fmt.check_layers(layer_ids, num_layers, f"--format {opts.format}")
+    layers.check_training_layers(layer_ids, num_layers, "--layers")
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
