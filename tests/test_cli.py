@@ -139,6 +139,19 @@ def test_the_readmes_main_job_runs_and_passes_its_checks_against_hf(tmp_path):
     assert len([f for f in os.listdir(out) if f.startswith("data_") and f.endswith(".pt")]) == 24
 
 
+def test_the_demo_refuses_an_out_holding_another_models_demo_before_its_engine_starts(tmp_path):
+    """`scripts/demo.sh --family llama` after the default demo: its main job could not add to out/demo (another
+    model), which was found only after the speculators comparison had run."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"settings": {"model": "/elsewhere/deepseek", "layer_ids": [0, 5]}}))
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "demo", "--family", "llama", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"--out {out} holds the demo of another model (/elsewhere/deepseek" in proc.stderr
+    assert f"--out {out}-llama" in proc.stderr and "speculators 0.3.0 VllmHiddenStatesGenerator" not in proc.stdout
+
+
 @pytest.mark.engine
 def test_extract_prints_the_bar_and_the_report_and_nothing_of_vllm(tmp_path):
     """Quiet by default (issue 27): the progress bar (stderr), the summary and the data report (stdout); no vLLM log

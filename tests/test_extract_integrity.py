@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import eagle_compat.generator
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.errors import EagleCompatError
 from eagle_compat.extract import inputs, job, writer
@@ -230,7 +231,7 @@ def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, 
     assert {f"data_{i}.pt" for i in range(4)} <= set(_samples(out)) <= {f"data_{i}.pt" for i in range(5)}
     assert not [f for f in os.listdir(out) if ".tmp-" in f]
     manifest = json.load(open(out / "manifest.json"))
-    assert manifest["status"] == "running" and manifest["runs"][-1]["status"].startswith("failed: OutputWriteError")
+    assert manifest["status"] == "incomplete" and manifest["runs"][-1]["status"].startswith("failed: OutputWriteError")
     assert not os.path.exists(out / "data_config.json")
     summary = job.run(_opts(model, dataset, out, resume=True))
     assert summary["complete"] and summary["written_this_run"] == 8  # the batch with data_5 is redone whole
@@ -654,3 +655,94 @@ def test_extract_prints_the_pace_note_between_the_summary_and_the_report(model, 
     assert out[0].startswith("extract: 12 samples in ")
     assert out[1].startswith("extract: the writers set this run's pace: of its 100.0 s"), out
     assert out[2].startswith("data report: 12 samples"), out
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("tensor_parallel_size", 0, r"--tensor-parallel-size=0; must be an int >= 1"),
+    ("gpu_memory_utilization", 1.5, r"--gpu-memory-utilization=1.5; must be in \(0, 1\]"),
+    ("kv_cache_memory_bytes", -1, r"--kv-cache-memory-bytes=-1; must be a positive int"),
+    ("dtype", "bfloat", r"--dtype='bfloat'; allowed: auto, half, float16, bfloat16, float, float32"),
+    ("ray_actors", 4, r"--ray-actors 4 without --ray"),
+])
+def test_engine_option_typos_are_refused_before_the_directory_is_made(model, dataset, tmp_path, no_engine, option,
+                                                                      value, says):
+    """Before, these reached the engine after --out held a settings record, and the corrected command was refused
+    as "other settings"."""
+    with pytest.raises(InvalidInput, match=says):
+        job.run(_opts(model, dataset, tmp_path / "out", **{option: value}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_record_whose_runs_wrote_no_file_gives_way_to_other_settings(model, dataset, tmp_path, fake_engine,
+                                                                       monkeypatch):
+    """An engine that cannot start (too many tensor-parallel ranks for the machine, say) leaves only the record:
+    nothing there to mix with, so the corrected command runs; its record keeps the replaced one's history. With one
+    file written the refusal stands."""
+    out = tmp_path / "out"
+
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("no device for rank 3")
+
+    with monkeypatch.context() as m:
+        m.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", cannot_start)
+        with pytest.raises(RuntimeError, match="no device for rank 3"):
+            job.run(_opts(model, dataset, out, layers=[2, 5], tensor_parallel_size=4))
+    failed = json.load(open(out / "manifest.json"))
+    assert failed["status"] == "incomplete" and failed["samples_present"] == 0  # no longer "running"
+    assert not writer.sample_files(str(out))
+    job.run(_opts(model, dataset, out, layers=[2, 5]))
+    record = json.load(open(out / "manifest.json"))
+    assert record["status"] == "complete" and record["settings"]["tensor_parallel_size"] == 1
+    assert record["replaced_record_without_files"]["settings"]["tensor_parallel_size"] == 4
+    assert record["replaced_record_without_files"]["runs"][0]["status"].startswith("failed: RuntimeError")
+    with pytest.raises(InvalidInput, match="other settings"):
+        job.run(_opts(model, dataset, out, layers=[3, 5], resume=True))
+
+
+def test_bad_model_and_out_paths_are_clear_errors_before_the_data_is_read(model, dataset, tmp_path, no_engine):
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    for bad, says in ((dataset, r"is a file; give the model's directory"),
+                      (empty, r"transformers cannot read its config"),
+                      (broken, r"config.json cannot be read as JSON")):
+        with pytest.raises(InvalidInput, match=says):
+            job.run(_opts(str(bad), dataset, tmp_path / "out"))
+    with pytest.raises(InvalidInput, match=r"--out .* cannot be made: .* is a file"):
+        job.run(_opts(model, dataset, os.path.join(dataset, "sub")))
+    with pytest.raises(InvalidInput, match=r"--data .*: a directory; give the JSONL file"):
+        job.run(_opts(model, str(tmp_path), tmp_path / "out"))
+    with pytest.raises(InvalidInput, match=r"--layers ',': no layer id"):
+        job.parse_layers(",")
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversations_without_a_tokenizer_say_why_it_did_not_load(model, tmp_path, no_engine):
+    no_tokenizer = tmp_path / "model"
+    shutil.copytree(model, no_tokenizer)
+    for f in no_tokenizer.iterdir():
+        if "token" in f.name:
+            f.unlink()
+    data = _write_lines(tmp_path / "c.jsonl", [{"conversations": [{"role": "user", "content": "hi"},
+                                                                  {"role": "assistant", "content": "ho"}]}])
+    with pytest.raises(InvalidInput, match=r"c.jsonl:1: conversations need the model's tokenizer, which did not "
+                                           r"load \(\w+(Error|Exception)?: "):
+        job.run(_opts(str(no_tokenizer), data, tmp_path / "out"))
+
+
+def test_validate_failures_name_the_input_line(tmp_path):
+    """--validate ran its own check first: a NaN was a bare RuntimeError there (a traceback, no line), clearer
+    without --validate. Both are now the writer's errors with the input line."""
+    from eagle_compat.extract import formats
+    placed = formats.Placed(index=7, row=7, line=8, input_ids=[1, 2, 3], loss_mask=[0, 1, 1])
+    nan = {"input_ids": torch.tensor([1, 2, 3]), "hidden_states": [torch.tensor([[0.0], [float("nan")], [1.0]])]}
+    with pytest.raises(writer.NonFiniteStates, match=r"d.jsonl:8: sample 7: layer id 5 has 1 NaN/Inf values"):
+        formats.write_sample(formats.get("pt"), str(tmp_path), placed, nan, [5], data="d.jsonl", validate=True,
+                             vocab_size=10, hidden_size=1)
+    short = {"input_ids": torch.tensor([1, 2, 3]), "hidden_states": [torch.zeros(2, 1)]}
+    with pytest.raises(writer.InvalidSample, match=r"d.jsonl:8: --validate: hidden_states\[0\] has shape \(2, 1\)"):
+        formats.write_sample(formats.get("pt"), str(tmp_path), placed, short, [5], data="d.jsonl", validate=True,
+                             vocab_size=10, hidden_size=1)
+    assert not list(tmp_path.iterdir())

@@ -111,3 +111,17 @@ def test_the_length_histogram_plot_needs_matplotlib_and_says_so(model, chats, tm
         pytest.skip("matplotlib is not installed here: the refusal was checked, not the drawing")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_file_that_cannot_be_written_is_refused_before_the_run(model, chats, tmp_path, no_engine):
+    """`extract --report-plot` draws after the run: a bad path was a traceback and exit 1 after days of work."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed here: its absence is refused first (the test above)")
+    for bad, says in ((tmp_path / "no" / "such" / "x.png", "is not a folder this user can write in"),
+                      (tmp_path / "x.txt", "the file type 'txt' is not one matplotlib writes; allowed: ")):
+        proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", chats,
+                               "--out", str(tmp_path / "out"), "--report-plot", str(bad)], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()

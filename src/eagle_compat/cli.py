@@ -190,6 +190,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n = tiny_models.num_layers(args.family)
     layer_ids = sorted({0, (n - 1) // 2, n - 2, n - 1})
     print(f"tiny {args.family} model ({n} layers) at {path}")
+    from .errors import InvalidInput
+    from .extract import writer
+    earlier = (writer.read_manifest(args.out) or {}).get("settings") or {}
+    if earlier and (earlier.get("model"), earlier.get("layer_ids")) != (os.path.abspath(path), layer_ids):
+        # refused now, not after the comparison below: the main job could not add to that directory
+        raise InvalidInput(f"--out {args.out} holds the demo of another model ({earlier.get('model')}, layers "
+                           f"{earlier.get('layer_ids')}): give this one another --out (e.g. --out "
+                           f"{args.out.rstrip('/')}-{args.family}) or remove {args.out}")
     import eagle_compat
 
     report = eagle_compat.install()
@@ -333,7 +341,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         progress=not args.no_progress, skip_uncovered=args.skip_uncovered, ray=args.ray, ray_actors=args.ray_actors,
         ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)
     if args.report_plot:
-        data_report.require_matplotlib()  # before anything reaches the engine
+        data_report.check_plot_path(args.report_plot, "--report-plot")  # before anything reaches the engine
     summary = job.run(opts)
     print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
           f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
@@ -344,7 +352,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
         print(f"extract: {disk_note}")
     print(data_report.text(summary["report"]))
     if args.report_plot:
-        print(f"extract: length histogram in {data_report.plot(summary['report'], args.report_plot)}")
+        try:  # the training files are whole whatever happens to the picture
+            print(f"extract: length histogram in {data_report.plot(summary['report'], args.report_plot)}")
+        except Exception as exc:  # noqa: BLE001
+            print(f"extract: the length histogram could not be drawn ({type(exc).__name__}: {exc}); the run's "
+                  "files are complete: `eagle-compat report OUT --plot FILE` draws it again", file=sys.stderr)
     if summary["skipped"]:
         lines = ", ".join(str(s["line"]) for s in summary["skipped"][:20])
         print(f"extract: skipped {len(summary['skipped'])} conversations whose assistant tokens could not all be "

@@ -45,16 +45,27 @@ def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
     import json
     from types import SimpleNamespace
 
+    if os.path.isfile(model_path):
+        raise InvalidInput(f"model {model_path!r} is a file; give the model's directory (with config.json) or a hub id")
     path = os.path.join(model_path, "config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            raw = json.load(f)
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"{path} cannot be read as JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise InvalidInput(f"{path} is not a model config (a JSON object), got {type(raw).__name__}")
         for candidate in (raw.get("text_config"), raw.get("language_config"), raw):
             if isinstance(candidate, dict) and "num_hidden_layers" in candidate:
                 return SimpleNamespace(**candidate)
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:  # no config.json, an unknown model type, a hub id that cannot be reached
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidInput(f"model {model_path!r}: transformers cannot read its config ({first})") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not hasattr(text, "num_hidden_layers"):
         raise InvalidInput(f"{model_path}: cannot find num_hidden_layers in its config")
@@ -80,6 +91,26 @@ def validate_layer_ids(layer_ids: Sequence[Any], num_layers: int) -> list[int]:
     if dups:
         raise InvalidInput(f"layer ids {dups} repeated in {list(layer_ids)}; give each layer once")
     return out
+
+
+ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelConfig.dtype strings
+
+
+def check_engine_options(*, tensor_parallel_size: Any, gpu_memory_utilization: Any, kv_cache_memory_bytes: Any,
+                         dtype: Any, name: Any = lambda option: option) -> None:
+    """What the engine would refuse only once started: checked first, so nothing is written or loaded for a typo.
+    `name(option)` spells an option as its caller's user wrote it (extract: --tensor-parallel-size)."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise InvalidInput(f"{name('tensor_parallel_size')}={tensor_parallel_size!r}; must be an int >= 1")
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real) or \
+            not 0.0 < float(gpu_memory_utilization) <= 1.0:
+        raise InvalidInput(f"{name('gpu_memory_utilization')}={gpu_memory_utilization!r}; must be in (0, 1]")
+    if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool) or not isinstance(
+            kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
+        raise InvalidInput(f"{name('kv_cache_memory_bytes')}={kv_cache_memory_bytes!r}; must be a positive int "
+                           "(bytes)")
+    if isinstance(dtype, str) and dtype not in ENGINE_DTYPES:
+        raise InvalidInput(f"{name('dtype')}={dtype!r}; allowed: {', '.join(ENGINE_DTYPES)}")
 
 
 def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncate: bool) -> list[list[int]]:
@@ -167,18 +198,13 @@ class VllmHiddenStatesGenerator:
         engine.require_vllm()
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise InvalidInput(f"tensor_parallel_size={tensor_parallel_size!r}; must be an int >= 1")
+        check_engine_options(tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                             kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype)
         # in_process: vLLM's one-rank executor in this process (no spawned worker to import vLLM again: start-up in
         # seconds); its calls run in the caller's thread, one at a time and without a deadline: for short runs
         if in_process and tensor_parallel_size != 1:
             raise InvalidInput(f"in_process=True runs one worker in this process; tensor_parallel_size="
                                f"{tensor_parallel_size} needs one process per rank: leave in_process off")
-        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-            raise InvalidInput(f"gpu_memory_utilization={gpu_memory_utilization!r}; must be in (0, 1]")
-        if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool) or not isinstance(
-                kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
-            raise InvalidInput(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r}; must be a positive int (bytes)")
         if not os.path.exists(model_path) and "/" not in model_path:
             raise InvalidInput(f"model_path {model_path!r} is neither a local directory nor a hub id")
         self.model_path = model_path

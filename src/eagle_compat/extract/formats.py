@@ -119,13 +119,14 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
 
     sample = {"input_ids": result["input_ids"], "hidden_states": result["hidden_states"],
               "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
-    if validate:
-        writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
     try:
+        if validate:
+            writer.require_finite(s.index, sample["hidden_states"], layer_ids)  # its own message, as without
+            writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         return fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
                         layer_ids)
-    except writer.NonFiniteStates as exc:
-        raise writer.NonFiniteStates(f"{data}:{s.line}: {exc}") from None
+    except (writer.NonFiniteStates, writer.InvalidSample) as exc:
+        raise type(exc)(f"{data}:{s.line}: {exc}") from None
 
 
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {

@@ -160,7 +160,7 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
-                 check_decoded: bool = False, min_loss_tokens: int = 0) -> Dataset:
+                 check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "") -> Dataset:
     """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed."""
     samples: list[Sample] = []
@@ -187,7 +187,8 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             cut = Cut()
             if messages is not None:
                 if tokenizer is None:
-                    raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load")
+                    raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load"
+                                       + (f" ({tokenizer_error})" if tokenizer_error else ""))
                 try:
                     ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded,
                                                       cut=cut)

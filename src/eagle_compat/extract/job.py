@@ -66,9 +66,12 @@ def parse_layers(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidInput(f"--layers {text!r}: expected comma-separated ints, e.g. 2,16,29,31") from None
+    if not ids:
+        raise InvalidInput(f"--layers {text!r}: no layer id; expected comma-separated ints, e.g. 2,16,29,31")
+    return ids
 
 
 def _check(opts: ExtractOptions) -> None:
@@ -80,14 +83,34 @@ def _check(opts: ExtractOptions) -> None:
     if opts.max_len is not None and opts.max_len < 1:
         raise InvalidInput(f"--max-len {opts.max_len}; must be >= 1")
     if not os.path.isfile(opts.data):
-        raise InvalidInput(f"--data {opts.data!r}: no such file")
+        raise InvalidInput(f"--data {opts.data!r}: " + ("a directory; give the JSONL file" if os.path.isdir(opts.data)
+                                                         else "no such file"))
     if not os.path.exists(opts.model):
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
+    nearest = os.path.abspath(opts.out)  # the folder --out is (or will be made) in: before the data is read
+    while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        raise InvalidInput(f"--out {opts.out!r} cannot be made: {nearest} is a file")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise InvalidInput(f"--out {opts.out!r}: this user cannot write in {nearest}")
+    from .. import generator
+    generator.check_engine_options(tensor_parallel_size=opts.tensor_parallel_size,
+                                   gpu_memory_utilization=opts.gpu_memory_utilization,
+                                   kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
+                                   name=lambda option: "--" + option.replace("_", "-"))
     if opts.ray is not None:
         from . import ray_runner
         ray_runner.check_options(opts)
+    else:
+        given = [f"--{k.replace('_', '-')} {v}" for k, v in (("ray_actors", opts.ray_actors),
+                                                             ("ray_cpus_per_actor", opts.ray_cpus_per_actor))
+                 if v is not None]
+        if given:
+            raise InvalidInput(f"{', '.join(given)} without --ray: Ray options apply only to a run on a Ray cluster; "
+                               "add --ray [ADDRESS], or leave them out")
 
 
 def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dict[str, Any]:
@@ -238,13 +261,14 @@ def run(opts: ExtractOptions) -> dict:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
     writer.check_directory(opts.out, settings)
+    tokenizer_error = ""
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
-    except Exception:  # noqa: BLE001 - pre-tokenized input does not need one
-        tokenizer = None
+    except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
+        tokenizer, tokenizer_error = None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
                                skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                               min_loss_tokens=opts.min_loss_tokens)
+                               min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error)
     samples = data.samples
     # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
     placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
@@ -269,14 +293,18 @@ def run(opts: ExtractOptions) -> dict:
     if opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
         from . import ray_runner
         ray_runner.connect(opts.ray or None)
-    os.makedirs(opts.out, exist_ok=True)
+    try:
+        os.makedirs(opts.out, exist_ok=True)
+    except OSError as exc:
+        raise writer.OutputWriteError(f"--out {opts.out!r} cannot be made: {exc.strerror or exc}") from None
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
     with writer.DirectoryLock(opts.out):
-        # again: another run may have written between the checks
+        # again: another run may have written between the checks (and a dead run's writers, until they end)
+        waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
         record = writer.check_directory(opts.out, settings)
         refuse_without_resume()
-        waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
+        replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
         swept = writer.sweep_temp_files(opts.out)
         # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
         todo = [b for b in mine if not all(os.path.exists(path_of(s)) for s in b)]
@@ -299,6 +327,9 @@ def run(opts: ExtractOptions) -> dict:
             "num_samples": len(samples), "skipped_uncovered": data.skipped,
             "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens],
             "versions": versions, "runs": []}
+        if replaced is not None:
+            manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
+                                                         "runs": replaced.get("runs", [])}
         left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
         manifest["report"] = report.of_samples(samples, max_len, left_out)  # the directory's: the whole input
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
@@ -325,6 +356,7 @@ def run(opts: ExtractOptions) -> dict:
                                                                  hidden_size, manifest, this_run)
         except KeyboardInterrupt:
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
+            manifest.update(status="incomplete", samples_present=sum(os.path.exists(path_of(s)) for s in placed))
             _best_effort_json(manifest_path, manifest)
             present = sum(os.path.exists(path_of(s)) for b in mine for s in b)
             raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, mine))} files are complete in "
@@ -333,6 +365,7 @@ def run(opts: ExtractOptions) -> dict:
         except BaseException as exc:
             this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
                             finished=datetime.now(timezone.utc).isoformat())
+            manifest.update(status="incomplete", samples_present=sum(os.path.exists(path_of(s)) for s in placed))
             _best_effort_json(manifest_path, manifest)
             raise
         finally:

@@ -127,16 +127,28 @@ def text(report: dict, title: str = "data report") -> str:
     return "\n".join(lines)
 
 
-def require_matplotlib() -> None:
+def check_plot_path(path: str, option: str) -> None:
+    """Before any work: matplotlib is installed, writes this file type, and the file's folder can be written."""
     import importlib.util
+    import os
+
+    from ..errors import InvalidInput
     if importlib.util.find_spec("matplotlib") is None:
-        from ..errors import InvalidInput
-        raise InvalidInput("--report-plot needs matplotlib, which is not installed: pip install matplotlib")
+        raise InvalidInput(f"{option} needs matplotlib, which is not installed: pip install matplotlib")
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise InvalidInput(f"{option} {path!r}: the file type {ext or '(none)'!r} is not one matplotlib writes; "
+                           f"allowed: {', '.join(kinds)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidInput(f"{option} {path!r}: {folder} is not a folder this user can write in")
 
 
 def plot(report: dict, path: str) -> str:
     """A PNG of the length histogram (matplotlib, if installed)."""
-    require_matplotlib()
+    check_plot_path(path, "--plot")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

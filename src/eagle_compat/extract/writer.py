@@ -48,6 +48,10 @@ class OutputWriteError(EagleCompatError, OSError):
     """Writing to --out failed (disk full, permissions, I/O error); what was written before is complete."""
 
 
+class InvalidSample(EagleCompatError, RuntimeError):
+    """--validate: a sample's ids, mask or states are not what the settings promise (the engine's output)."""
+
+
 class NonFiniteStates(EagleCompatError, RuntimeError):
     """A sample's hidden states hold NaN or Inf: refused before anything of it is written (in fp8 one Inf would also
     make its token's scale Inf: the whole token zeros or NaN)."""
@@ -255,7 +259,8 @@ def read_manifest(out_dir: str) -> dict | None:
 def check_directory(out_dir: str, settings: dict) -> dict | None:
     """Refuse a directory whose samples were made with other settings, or by a run that left no record.
 
-    Returns the existing record (None for a directory without one and without samples). Reads only."""
+    Returns the existing record (None for a directory without one and without samples, or whose record describes no
+    sample file: a run with other settings may replace it). Reads only."""
     record = read_manifest(out_dir)
     if record is None:
         found = sample_files(out_dir)
@@ -268,6 +273,8 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
                 "Move them away or choose another --out")
         return None
     diffs = settings_differences(record["settings"], settings)
+    if diffs and not sample_files(out_dir):  # its runs wrote nothing (one refused at start-up, say): nothing to mix
+        return None
     if diffs:
         raise OutputDirectoryConflict(
             f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
@@ -426,4 +433,4 @@ def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size
         if not bool(torch.isfinite(h).all()):
             problems.append(f"hidden_states[{k}] has NaN or Inf")
     if problems:
-        raise RuntimeError("validation failed: " + "; ".join(problems))
+        raise InvalidSample("--validate: " + "; ".join(problems) + "; nothing of this sample was written")
