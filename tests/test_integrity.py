@@ -74,6 +74,49 @@ def test_a_worker_without_the_plugin_is_refused_before_any_capture(monkeypatch):
         VllmHiddenStatesGenerator(path, layer_ids=[0, 2], max_model_len=512, gpu_memory_utilization=0.3)
 
 
+@pytest.mark.engine
+def test_speculators_refuses_a_kv_cache_smaller_than_one_max_model_len_prompt(monkeypatch):
+    """speculators sizes its KV cache itself, unchecked. Here it gets three blocks (two usable): a prompt needing
+    more is never scheduled, and without the check generate() returned empty states for it and every later prompt
+    of its batch, with no error (docs/decisions.md, session 24). Refused where speculators builds its Scheduler."""
+    from eagle_compat import engine
+    from eagle_compat.errors import InvalidInput
+
+    path = tiny_models.build_tiny_model("llama")
+
+    def three_blocks(executor, *args, **kwargs):
+        specs = executor.collective_rpc("get_kv_cache_spec")[0]
+        return 3 * sum(spec.page_size_bytes for spec in specs.values())
+
+    monkeypatch.setattr(engine, "kv_budget", three_blocks)  # what cpu_kv_budget answers speculators with
+    eagle_compat.install()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    with pytest.raises(InvalidInput, match=r"the KV cache has 2 usable blocks, and one prompt of max_model_len=512 "
+                                           r"tokens needs \d+: .* empty hidden states"):
+        VllmHiddenStatesGenerator(path, layer_ids=[0, 5], max_model_len=512, gpu_memory_utilization=0.3)
+
+
+def test_the_kv_room_check_counts_every_group_and_the_null_block():
+    from types import SimpleNamespace
+
+    from eagle_compat import engine
+    from eagle_compat.errors import InvalidInput
+
+    def group(block_size, page):  # a full-attention group: one block per block_size tokens
+        return SimpleNamespace(kv_cache_spec=SimpleNamespace(
+            page_size_bytes=page, max_memory_usage_bytes=lambda cfg: -(-cfg.model_config.max_model_len // block_size)
+            * page))
+
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
+    fits = dict(vllm_config=config, kv_cache_config=SimpleNamespace(num_blocks=1 + 32 + 4, kv_cache_groups=[
+        group(16, 100), group(128, 7)]))
+    assert engine.require_room_for_max_model_len(fits) is fits
+    short = dict(fits, kv_cache_config=SimpleNamespace(num_blocks=32 + 4, kv_cache_groups=fits["kv_cache_config"]
+                                                       .kv_cache_groups))
+    with pytest.raises(InvalidInput, match="has 35 usable blocks, and one prompt of max_model_len=512 tokens needs 36"):
+        engine.require_room_for_max_model_len(short)
+
+
 @pytest.fixture
 def broken_torchvision(tmp_path, monkeypatch):
     """A torchvision that fails at import the way a build for another torch does."""

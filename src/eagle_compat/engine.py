@@ -355,12 +355,39 @@ def scheduler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def require_room_for_max_model_len(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Scheduler's KV cache must hold one prompt of max_model_len tokens, as vLLM's EngineCore checks at start-up
+    (`check_enough_kv_cache_memory`), which speculators' engine and ours bypass. Else a longer prompt is never
+    scheduled: speculators 0.3.0's generate() then returns empty states for it and for every later prompt of its
+    batch, and leaves them queued for the next call, with no error. Returns the keywords unchanged."""
+    cfg, vllm_config = kwargs.get("kv_cache_config"), kwargs.get("vllm_config")
+    groups = getattr(cfg, "kv_cache_groups", None)
+    if not groups or vllm_config is None:
+        return kwargs
+    max_model_len = int(vllm_config.model_config.max_model_len)
+    needed = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        needed += -(-int(spec.max_memory_usage_bytes(vllm_config)) // int(spec.page_size_bytes))
+    usable = int(cfg.num_blocks) - 1  # BlockPool holds one block back (its null block)
+    if usable < needed:
+        from .errors import InvalidInput
+        raise InvalidInput(
+            f"the KV cache has {usable} usable blocks, and one prompt of max_model_len={max_model_len} tokens needs "
+            f"{needed}: a longer prompt would never be scheduled, and speculators' generate() would return empty "
+            "hidden states for it and every later prompt of its batch, with no error (vLLM's own engine refuses this "
+            "at start-up). Give the KV cache more memory (gpu_memory_utilization; on CPU VLLM_CPU_KVCACHE_SPACE, "
+            "in GiB) or lower max_model_len")
+    return kwargs
+
+
 def build_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    return Scheduler(**scheduler_kwargs(dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                                             structured_output_manager=StructuredOutputManager(vllm_config))))
+    kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                  structured_output_manager=StructuredOutputManager(vllm_config))
+    return Scheduler(**scheduler_kwargs(require_room_for_max_model_len(kwargs)))
 
 
 def request_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

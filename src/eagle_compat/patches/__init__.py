@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv_budget, cpu_mla_disable,
                cpu_tp_thread_binding, extensible_kv_cache_off, finished_requests_delivered, gpu_sampler_no_jit,
-               kv_cache_config_helpers, kv_planning_helpers_moved, platform_block_size, prefix_caching_off,
-               quiet_shutdown, request_eos_token_id, scheduler_block_size, scheduler_config_encoder_decoder,
-               sliding_window_block_size, speculators_config_init, speculators_trainer_target_norm, step_deadline,
-               text_only_model, transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step,
-               unique_reply_shape, warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
+               kv_cache_config_helpers, kv_cache_room_checked, kv_planning_helpers_moved, platform_block_size,
+               prefix_caching_off, quiet_shutdown, request_eos_token_id, scheduler_block_size,
+               scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
+               speculators_trainer_target_norm, step_deadline, text_only_model, transformers5_pydantic_torch,
+               transformers_attn_mask_utils, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
+               worker_error_messages, worker_handshake)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 
 REGISTRY: tuple[PatchUnit, ...] = (
@@ -33,6 +34,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     sliding_window_block_size.UNIT,
     kv_cache_config_helpers.UNIT,
     scheduler_block_size.UNIT,
+    kv_cache_room_checked.UNIT,
     request_eos_token_id.UNIT,
     two_phase_step.UNIT,
     finished_requests_delivered.UNIT,
