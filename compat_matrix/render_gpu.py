@@ -49,8 +49,9 @@ vLLM's source the 0.23-0.25 cells ran Triton MoE (each machine note); from 0.24.
 Whether a release can be carried is measured against this machine's package registry
 (`scripts/gpu_requirements_probe.py`, `compat_matrix/results/gpu/carry-probe.md`, measured again in session 13 with
 every manylinux tag from 2_17 to 2_35: the session-8 probe skipped NCCL's and llguidance's tags and wrongly reported
-them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is not. The
-GPU table of docs/compatibility.md shows each release's status.
+them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is not: its bundle carries
+0.7.4, the next patch of that minor, and transformers 5.22.2 for the huggingface_hub>=2 it asks
+(`scripts/gpu_bundle.sh`; built as a delta over 0.33.0's, not yet run). The GPU table of docs/compatibility.md shows each release's status.
 """
 
 

@@ -111,6 +111,19 @@ case "$release" in
                tabulate compressed_tensors==0.17.0 nvtx==0.2.15 $mistral_tokenizer_needs $openai_namespace_tool \
                xgrammar==0.2.8 flashinfer_python==0.7.2.post1 humming_kernels==0.1.19 quack_kernels==0.6.5 \
                huggingface_hub==1.33.0 instanttensor==0.2.2 oss_harmony==0.0.11 tokenizers==0.23.3" ;;
+  # 0.34.0: 0.33.0's torch 2.14 set (build it as a delta over 0.33.0's bundle, BASE=), with what its wheel changes
+  # (carry-probe.md): flashinfer-python==0.7.3 is not served, so 0.7.4, the next patch of that minor (vLLM checks
+  # only that its flashinfer packages agree with each other: utils/flashinfer.py; none other is carried); it asks
+  # huggingface_hub>=2.0.0, which the image's transformers 5.17 refuses (<2.0), so transformers 5.22.2 (the newest
+  # below 0.34's <5.23; it takes hub <3.0) and hub 2.4.0; filelock>=4.2.4. opentelemetry (tracing) is imported
+  # lazily (no module-level import in the wheel). Built, not yet run.
+  0.34.0)
+    overrides="torch==2.14.0 torchvision==0.29.0 triton==3.8.0 nvidia_cudnn_cu13==9.24.0.43 nvidia_nccl_cu13==2.30.7 \
+               nvidia_cusparselt_cu13==0.8.1 apache_tvm_ffi==0.1.11 cuda_tile nvidia_cudnn_frontend pyelftools \
+               tabulate compressed_tensors==0.17.0 nvtx==0.2.15 $mistral_tokenizer_needs $openai_namespace_tool \
+               xgrammar==0.2.8 flashinfer_python==0.7.4 humming_kernels==0.1.19 quack_kernels==0.6.5 \
+               huggingface_hub==2.4.0 transformers==5.22.2 filelock==4.3.2 instanttensor==0.2.2 oss_harmony==0.0.11 \
+               tokenizers==0.23.3" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'
