@@ -706,7 +706,7 @@ def test_bad_model_and_out_paths_are_clear_errors_before_the_data_is_read(model,
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     for bad, says in ((dataset, r"is a file; give the model's directory"),
-                      (empty, r"transformers cannot read its config"),
+                      (empty, r"has no config.json; give the model.s directory"),
                       (broken, r"config.json cannot be read as JSON")):
         with pytest.raises(InvalidInput, match=says):
             job.run(_opts(str(bad), dataset, tmp_path / "out"))

@@ -48,6 +48,10 @@ def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
     if os.path.isfile(model_path):
         raise InvalidInput(f"model {model_path!r} is a file; give the model's directory (with config.json) or a hub id")
     path = os.path.join(model_path, "config.json")
+    if os.path.isdir(model_path) and not os.path.isfile(path):
+        # not AutoConfig's to guess: transformers 4 takes a model type from the folder's *name* ("empty_model" gave
+        # an MPT config of 24 layers), so a wrong folder would run with made-up layer counts
+        raise InvalidInput(f"model {model_path!r} has no config.json; give the model's directory")
     if os.path.isfile(path):
         try:
             with open(path) as f:
