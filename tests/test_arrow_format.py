@@ -336,9 +336,49 @@ def test_convert_refuses_a_destination_another_run_wrote_while_it_started(model,
         return real_enter(lock)
 
     monkeypatch.setattr(writer.DirectoryLock, "__enter__", another_run_first)
-    with pytest.raises(InvalidInput, match="another"):
+    with pytest.raises(InvalidInput, match="already holds another extraction or conversion"):
         convert.convert(str(tmp_path / "pt"), str(dst))
     assert _tree(dst) == raced[1]
+
+
+def test_convert_resume_refuses_a_destination_another_resume_changed_while_it_started(model, dataset, tmp_path,
+                                                                                    fake_engine, monkeypatch):
+    job.run(_opts(model, dataset, tmp_path / "pt", layers=LAYERS, skip_uncovered=True))
+    dst = tmp_path / "dst"
+    convert.convert(str(tmp_path / "pt"), str(dst))
+    os.unlink(arrow.hs_path(str(dst), 2))  # a conversion to resume
+    real_enter, raced = writer.DirectoryLock.__enter__, []
+
+    def another_resume_first(lock):
+        if not raced:
+            raced.append(True)
+            assert convert.convert(str(tmp_path / "pt"), str(dst), resume=True)["written"] == 1
+            raced.append(_tree(dst))
+        return real_enter(lock)
+
+    monkeypatch.setattr(writer.DirectoryLock, "__enter__", another_resume_first)
+    with pytest.raises(InvalidInput, match=r"was written by another run while this convert started \(nothing was "
+                                           r"written by this one\): run the same command again, with --resume"):
+        convert.convert(str(tmp_path / "pt"), str(dst), resume=True)
+    assert _tree(dst) == raced[1]
+
+
+def test_convert_resume_refuses_an_earlier_releases_conversion_in_another_slot_order(model, dataset, tmp_path,
+                                                                                  fake_engine, monkeypatch):
+    """An earlier release converted `--layers 2,0,5` keeping that order; resuming it now would add ascending files."""
+    with monkeypatch.context() as m:
+        m.setattr(layers_mod, "check_training_layers", lambda *a: None)
+        job.run(_opts(model, dataset, tmp_path / "pt", layers=[2, 0, 5], skip_uncovered=True))
+    dst = tmp_path / "dst"
+    convert.convert(str(tmp_path / "pt"), str(dst))
+    record = json.load(open(dst / "manifest.json"))
+    record["converted_from"]["slot_order"], record["layer_ids"] = [0, 1, 2], [2, 0, 5]  # as the earlier release did
+    record["status"] = "converting"
+    json.dump(record, open(dst / "manifest.json", "w"))
+    os.unlink(arrow.hs_path(str(dst), 2))
+    with pytest.raises(InvalidInput, match=r"holds an earlier conversion of this SRC in another slot order .* "
+                                           r"resuming would mix the two"):
+        convert.convert(str(tmp_path / "pt"), str(dst), resume=True)
 
 
 def _tree(root):

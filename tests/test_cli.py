@@ -145,10 +145,11 @@ def test_the_demo_refuses_an_out_holding_another_models_demo_before_its_engine_s
     out = tmp_path / "demo"
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps({"settings": {"model": "/elsewhere/deepseek", "layer_ids": [0, 5]}}))
+    (out / "data_0.pt").write_bytes(b"its training file")
     proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "demo", "--family", "llama", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"--out {out} holds the demo of another model (/elsewhere/deepseek" in proc.stderr
+    assert f"--out {out} holds the demo of another model or layers (/elsewhere/deepseek" in proc.stderr
     assert f"--out {out}-llama" in proc.stderr and "speculators 0.3.0 VllmHiddenStatesGenerator" not in proc.stdout
 
 
@@ -172,3 +173,10 @@ def test_extract_prints_the_bar_and_the_report_and_nothing_of_vllm(tmp_path):
     noise = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip() and not line.startswith("extract: ")]
     assert not noise, noise[:20]
     assert "extract: 100%" in proc.stderr  # the bar
+
+
+def test_run_help_is_help_and_extract_names_what_is_missing(capsys):
+    from eagle_compat import cli
+    assert cli.main(["run", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: eagle-compat run SCRIPT.py")
+    assert cli.main(["extract", "--model", "m"]) == 2
+    assert "required: --data, --out (only --preflight runs without them)" in capsys.readouterr().err

@@ -699,6 +699,34 @@ def test_a_record_whose_runs_wrote_no_file_gives_way_to_other_settings(model, da
         job.run(_opts(model, dataset, out, layers=[3, 5], resume=True))
 
 
+def test_a_record_of_a_run_still_marked_running_does_not_give_way(model, dataset, tmp_path, fake_engine):
+    """No file yet, but its run may be alive where the lock cannot see it (locks per machine on a shared file
+    system): refused as before, saying what to do if no run is writing it."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, layers=[2, 5]))
+    record = json.load(open(out / "manifest.json"))
+    for name in writer.sample_files(str(out)):
+        os.unlink(out / name)
+    os.unlink(out / "data_config.json")
+    record["status"], record["runs"][-1]["status"] = "running", "running"  # loading its model on another machine
+    json.dump(record, open(out / "manifest.json", "w"))
+    with pytest.raises(InvalidInput, match=r"(?s)other settings .* \(it holds no sample file: if no run is writing it, "
+                                           r"remove its manifest.json\)"):
+        job.run(_opts(model, dataset, out, layers=[3, 5]))
+
+
+def test_resuming_an_earlier_releases_run_with_layers_now_refused_says_to_start_anew(model, dataset, tmp_path,
+                                                                                    fake_engine, monkeypatch):
+    from eagle_compat.extract import layers as layers_mod
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an earlier release's run, cut short
+        job.run(_opts(model, dataset, out, layers=[0, 1], shard=(0, 2)))
+    with pytest.raises(InvalidInput, match=r"the last layer must be .* was made with these layers by an earlier "
+                                           r"release, which did not check them: .* start a new --out"):
+        job.run(_opts(model, dataset, out, layers=[0, 1], resume=True))
+
+
 def test_bad_model_and_out_paths_are_clear_errors_before_the_data_is_read(model, dataset, tmp_path, no_engine):
     empty = tmp_path / "empty_model"
     empty.mkdir()

@@ -193,10 +193,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .errors import InvalidInput
     from .extract import writer
     earlier = (writer.read_manifest(args.out) or {}).get("settings") or {}
-    if earlier and (earlier.get("model"), earlier.get("layer_ids")) != (os.path.abspath(path), layer_ids):
+    if earlier and writer.sample_files(args.out) and \
+            (earlier.get("model"), earlier.get("layer_ids")) != (os.path.abspath(path), layer_ids):
         # refused now, not after the comparison below: the main job could not add to that directory
-        raise InvalidInput(f"--out {args.out} holds the demo of another model ({earlier.get('model')}, layers "
-                           f"{earlier.get('layer_ids')}): give this one another --out (e.g. --out "
+        raise InvalidInput(f"--out {args.out} holds the demo of another model or layers ({earlier.get('model')}, "
+                           f"layers {earlier.get('layer_ids')}): give this one another --out (e.g. --out "
                            f"{args.out.rstrip('/')}-{args.family}) or remove {args.out}")
     import eagle_compat
 
@@ -329,9 +330,14 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.preflight:  # the engine the run would build (dtype, tensor parallel), on the config cut short
         return run_preflight(args.model, args.trust_remote_code, dtype=args.dtype,
                              tensor_parallel_size=args.tensor_parallel_size)
+    from .errors import InvalidInput
     from .extract import job
     from .extract import report as data_report
 
+    missing = [flag for flag, value in (("--data", args.data), ("--out", args.out)) if not value]
+    if missing:
+        raise InvalidInput(f"the following arguments are required: {', '.join(missing)} (only --preflight runs "
+                           "without them)")
     opts = job.ExtractOptions(
         model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
         batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job.parse_shard(args.shard),
@@ -443,10 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
     p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True, help="JSONL: {'conversations': [...]} or {'input_ids': [...]}")
-    p.add_argument("--out", required=True)
-    p.add_argument("--layers", help="comma-separated layer ids (default speculators' [2, N//2, N-3, N-1])")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--data", help="JSONL: {'conversations': [...]} or {'input_ids': [...]} (needed but with "
+                                  "--preflight)")
+    p.add_argument("--out", help="the training files' directory, new or made by extract (needed but with "
+                                 "--preflight)")
+    p.add_argument("--layers", help="comma-separated layer ids, ascending, the last N-1 (the final pre-norm state "
+                                    "speculators' trainers take as the target); default speculators' "
+                                    "[2, N//2, N-3, N-1]")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per engine call (default 8)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
@@ -458,12 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of stopping")
     p.add_argument("--format", default="pt", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
                    help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
-                        "dataset + hidden_states/hs_{i}.safetensors (the last layer must be N-1, the final "
-                        "pre-norm state); arrow-fp8: the same, states in hs-connectors' FP8 format (docs/formats.md)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+                        "dataset + hidden_states/hs_{i}.safetensors; arrow-fp8: the same, states in hs-connectors' "
+                        "FP8 format (docs/formats.md); default pt")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="default 1")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of device memory for the engine (default 0.8 on a GPU, 0.3 on CPU)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV cache's size in bytes, instead of what --gpu-memory-utilization leaves")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto: bf16 for float32 checkpoints, "
+                                                   "as speculators runs it; float32 for exact parity)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--min-loss-tokens", type=int, default=1, metavar="N",

@@ -376,8 +376,9 @@ def require_room_for_max_model_len(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"the KV cache has {usable} usable blocks, and one prompt of max_model_len={max_model_len} tokens needs "
             f"{needed}: a longer prompt would never be scheduled, and speculators' generate() would return empty "
             "hidden states for it and every later prompt of its batch, with no error (vLLM's own engine refuses this "
-            "at start-up). Give the KV cache more memory (gpu_memory_utilization; on CPU VLLM_CPU_KVCACHE_SPACE, "
-            "in GiB) or lower max_model_len")
+            "at start-up). Give the KV cache more memory (kv_cache_memory_bytes where given, else "
+            "gpu_memory_utilization; on CPU VLLM_CPU_KVCACHE_SPACE, in GiB) or lower max_model_len (extract: "
+            "--kv-cache-memory-bytes, --gpu-memory-utilization, --max-len)")
     return kwargs
 
 

@@ -78,8 +78,12 @@ def _exit_status(code) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .errors import EagleCompatError
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):  # help for `run` itself; a script's own --help comes after its name
+        print(USAGE)
+        return 0
     try:
-        kind, target, args = prepare(sys.argv[1:] if argv is None else argv)
+        kind, target, args = prepare(argv)
     except EagleCompatError as exc:
         print(f"eagle-compat run: {exc}", file=sys.stderr)
         return 2

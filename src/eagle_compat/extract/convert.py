@@ -177,6 +177,12 @@ def _check_destination(dst: str, p: dict, resume: bool) -> dict | None:
     if existing is not None:
         same = (existing.get("converted_from", {}).get("manifest_sha256") == p["src_manifest_sha256"]
                 and existing["settings"].get("format") == p["to"])
+        if same and (existing["converted_from"].get("slot_order") != p["order"]
+                     or existing.get("layer_ids") != p["layer_ids"]):
+            raise InvalidInput(f"DST {dst} holds an earlier conversion of this SRC in another slot order (layers "
+                               f"{existing.get('layer_ids')}, slot order {existing['converted_from'].get('slot_order')};"
+                               f" this release writes layers {p['layer_ids']} in ascending order, slot order "
+                               f"{p['order']}): resuming would mix the two. Choose an empty DST")
         if not same:
             raise InvalidInput(f"DST {dst} already holds another extraction or conversion "
                                f"({writer.MANIFEST}); choose an empty DST")
@@ -204,8 +210,9 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
     with writer.DirectoryLock(dst):
         # again under the lock: another run may have written DST since it was read above
         if _check_destination(dst, p, resume) != existing:
-            raise writer.OutputDirectoryConflict(f"DST {dst} was written by another run while this convert started; "
-                                                 "nothing was written by this one: choose an empty DST")
+            raise writer.OutputDirectoryConflict(f"DST {dst} was written by another run while this convert started "
+                                                 "(nothing was written by this one): run the same command again, "
+                                                 "with --resume, to see where it stands")
         swept = writer.sweep_temp_files(dst)
         rec = existing or fresh
         rec["status"] = "converting"

@@ -256,7 +256,16 @@ def run(opts: ExtractOptions) -> dict:
     layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
                  else generator.validate_layer_ids(opts.layers, num_layers))
     fmt = formats.get(opts.format)
-    layers.check_training_layers(layer_ids, num_layers, "--layers")
+    try:
+        layers.check_training_layers(layer_ids, num_layers, "--layers")
+    except InvalidInput as exc:
+        earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}
+        if (earlier.get("settings") or {}).get("layer_ids") == layer_ids:  # --resume of an earlier release's run
+            raise InvalidInput(f"{exc}. {opts.out} was made with these layers by an earlier release, which did not "
+                               "check them: its files would train a drafter wrongly, so it is not continued; start "
+                               "a new --out (its finished part cannot be reordered by convert either: it is not "
+                               "complete)") from None
+        raise
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
@@ -356,7 +365,7 @@ def run(opts: ExtractOptions) -> dict:
                                                                  hidden_size, manifest, this_run)
         except KeyboardInterrupt:
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
-            manifest.update(status="incomplete", samples_present=sum(os.path.exists(path_of(s)) for s in placed))
+            manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
             _best_effort_json(manifest_path, manifest)
             present = sum(os.path.exists(path_of(s)) for b in mine for s in b)
             raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, mine))} files are complete in "

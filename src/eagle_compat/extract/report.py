@@ -138,8 +138,8 @@ def check_plot_path(path: str, option: str) -> None:
     from matplotlib.backend_bases import FigureCanvasBase
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
     ext = os.path.splitext(path)[1].lstrip(".").lower()
-    if ext not in kinds:
-        raise InvalidInput(f"{option} {path!r}: the file type {ext or '(none)'!r} is not one matplotlib writes; "
+    if ext and ext not in kinds:  # none: matplotlib's default format (png)
+        raise InvalidInput(f"{option} {path!r}: the file type {ext!r} is not one matplotlib writes; "
                            f"allowed: {', '.join(kinds)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):

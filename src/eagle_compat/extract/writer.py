@@ -273,13 +273,18 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
                 "Move them away or choose another --out")
         return None
     diffs = settings_differences(record["settings"], settings)
-    if diffs and not sample_files(out_dir):  # its runs wrote nothing (one refused at start-up, say): nothing to mix
+    no_files = not sample_files(out_dir)
+    # its runs wrote nothing and each of them ended (one refused at start-up, say): nothing there to mix with. A run
+    # still marked running may be alive where the lock cannot see it (a file system whose locks are per machine).
+    if diffs and no_files and record.get("status") != "running" and \
+            all(run.get("status") != "running" for run in record.get("runs") or []):
         return None
     if diffs:
         raise OutputDirectoryConflict(
             f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
             "without --resume:\n  " + "\n  ".join(diffs) +
-            "\nRerun with the settings above, or choose another --out")
+            "\nRerun with the settings above, or choose another --out" +
+            (f" (it holds no sample file: if no run is writing it, remove its {MANIFEST})" if no_files else ""))
     return record
 
 
