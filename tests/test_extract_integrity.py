@@ -774,3 +774,25 @@ def test_validate_failures_name_the_input_line(tmp_path):
         formats.write_sample(formats.get("pt"), str(tmp_path), placed, short, [5], data="d.jsonl", validate=True,
                              vocab_size=10, hidden_size=1)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["pt", "arrow"])
+def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, dataset, tmp_path, fake_engine,
+                                                                     monkeypatch, fmt):
+    """After a machine crash no record may say complete while the last files' renames were lost (a trainer would
+    take the set as whole): the directory is synced once, after the last file and before data_config.json, the
+    Arrow dataset and status "complete"."""
+    out = tmp_path / "out"
+    seen = []
+    real = writer.fsync_renames
+
+    def record(folder):
+        present = len(writer.sample_files(folder))
+        described = [f for f in ("data_config.json", "state.json") if os.path.exists(os.path.join(folder, f))]
+        seen.append((present, described, json.load(open(os.path.join(folder, "manifest.json")))["status"]))
+        real(folder)
+
+    monkeypatch.setattr(writer, "fsync_renames", record)
+    summary = job.run(_opts(model, dataset, out, layers=[0, 5], format=fmt))
+    assert seen == [(summary["samples"], [], "running")]
+    assert json.load(open(out / "manifest.json"))["status"] == "complete"

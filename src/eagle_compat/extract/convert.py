@@ -224,6 +224,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
             ids, mask, states = reader.sample(i, r)
             destination.save(dst, i, r, ids, mask, states[:, order])
             written += 1
+        writer.fsync_renames(dst)
         st = rec["settings"]
         destination.finish(dst, (reader.ids_and_mask(i, r) for r, i in enumerate(indices)),  # streamed
                            formats.DataDescription(

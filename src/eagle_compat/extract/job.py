@@ -387,7 +387,8 @@ def run(opts: ExtractOptions) -> dict:
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
                         report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
         if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
-            try:        # fails here leaves the directory "incomplete", and --resume finishes it
+            writer.fsync_renames(opts.out)  # fails here leaves the directory "incomplete", and --resume finishes it
+            try:
                 # lists, not generators: nothing below resumes code of this module (one direction, issue 23)
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed])
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],

@@ -91,6 +91,22 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def fsync_renames(out_dir: str) -> None:
+    """The renames of the sample files in `out_dir` (and its hidden_states/) on disk: called once before a set is
+    described as whole (data_config.json, the Arrow dataset, status "complete"), so that after a machine crash no
+    record says complete for a directory whose last renames were lost. Once per set, not per file (speed)."""
+    for folder in (out_dir, os.path.join(out_dir, "hidden_states")):
+        if not os.path.isdir(folder):
+            continue
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError:  # a file system that cannot sync a directory (some network ones): nothing more to do
+            pass
+        finally:
+            os.close(fd)
+
+
 def atomic_write_file(path: str, write: Any) -> None:
     """`write(tmp_path)` makes the file under a temporary name; then fsync and rename: a reader sees the whole file
     or none. Nothing is left behind on failure (disk full, Ctrl-C), not even under the temporary name."""
