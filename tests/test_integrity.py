@@ -96,6 +96,35 @@ def test_speculators_refuses_a_kv_cache_smaller_than_one_max_model_len_prompt(mo
         VllmHiddenStatesGenerator(path, layer_ids=[0, 5], max_model_len=512, gpu_memory_utilization=0.3)
 
 
+@pytest.mark.engine
+def test_speculators_never_returns_states_for_prompts_the_scheduler_did_not_run(monkeypatch):
+    """The second line of defence, whatever leaves a prompt unscheduled: here the same three-block cache with the
+    KV room check left out. Without either unit, prompts of 20, 400 and 20 tokens came back with 20, 0 and 0 rows and
+    no error (docs/decisions.md, session 24); now the call is refused before speculators reads the rows."""
+    import random
+
+    from eagle_compat import engine
+
+    path = tiny_models.build_tiny_model("llama")
+
+    def three_blocks(executor, *args, **kwargs):
+        specs = executor.collective_rpc("get_kv_cache_spec")[0]
+        return 3 * sum(spec.page_size_bytes for spec in specs.values())
+
+    monkeypatch.setattr(engine, "kv_budget", three_blocks)
+    monkeypatch.setattr(installer, "REGISTRY", tuple(u for u in installer.REGISTRY if u.name != "kv_cache_room_checked"))
+    eagle_compat.install()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    gen = VllmHiddenStatesGenerator(path, layer_ids=[0, 5], max_model_len=512, gpu_memory_utilization=0.3)
+    try:
+        rng = random.Random(0)
+        batch = [[rng.randrange(7, 500) for _ in range(n)] for n in (20, 400, 20)]
+        with pytest.raises(CaptureInvariantError, match=r"2 request\(s\) of this generate\(\) call were never run"):
+            gen.generate(batch)
+    finally:
+        gen.executor.shutdown()
+
+
 def test_the_kv_room_check_counts_every_group_and_the_null_block():
     from types import SimpleNamespace
 

@@ -11,8 +11,8 @@ from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv
                prefix_caching_off, quiet_shutdown, request_eos_token_id, scheduler_block_size,
                scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
                speculators_trainer_target_norm, step_deadline, text_only_model, transformers5_pydantic_torch,
-               transformers_attn_mask_utils, two_phase_step, unique_reply_shape, warm_up_separate, worker_capture,
-               worker_error_messages, worker_handshake)
+               transformers_attn_mask_utils, two_phase_step, unique_reply_shape, unscheduled_requests_refused,
+               warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 
 REGISTRY: tuple[PatchUnit, ...] = (
@@ -39,6 +39,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     two_phase_step.UNIT,
     finished_requests_delivered.UNIT,
     unique_reply_shape.UNIT,
+    unscheduled_requests_refused.UNIT,
     warm_up_separate.UNIT,
     cpu_kv_budget.UNIT,
     cpu_tp_thread_binding.UNIT,
