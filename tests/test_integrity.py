@@ -121,6 +121,10 @@ def test_speculators_never_returns_states_for_prompts_the_scheduler_did_not_run(
         batch = [[rng.randrange(7, 500) for _ in range(n)] for n in (20, 400, 20)]
         with pytest.raises(CaptureInvariantError, match=r"2 request\(s\) of this generate\(\) call were never run"):
             gen.generate(batch)
+        short = [batch[0], batch[2]]  # the generator goes on: nothing of the refused batch is left in its rows
+        again = gen.generate(short)
+        assert [tuple(r["hidden_states"][0].shape) for r in again] == [(20, 256), (20, 256)]
+        assert all(r["input_ids"].tolist() == ids for r, ids in zip(again, short))
     finally:
         gen.executor.shutdown()
 

@@ -140,6 +140,8 @@ def write_dataset(out_dir: str, rows: Iterable[tuple[list[int], list[int]]]) -> 
             if bars:
                 ds_logging.enable_progress_bar()
         new = os.listdir(final)
+        for name in new:  # on disk before they are moved in (writer.fsync_renames then syncs the moves)
+            writer.fsync_file(os.path.join(final, name))
         order = sorted(new, key=lambda n: (n == "state.json", n == "dataset_info.json", n))
         for name in order:
             os.replace(os.path.join(final, name), os.path.join(out_dir, name))

@@ -234,6 +234,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
                                versions=rec.get("versions", {}),
                                tensor_parallel_size=st.get("tensor_parallel_size", 1),
                                command=f"eagle-compat convert {src} {dst}"))
+        writer.fsync_renames(dst)
         rec.update(status="complete", samples_present=len(indices))
         rec.setdefault("runs", []).append({"convert": True, "at": datetime.now(timezone.utc).isoformat(),
                                            "written": written, "temp_files_swept": len(swept)})

@@ -259,12 +259,15 @@ def run(opts: ExtractOptions) -> dict:
     try:
         layers.check_training_layers(layer_ids, num_layers, "--layers")
     except InvalidInput as exc:
-        earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}
+        try:
+            earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}
+        except InvalidInput:  # a record that cannot be read: the layers' own refusal says enough
+            earlier = {}
         if (earlier.get("settings") or {}).get("layer_ids") == layer_ids:  # --resume of an earlier release's run
             raise InvalidInput(f"{exc}. {opts.out} was made with these layers by an earlier release, which did not "
-                               "check them: its files would train a drafter wrongly, so it is not continued; start "
-                               "a new --out (its finished part cannot be reordered by convert either: it is not "
-                               "complete)") from None
+                               "check them: its files would train a drafter wrongly, so it is not continued. Start a "
+                               "new --out; a complete set holding layer N-1 can be rewritten in ascending order by "
+                               "`eagle-compat convert` instead") from None
         raise
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
     settings = settings_of(opts, layer_ids, max_len)
@@ -387,12 +390,13 @@ def run(opts: ExtractOptions) -> dict:
                         samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
                         report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
         if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
-            writer.fsync_renames(opts.out)  # fails here leaves the directory "incomplete", and --resume finishes it
-            try:
+            try:        # fails here leaves the directory "incomplete", and --resume finishes it
+                writer.fsync_renames(opts.out)
                 # lists, not generators: nothing below resumes code of this module (one direction, issue 23)
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed])
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
+                writer.fsync_renames(opts.out)
             except writer.OutputDirectoryConflict:
                 manifest.update(status="incomplete", samples_present=present)
                 this_run.update(status="failed: the files of this directory were made from differing sample sets")

@@ -92,17 +92,18 @@ def fsync_file(path: str) -> None:
 
 
 def fsync_renames(out_dir: str) -> None:
-    """The renames of the sample files in `out_dir` (and its hidden_states/) on disk: called once before a set is
-    described as whole (data_config.json, the Arrow dataset, status "complete"), so that after a machine crash no
-    record says complete for a directory whose last renames were lost. Once per set, not per file (speed)."""
+    """The renames in `out_dir` (and its hidden_states/) on disk: called once after the last sample file and once
+    after data_config.json or the Arrow dataset, before status "complete", so that after a machine crash no record
+    says complete for a directory whose last renames were lost. Per set, not per file (speed)."""
     for folder in (out_dir, os.path.join(out_dir, "hidden_states")):
         if not os.path.isdir(folder):
             continue
         fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(fd)
-        except OSError:  # a file system that cannot sync a directory (some network ones): nothing more to do
-            pass
+        except OSError as exc:  # a file system that cannot sync a directory (some network ones): nothing to do;
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # any other error is a real loss
+                raise
         finally:
             os.close(fd)
 

@@ -4,7 +4,8 @@ Its `generate()` schedules until a step schedules no token, then reads the captu
 length. A prompt the scheduler never ran (a KV cache too small for it: `kv_cache_room_checked`, or any cause not yet
 seen) gets empty states, so does every later prompt of its batch, and the prompt stays queued, to be captured into
 the next call's rows. Silent, on every vLLM release. Before speculators reads the rows we ask its scheduler: a
-request still waiting or running means the rows cannot be those of this batch, and the call is refused.
+request still waiting or running means the rows cannot be those of this batch, and the call is refused (the batch's
+requests aborted, so that the generator can go on).
 """
 from __future__ import annotations
 
@@ -26,12 +27,18 @@ def _apply(patcher, module) -> None:
         if method == "_get_captured_states" and scheduler is not None:
             left = scheduler.get_num_unfinished_requests()
             if left:
+                from vllm.v1.request import RequestStatus
+
                 from ..errors import CaptureInvariantError
+                # aborted, so that a caller who goes on with this generator does not get them captured into the
+                # next call's rows (speculators resets the workers' capture at its next call)
+                stuck = [rid for rid, request in scheduler.requests.items() if not request.is_finished()]
+                scheduler.finish_requests(stuck, RequestStatus.FINISHED_ABORTED)
                 raise CaptureInvariantError(
                     f"{left} request(s) of this generate() call were never run to the end by vLLM's scheduler (a "
                     "prompt that cannot be scheduled: a KV cache or step budget too small for it), so the captured "
                     "rows are not this batch's: speculators would return empty or shifted hidden states for them. "
-                    "Nothing of this batch is returned; build a new generator (its scheduler still holds them)")
+                    "Nothing of this batch is returned; its requests were aborted")
         return call(*args, **kwargs)
 
     patcher.hook_built(module, "Scheduler", built)
