@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -125,3 +126,24 @@ def test_a_plot_file_that_cannot_be_written_is_refused_before_the_run(model, cha
                               text=True, timeout=300)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_report_names_files_that_would_train_a_drafter_wrongly(model, chats, tmp_path, fake_engine, monkeypatch, capsys):
+    """Directories written before extract checked the layers (session 24), and conversions of speculators 0.3.0's
+    own output that read its data_config.json's order: `report` says so and exits 1."""
+    from eagle_compat import cli
+    from eagle_compat.extract import layers as layers_mod
+    with monkeypatch.context() as m:
+        m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an earlier release
+        job.run(_opts(model, chats, tmp_path / "old", layers=[2, 0, 5], max_len=MAX_LEN))
+    assert cli.main(["report", str(tmp_path / "old")]) == 1
+    assert re.search(r"PROBLEM: its layers: layers \[2, 0, 5\] .* not in ascending order: .* \(written by an earlier "
+                     r"release, which did not check this\)", capsys.readouterr().out)
+    job.run(_opts(model, chats, tmp_path / "good", layers=[0, 2, 5], max_len=MAX_LEN))
+    assert cli.main(["report", str(tmp_path / "good")]) == 0 and "PROBLEM" not in capsys.readouterr().out
+    record = json.load(open(tmp_path / "good" / "manifest.json"))
+    record["settings"]["made_by"] = "speculators 0.3.0 data generation (data_config.json)"
+    record["converted_from"] = {"format": "pt", "slot_order": [1, 2, 0]}  # config [5, 0, 2], files [0, 2, 5]
+    json.dump(record, open(tmp_path / "good" / "manifest.json", "w"))
+    assert cli.main(["report", str(tmp_path / "good")]) == 1
+    assert "the slots are permuted. Convert the source again" in capsys.readouterr().out

@@ -313,7 +313,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(json.dumps(rep, indent=2) if args.json else data_report.text(rep, title=args.dir))
     if args.plot:
         print(f"length histogram in {data_report.plot(rep, args.plot)}")
-    return 0
+    return 1 if rep.get("problems") else 0  # files that would train a drafter wrongly
 
 
 def run_preflight(model: str, trust_remote_code: bool, as_json: bool = False, dtype: str = "auto",

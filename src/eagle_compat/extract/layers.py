@@ -64,3 +64,24 @@ def check_training_layers(layer_ids: list[int], num_layers: int, what: str) -> N
             f"convention (leaving layer k; = id {num_layers} in vLLM's native 'entering' convention): speculators' "
             f"trainers (0.3.0's data_{{i}} files, 0.8-0.9's Arrow layout) train on the last slot as the verifier's "
             f"last hidden state. Got layers {list(layer_ids)} {entering}; e.g. --layers {','.join(map(str, want))}")
+
+
+def problems_of(record: dict) -> list[str]:
+    """What makes a finished directory's files train a drafter wrongly, as its record shows it: layers an earlier
+    release did not check (check_training_layers), or a conversion of speculators 0.3.0's own output that an earlier
+    release read in data_config.json's order instead of the files' (model) order."""
+    problems = []
+    ids, n = record.get("layer_ids"), record.get("num_layers")
+    if ids and n:
+        try:
+            check_training_layers([int(k) for k in ids], int(n), "its layers")
+        except InvalidInput as exc:
+            problems.append(f"{exc} (written by an earlier release, which did not check this)")
+    converted = record.get("converted_from") or {}
+    order = converted.get("slot_order")
+    if str((record.get("settings") or {}).get("made_by", "")).startswith("speculators 0.3.0") and order and \
+            order != list(range(len(order))):
+        problems.append("converted from speculators 0.3.0's own output by an earlier release, which took the layers "
+                        "in data_config.json's order, not in the files' (model) order: the slots are permuted. "
+                        "Convert the source again")
+    return problems

@@ -45,9 +45,10 @@ def of_directory(out_dir: str) -> dict:
     from . import writer
     manifest = writer.read_manifest(out_dir)
     if manifest and manifest.get("report"):
+        from .layers import problems_of
         # the report covers the whole input; an unfinished directory holds only part of it
         return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": manifest.get("status"),
-                "samples_present": manifest.get("samples_present")}
+                "samples_present": manifest.get("samples_present"), "problems": problems_of(manifest)}
     import torch
     names = writer.sample_files(out_dir)
     if not names:
@@ -73,6 +74,9 @@ def of_directory(out_dir: str) -> dict:
                                     f"({sum(n == max_len for n in lengths) if max_len else 'max_len unknown'}) may "
                                     "have been cut"}
     report["source"] = f"{len(names)} files in {out_dir}"
+    if manifest:  # ours, from a release that stored no report
+        from .layers import problems_of
+        report["problems"] = problems_of(manifest)
     return report
 
 
@@ -99,6 +103,8 @@ def text(report: dict, title: str = "data report") -> str:
     """The report as the lines `extract` and `eagle-compat report` print."""
     lines = [f"{title}: {report['samples']} samples, {report['tokens']:,} tokens, {report['loss_tokens']:,} in the "
              f"loss mask ({100 * report['loss_share']:.1f}%)"]
+    for problem in report.get("problems") or []:
+        lines.append(f"  PROBLEM: {problem}")
     if report.get("status") not in (None, "complete"):
         lines.append(f"  NOTE: the directory is {report['status']} ({report.get('samples_present')} of "
                      f"{report['samples']} samples have their file): these figures describe the whole input")
