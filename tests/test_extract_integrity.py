@@ -493,7 +493,7 @@ def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(
                                                              r"line 3: the file holds"):
         job.run(_opts(model, dataset, out, resume=True))
     assert {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"} == before
-    monkeypatch.undo()
+    monkeypatch.setattr(inputs, "read_dataset", real)  # (not undo(): that would put the real engine back too)
     job.run(_opts(model, dataset, out, resume=True))  # the same environment completes it
 
 
@@ -797,3 +797,57 @@ def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, data
     described = ["data_config.json"] if fmt == "pt" else ["state.json"]
     assert seen == [(summary["samples"], [], "running"), (summary["samples"], described, "running")]
     assert json.load(open(out / "manifest.json"))["status"] == "complete"
+
+
+def test_a_resume_whose_engine_resolves_another_dtype_is_refused_before_it_writes(model, dataset, tmp_path,
+                                                                                 fake_engine):
+    """--dtype auto resolves per machine (bfloat16 on Ampere or newer and on CPU, float16 on V100/T4): a resume or a
+    shard on another machine added files of another precision under a record naming one, and ended "complete"."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out))
+    os.unlink(writer.sample_path(str(out), 7, "pt"))
+    before = {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"}
+
+    class OlderGpu(FakeEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.vllm_config.model_config.dtype = "torch.float16"
+
+    fake_engine_cls = eagle_compat.generator.VllmHiddenStatesGenerator
+    try:
+        eagle_compat.generator.VllmHiddenStatesGenerator = OlderGpu
+        with pytest.raises(writer.OutputDirectoryConflict, match=r"this machine's engine runs torch.float16 \(--dtype "
+                                                                 r"'auto'\), and the files in .* were written by an "
+                                                                 r"engine in torch.float32: .* Run with --dtype float32"):
+            job.run(_opts(model, dataset, out, resume=True))
+    finally:
+        eagle_compat.generator.VllmHiddenStatesGenerator = fake_engine_cls
+    after = {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"}
+    assert {k: v for k, v in after.items() if k != "manifest.json"} == {k: v for k, v in before.items()
+                                                                         if k != "manifest.json"}
+    record = json.load(open(out / "manifest.json"))
+    assert record["engine_dtype"] == "torch.float32" and record["status"] == "incomplete"
+    assert job.run(_opts(model, dataset, out, resume=True))["complete"]  # the same precision completes it
+
+
+def test_an_unsharded_run_whose_files_are_not_all_there_fails(model, dataset, tmp_path, fake_engine, monkeypatch):
+    """Every batch reported its files written, yet this machine does not see them all (`--ray` actors writing to a
+    per-node folder at the same path): exit 0 with "shard 0/1 done ... run the other shards" before."""
+    from eagle_compat.extract import local_runner
+    monkeypatch.setattr(local_runner.formats, "write_sample", lambda fmt, out, s, *a, **k: fmt.path(out, s.index, s.row))
+    with pytest.raises(writer.OutputWriteError, match=r"0 of 12 samples have their file in .* after a run that wrote "
+                                                      r"every batch"):
+        job.run(_opts(model, dataset, tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "manifest.json"))["status"] == "incomplete"
+
+
+def test_a_ray_actor_that_does_not_see_the_drivers_out_refuses_to_start(tmp_path):
+    from eagle_compat.extract import ray_runner
+    spec = ray_runner.ActorSpec(model="m", data="d", out=str(tmp_path), layer_ids=[0], max_len=8, format="pt",
+                                validate=False, vocab_size=8, hidden_size=8, tensor_parallel_size=1,
+                                gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="auto",
+                                trust_remote_code=False, cpus=1, on_gpu=False)
+    with pytest.raises(InvalidInput, match=r"does not see .*manifest.json, which the driver wrote: --out must be a "
+                                           r"folder every Ray node shares"):
+        ray_runner.ExtractActor(spec, 0)
+    assert not os.listdir(tmp_path)  # not even its writers lock

@@ -312,3 +312,35 @@ def test_ray_writes_every_format_as_a_local_run_does(cluster, model, dataset, tm
         assert not (pooled / "data_config.json").exists()
     else:
         assert json.load(open(pooled / "data_config.json"))["data"]["num_samples"] == N
+
+
+def _mixed_gpus_actor():
+    from eagle_compat.extract import ray_runner
+
+    class MixedGpusActor(ray_runner.ExtractActor):
+        """Actor 1's GPU resolves --dtype auto to float16 (a V100 beside A100s), actor 0's to bfloat16."""
+        def _start(self):
+            self.gen = FlakyEngine(-1, None)
+
+        def engine_dtype(self):
+            return "torch.float16" if self.rank == 1 else "torch.bfloat16"
+    return MixedGpusActor
+
+
+def test_actors_whose_engines_resolve_other_dtypes_stop_the_run(cluster, model, dataset, tmp_path, monkeypatch):
+    """One set, one precision: whichever actor replies first sets it; the other's batch is refused before it writes,
+    or, sent before any reply, its files are removed. The run stops naming --dtype (no retry can help)."""
+    import ray.cloudpickle
+    from eagle_compat.extract import job, ray_runner
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(ray_runner, "ExtractActor", _mixed_gpus_actor())
+    opts = job.ExtractOptions(model=model, data=dataset, out=str(tmp_path / "out"), layers=[0, 2, 4, 5],
+                              batch_size=4, max_len=256, progress=False, ray=cluster, ray_actors=2)
+    with pytest.raises(ray_runner.RayExtractError, match=r"two precisions.*Run with --dtype (bfloat16|float16)"):
+        job.run(opts)
+    record = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert record["status"] == "incomplete"
+    first = record["engine_dtype"]
+    per_actor = record["runs"][-1]["ray"]["per_actor"]
+    # only the actor of the recorded precision has files counted; the other wrote none that stayed
+    assert all(a["samples"] == 0 or a["engine_dtype"] == first for a in per_actor), per_actor

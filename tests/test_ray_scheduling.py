@@ -104,7 +104,7 @@ class FakeActor:
         self.describe = types.SimpleNamespace(remote=lambda: (lambda: {}))
         self.close = types.SimpleNamespace(remote=lambda: (lambda: None))
 
-    def _run_batch(self, batch):
+    def _run_batch(self, batch, expected_dtype=None):
         number = batch[0].index // 10  # the test's batches hold samples 10k .. 10k+9
         self.ray.calls.append((self.rank, number))
         outcome = self.ray.script[self.rank].pop(0) if self.ray.script[self.rank] else "ok"

@@ -23,11 +23,12 @@ def eagle_compat_tiny_model():
 
 
 @pytest.fixture
-def eagle_compat_check():
+def eagle_compat_check(monkeypatch):
     """`check(family="llama", *, check="shim"|"generator", model=None, **options)` -> CheckResult, asserting it
     equals HF (options: layer_ids, dtype, prompts, prepare, reference_model, trust_remote_code, device)."""
     import os
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # several small CPU engines in one test run
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # several small CPU engines in one test run; for this test only
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
     def run(family: str | None = "llama", *, check: str = "shim", model: str | None = None, **options):
         from eagle_compat import check as parity

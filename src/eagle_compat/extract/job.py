@@ -410,6 +410,11 @@ def run(opts: ExtractOptions) -> dict:
                                               "rerun the same command with --resume") from exc
         manifest.update(status="complete" if complete else "incomplete", samples_present=present)
         _write_json(manifest_path, manifest)
+        if not complete and shard_n == 1:  # every batch was this run's, and each reported its files written
+            raise writer.OutputWriteError(
+                f"{present} of {len(samples)} samples have their file in {opts.out} after a run that wrote every "
+                "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
+                "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,

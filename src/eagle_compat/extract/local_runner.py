@@ -53,7 +53,9 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():
             gen.executor.collective_rpc(_ignore_sigint)
         manifest["decoder_contract"] = gen.describe()
-        manifest["engine_dtype"] = str(gen.vllm_config.model_config.dtype)
+        engine_dtype = str(gen.vllm_config.model_config.dtype)
+        writer.check_engine_dtype(opts.out, manifest.get("engine_dtype"), engine_dtype, opts.dtype, "this machine")
+        manifest["engine_dtype"] = this_run["engine_dtype"] = engine_dtype
         t_engine = time.time()
         progress = pipeline.Progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
         # The driver's time goes to waiting for the engine's next batch or for a writer slot. Which of the two it
@@ -68,7 +70,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                 driver_waited_for_engine += time.monotonic() - asked
                 if n == len(todo):
                     driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
-                for s, r in zip(batch, results):
+                for s, r in zip(batch, results, strict=True):  # a result short would leave a sample without file
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)
                 del results

@@ -16,6 +16,7 @@ same bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import sys
@@ -36,6 +37,10 @@ LOAD_DEADLINE_S, LOAD_DEADLINE_ENV = 3600.0, "EAGLE_COMPAT_LOAD_DEADLINE_S"  # a
 CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
 # where this eagle_compat is imported from (src/eagle_compat): the actors are given its parent first on PYTHONPATH
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class EngineDtypeMismatch(InvalidInput):
+    """An actor's engine resolved another dtype than the directory's files (a cluster of mixed GPUs)."""
 
 
 class RayExtractError(EagleCompatError, RuntimeError):
@@ -131,6 +136,10 @@ class ExtractActor:
 
     def __init__(self, spec: ActorSpec, rank: int):
         self.spec, self.rank = spec, rank
+        if not os.path.exists(os.path.join(spec.out, writer.MANIFEST)):  # the driver wrote it before any actor
+            raise InvalidInput(f"actor {rank} on {socket.gethostname()} does not see {spec.out}/{writer.MANIFEST}, "
+                               "which the driver wrote: --out must be a folder every Ray node shares (files written "
+                               "where the driver cannot see them would be lost)")
         # held for the actor's life: a later driver of this directory waits for it (writer.wait_for_other_writers)
         self.writers_fd = writer.hold_as_writer(spec.out)
         self.gen = None
@@ -169,24 +178,34 @@ class ExtractActor:
             kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
         self.engine_seconds += time.time() - t
 
+    def engine_dtype(self) -> str | None:
+        config = getattr(self.gen, "vllm_config", None)  # (a stand-in engine in tests has none)
+        return str(config.model_config.dtype) if config is not None else None
+
     def describe(self) -> dict:
         if self.gen is None:
             self._start()
-        return {"decoder_contract": self.gen.describe(),
-                "engine_dtype": str(self.gen.vllm_config.model_config.dtype)}
+        return {"decoder_contract": self.gen.describe(), "engine_dtype": self.engine_dtype()}
 
     def close(self) -> None:
         if self.gen is not None:
             gen, self.gen = self.gen, None
             gen.close()
 
-    def run_batch(self, batch: list[formats.Placed]) -> dict:
+    def run_batch(self, batch: list[formats.Placed], expected_dtype: str | None = None) -> dict:
         """Extract and write one batch, in the run's format (the same writer as a local run's, formats.py). Returns
-        counts and timings."""
+        counts and timings. `expected_dtype`: the engine dtype of the directory's files (the record's, or the first
+        actor's): an engine of another one writes nothing."""
         started = time.time()
         if self.gen is None:
             self._start()
         spec = self.spec
+        if expected_dtype and self.engine_dtype() and self.engine_dtype() != expected_dtype:
+            raise EngineDtypeMismatch(
+                f"actor {self.rank} on {socket.gethostname()}: its engine runs {self.engine_dtype()} (--dtype "
+                f"{spec.dtype!r}) and this directory's files are {expected_dtype}: one set would hold states of two "
+                f"precisions (--dtype auto resolves per GPU: bfloat16 on Ampere or newer, float16 on older). Run with "
+                f"--dtype {expected_dtype.replace('torch.', '')}")
         t = time.time()
         try:
             results = self.gen.generate([s.input_ids for s in batch])
@@ -212,7 +231,7 @@ class ExtractActor:
         import ray
 
         return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
-                "eagle_compat": PACKAGE_DIR,
+                "eagle_compat": PACKAGE_DIR, "engine_dtype": self.engine_dtype(),
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
                 "engine_seconds": self.engine_seconds,
                 # a restarted incarnation (the previous one died): how the driver counts deaths that Ray reported
@@ -313,6 +332,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     progress = None
     t0 = time.time()
     described = False
+    # the directory's engine precision: its files' (the record's), else the first actor's to reply
+    expected_dtype = manifest.get("engine_dtype") if writer.sample_files(opts.out) else None
     try:
         while pending or in_flight:
             while idle and pending:
@@ -320,7 +341,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                 if rank not in alive:
                     continue
                 item = pending.popleft()
-                in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+                in_flight[actors[rank].run_batch.remote(item.batch, expected_dtype)] = (rank, item)
                 item.sent_at, item.ended = time.time(), False
             if not in_flight:
                 raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
@@ -349,9 +370,11 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                         print(f"extract: actor {rank} unavailable during batch {item.number} ({text.splitlines()[0][:200]}); "
                               "the batch goes back to the same actor", file=sys.stderr, flush=True)
                         time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
-                        in_flight[actors[rank].run_batch.remote(item.batch)] = (rank, item)
+                        in_flight[actors[rank].run_batch.remote(item.batch, expected_dtype)] = (rank, item)
                         item.sent_at, item.ended = time.time(), False
                         continue
+                    if isinstance(cause, EngineDtypeMismatch):  # no retry helps: the cluster's GPUs differ
+                        raise RayExtractError(str(cause)) from cause
                     died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
                     st = stats[rank]
                     st["failures"] += 1
@@ -377,6 +400,19 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                             f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
                     pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
                 else:
+                    if r.get("engine_dtype") and expected_dtype is None:  # the first reply sets the directory's
+                        expected_dtype = manifest["engine_dtype"] = r["engine_dtype"]
+                    elif r.get("engine_dtype") and r["engine_dtype"] != expected_dtype:
+                        # sent before any actor had replied: its files are of another precision; they go
+                        fmt = formats.get(opts.format)
+                        for s in item.batch:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(fmt.path(opts.out, s.index, s.row))
+                        raise RayExtractError(
+                            f"actor {rank} ({r['host']}) ran its engine in {r['engine_dtype']} and another actor in "
+                            f"{expected_dtype}: one set would hold states of two precisions (--dtype auto resolves "
+                            f"per GPU); its batch's files were removed. Run with --dtype "
+                            f"{expected_dtype.replace('torch.', '')}")
                     if progress is None:  # rates count from the first engine's first batch, as a local run's
                         progress = pipeline.Progress(total, opts.progress)
                         t_work = time.time() - r["forward"]
@@ -390,6 +426,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                     st["engine_start_s"] = round(r["engine_seconds"], 2)
                     st["binding"] = r["binding"]
                     st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
+                    st["engine_dtype"] = r.get("engine_dtype")
                     if r["pid"] not in st["pids"]:
                         st["pids"].append(r["pid"])
                         # one death per restarted incarnation, however Ray reported it (ActorDiedError, or only

@@ -91,6 +91,20 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def check_engine_dtype(out_dir: str, recorded: str | None, engine_dtype: str | None, requested: str,
+                       where: str) -> None:
+    """One directory, one engine precision: `--dtype auto` resolves per machine (bfloat16 on Ampere or newer GPUs and
+    on CPU, float16 on older GPUs), so a resume, a shard or a Ray actor elsewhere could add files of another dtype
+    under a record that names one. Refused before anything of it is written, where files are already there."""
+    if not recorded or not engine_dtype or engine_dtype == recorded or not sample_files(out_dir):
+        return
+    raise OutputDirectoryConflict(
+        f"{where}'s engine runs {engine_dtype} (--dtype {requested!r}), and the files in {out_dir} were written by an "
+        f"engine in {recorded}: one set would hold states of two precisions. Run with --dtype "
+        f"{recorded.replace('torch.', '')} (--dtype auto resolves per machine: bfloat16 on Ampere or newer GPUs and on "
+        "CPU, float16 on older GPUs), or choose another --out")
+
+
 def fsync_renames(out_dir: str) -> None:
     """The renames in `out_dir` (and its hidden_states/) on disk: called once after the last sample file and once
     after data_config.json or the Arrow dataset, before status "complete", so that after a machine crash no record
