@@ -201,11 +201,9 @@ class ExtractActor:
             self._start()
         spec = self.spec
         if expected_dtype and self.engine_dtype() and self.engine_dtype() != expected_dtype:
-            raise EngineDtypeMismatch(
-                f"actor {self.rank} on {socket.gethostname()}: its engine runs {self.engine_dtype()} (--dtype "
-                f"{spec.dtype!r}) and this directory's files are {expected_dtype}: one set would hold states of two "
-                f"precisions (--dtype auto resolves per GPU: bfloat16 on Ampere or newer, float16 on older). Run with "
-                f"--dtype {expected_dtype.replace('torch.', '')}")
+            raise EngineDtypeMismatch(writer.two_precisions(
+                f"the engine of actor {self.rank} on {socket.gethostname()}", self.engine_dtype(), spec.dtype,
+                expected_dtype, spec.out))
         t = time.time()
         try:
             results = self.gen.generate([s.input_ids for s in batch])
@@ -408,11 +406,9 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                         for s in item.batch:
                             with contextlib.suppress(FileNotFoundError):
                                 os.unlink(fmt.path(opts.out, s.index, s.row))
-                        raise RayExtractError(
-                            f"actor {rank} ({r['host']}) ran its engine in {r['engine_dtype']} and another actor in "
-                            f"{expected_dtype}: one set would hold states of two precisions (--dtype auto resolves "
-                            f"per GPU); its batch's files were removed. Run with --dtype "
-                            f"{expected_dtype.replace('torch.', '')}")
+                        raise RayExtractError(writer.two_precisions(
+                            f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], opts.dtype,
+                            expected_dtype, opts.out) + " (its batch's files were removed)")
                     if progress is None:  # rates count from the first engine's first batch, as a local run's
                         progress = pipeline.Progress(total, opts.progress)
                         t_work = time.time() - r["forward"]

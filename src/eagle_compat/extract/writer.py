@@ -98,11 +98,15 @@ def check_engine_dtype(out_dir: str, recorded: str | None, engine_dtype: str | N
     under a record that names one. Refused before anything of it is written, where files are already there."""
     if not recorded or not engine_dtype or engine_dtype == recorded or not sample_files(out_dir):
         return
-    raise OutputDirectoryConflict(
-        f"{where}'s engine runs {engine_dtype} (--dtype {requested!r}), and the files in {out_dir} were written by an "
-        f"engine in {recorded}: one set would hold states of two precisions. Run with --dtype "
-        f"{recorded.replace('torch.', '')} (--dtype auto resolves per machine: bfloat16 on Ampere or newer GPUs and on "
-        "CPU, float16 on older GPUs), or choose another --out")
+    raise OutputDirectoryConflict(two_precisions(f"{where}'s engine", engine_dtype, requested, recorded, out_dir))
+
+
+def two_precisions(engine: str, engine_dtype: str, requested: str, recorded: str, out_dir: str) -> str:
+    """The one message for an engine whose dtype differs from the directory's files (local runs and Ray actors)."""
+    return (f"{engine} runs {engine_dtype} (--dtype {requested!r}), and the files in {out_dir} were written by an "
+            f"engine in {recorded}: one set would hold states of two precisions. Run with --dtype "
+            f"{recorded.replace('torch.', '')} (--dtype auto resolves per machine: bfloat16 on Ampere or newer GPUs "
+            "and on CPU, float16 on older GPUs), or choose another --out")
 
 
 def fsync_renames(out_dir: str) -> None:
