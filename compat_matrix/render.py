@@ -9,6 +9,9 @@ import re
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(os.path.dirname(HERE), "docs", "compatibility.md")
 MARK = {"pass": "pass", "fail": "FAIL", "unsupported": "unsupported"}
+# run.py's kernel probe: the build does not load on the machine that ran the matrix (e.g. its libstdc++ is older than
+# the wheel's): a limit of that host, not of the release, so it is not called "unsupported"
+HOST_LIMIT = "vLLM's compiled extension does not load on this machine"
 
 
 def load(directory: str = os.path.join(HERE, "results")) -> list[dict]:
@@ -48,7 +51,8 @@ def _cell_text(cell: dict, notes: list[str]) -> str:
         note += f" ({cause})"
     if note not in notes:  # one number per distinct reason, shared by every cell it explains
         notes.append(note)
-    return f"{MARK.get(status, status)} [{notes.index(note) + 1}]"
+    mark = "host limit" if note.startswith(HOST_LIMIT) else MARK.get(status, status)
+    return f"{mark} [{notes.index(note) + 1}]"
 
 
 def _cell_env_text(cell_env: dict | None) -> str:
@@ -98,7 +102,9 @@ def render(results: list[dict]) -> str:
              "scaled by the layer's max |value| above 1). Cells show the worst error over the layers checked",
              "(`rel`: of the layer's max |value|). `smollm2` is a real pretrained model (SmolLM2-135M-Instruct).",
              "`unsupported` = the release cannot run that model in that mode on CPU, or eagle_compat refuses it",
-             "with the reason given (rather than return wrong tensors); `FAIL` = anything else.", ""]
+             "with the reason given (rather than return wrong tensors); `host limit` = the release's CPU build",
+             "does not load on the machine that ran the matrix (neither pass nor fail: not known); `FAIL` = anything",
+             "else.", ""]
     notes: list[str] = []
     lines.append("| vLLM | CPU | " + " | ".join(cols) + " |")
     lines.append("|---|---|" + "---|" * len(cols))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "compat_matrix", "results", "gpu")
@@ -32,10 +33,10 @@ deepest layer's median per-token error: the engine's, then HF's own.
 
 CUDA releases: `scripts/gpu_bundle.sh RELEASE` carries a release whose wheel needs what vLLM 0.20.0's needs (the pins
 measured on the lent image; 0.20.0-0.26.x are built on its torch 2.11.0, by their wheels' metadata), or one whose own
-pins the script lists (0.21.0-0.32.0; what it built: `results/gpu/bundle-builds.md`). 0.20.0, 0.20.2, 0.21.0, 0.22.1,
-0.23.0, 0.24.0, 0.25.1, 0.26.0, 0.27.1 and 0.28.0 ran; 0.27.1 on a carried torch 2.13 (torch, triton, cuDNN and NCCL
-over the image's: 26 parts, set-up 33 s); 0.28.0 on the same torch 2.13 set, from a delta bundle over 0.27.1's
-(`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s on the machine where 0.27.1 was set up:
+pins the script lists (0.21.0-0.34.0; what it built: `results/gpu/bundle-builds.md`).
+Cells ran (a section per results file below) on RELEASES_THAT_RAN; 0.27.1 on a carried torch 2.13 (torch, triton,
+cuDNN and NCCL over the image's: 26 parts, set-up 33 s); 0.28.0 on the same torch 2.13 set, from a delta bundle
+over 0.27.1's (`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s on the machine where 0.27.1 was set up:
 `results/gpu/h200-vllm-0.28.0.machine.txt`). 0.26.0's first bundle lacked what its worker start newly imports
 (mistral-common's tokenizer needs: `results/gpu/attempts/h200-vllm-0.26.0-bundle-attempt.*`); 0.25.1's lacked openai
 2.25.0, whose `NamespaceTool` its `LLM()` imports (no cell uses `LLM()`; the throughput run's plain and native phases
@@ -82,8 +83,16 @@ def _medians(cell: dict) -> str:
     return f"{last['median']:.2e} / {last['hf_median']:.2e}"
 
 
+def _releases_that_ran(results: list[tuple[str, list[dict], str]]) -> str:
+    """The releases with a results file holding at least one cell, in version order (named from the cells)."""
+    releases = {(cell.get("versions") or {}).get("vllm") for _, cells, _ in results for cell in cells} - {None}
+    ordered = sorted(releases, key=lambda v: tuple(int(p) for p in v.split(".")[:3] if p.isdigit()))
+    named = ", ".join(ordered[:-1]) + " and " + ordered[-1] if len(ordered) > 1 else "".join(ordered)
+    return textwrap.fill(named, width=118, initial_indent=" " * 48)[48:]
+
+
 def render(results: list[tuple[str, list[dict], str]]) -> str:
-    parts = [HEADER]
+    parts = [HEADER.replace("RELEASES_THAT_RAN", _releases_that_ran(results))]
     for name, cells, machine in results:
         parts.append(f"\n## `{name}`\n")
         if machine:
