@@ -79,6 +79,22 @@ def test_other_processes_started_from_a_run_are_left_alone_and_so_are_their_chil
     assert seen["variable"] is None and seen["pythonpath"] == other  # the user's own entries stay
 
 
+def test_variables_set_for_the_runs_workers_are_kept_from_other_processes(hook_dir):
+    """What install() sets for vLLM's workers (engine.apply_env: VLLM_MLA_DISABLE, VLLM_CPU_INT4_W4A8, ...) reaches
+    the run's spawned children, not a vLLM server or script started from the run; the user's own variables stay."""
+    listed = {startup.SET_ENV_LIST: "VLLM_MLA_DISABLE,VLLM_CPU_INT4_W4A8", "VLLM_MLA_DISABLE": "1",
+              "VLLM_CPU_INT4_W4A8": "0", "USERS_OWN": "kept"}
+    code = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+            f"{sorted(listed)!r}}}))")
+    env = _env(PYTHONPATH=hook_dir, **{INSTALLED_ENV: RUN_VALUE}, **listed)
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", code, startup.SPAWNED_CHILD_FLAG], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert other.returncode == 0 and child.returncode == 0, other.stderr[-2000:] + child.stderr[-2000:]
+    assert json.loads(other.stdout) == {**{k: None for k in listed}, "USERS_OWN": "kept"}
+    assert json.loads(child.stdout) == listed
+
+
 def test_a_sitecustomize_the_hook_shadows_still_runs(hook_dir, tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -114,14 +130,24 @@ after = sorted(os.listdir(sysconfig.get_paths()["purelib"]))
 print(json.dumps({"during": during, "same_site_packages": before == after, "gone": not os.path.exists(during["dir"]),
                   "pythonpath": os.environ.get("PYTHONPATH"), "variable": os.environ.get("%s")}))
 """ % (INSTALLED_ENV, INSTALLED_ENV)
-    out = subprocess.run([sys.executable, "-c", code], env=_env(PYTHONPATH="/kept"), capture_output=True, text=True,
-                         timeout=300)
+    # an empty entry (the current directory) is the user's too
+    out = subprocess.run([sys.executable, "-c", code], env=_env(PYTHONPATH=os.pathsep + "/kept"), capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["during"]["exists"] and seen["during"]["first_on_path"] == seen["during"]["dir"]
     assert seen["during"]["variable"].startswith("run:")
     assert seen["same_site_packages"] and seen["gone"]
-    assert seen["pythonpath"] == "/kept" and seen["variable"] is None
+    assert seen["pythonpath"] == os.pathsep + "/kept" and seen["variable"] is None
+
+
+def test_uninstall_leaves_another_runs_variable_as_it_found_it(monkeypatch):
+    """A process of one run (its variable inherited) that installs and uninstalls keeps that run's variable."""
+    import eagle_compat
+    monkeypatch.setenv(INSTALLED_ENV, RUN_VALUE)
+    eagle_compat.install()
+    eagle_compat.uninstall()
+    assert os.environ.get(INSTALLED_ENV) == RUN_VALUE
 
 
 def test_bad_command_lines_are_refused_before_anything_runs(tmp_path):

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 import eagle_compat
-from eagle_compat import detect, installer
+from eagle_compat import detect, engine, installer, startup
 from eagle_compat.patches import GENERATOR_MODULE, REGISTRY, WORKER_MODULE, Patcher
+from eagle_compat.patches._base import EnvironmentHold
 
 UNIT_IDS = [u.name for u in REGISTRY]
 
@@ -298,13 +299,59 @@ def test_a_unit_failing_half_way_is_reverted_and_install_leaves_nothing(monkeypa
     assert installer.INSTALLED_ENV not in os.environ
 
 
-def test_worker_side_plugin_applies_only_when_install_ran_in_the_parent(monkeypatch):
+def test_a_unit_failing_at_its_modules_import_undoes_the_install_and_refuses_every_later_import(
+        monkeypatch, tmp_path):
+    """wrapt drops a module's hooks before it runs them and Python drops a module whose import raised: without the
+    undo, the second import would give the module with no patch at all under an install that says it is active."""
+    from eagle_compat.errors import IncompatibleEnvironment
+    from eagle_compat.patches import PatchUnit
+    (tmp_path / "late_target_module.py").write_text("first = 'original first'\nthird = 'original third'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_target_module", raising=False)
+
+    def set_attribute(name):
+        return lambda patcher, module: patcher.set(module, name, "patched")
+
+    def fails(patcher, module):
+        raise RuntimeError("cannot decide on this build")
+
+    units = tuple(PatchUnit(name=n, broke="test", affects="all", delete_when="test", target="late_target_module",
+                            apply=a) for n, a in (("a_first", set_attribute("first")), ("b_fails", fails),
+                                                  ("c_third", set_attribute("third"))))
+    monkeypatch.setattr(installer, "REGISTRY", units)
+    eagle_compat.install()
+    for _ in range(2):  # a caller that retries the import meets the same refusal, not an unpatched module
+        with pytest.raises(IncompatibleEnvironment, match="'b_fails' failed to apply.*install\\(\\) was undone"):
+            importlib.import_module("late_target_module")
+        assert "late_target_module" not in sys.modules
+    assert not eagle_compat.is_installed() and installer.INSTALLED_ENV not in os.environ
+    eagle_compat.uninstall()  # lifts the refusal: the module imports as it is
+    assert importlib.import_module("late_target_module").first == "original first"
+
+
+def test_install_in_a_process_the_worker_plugin_installed_applies_the_drivers_units(monkeypatch):
+    from eagle_compat import plugin
+    monkeypatch.setenv(installer.INSTALLED_ENV, "run:1")
+    installer.activate_at_startup()  # as the start-up hook does in a spawned child of a run
+    plugin.register()
+    assert installer._state.side == "worker"
+    report = eagle_compat.install()
+    states = {s.name: s.state for s in report.units}
+    assert not report.already_installed and "not for this side" not in states.values(), states
+    driver_only = [u.name for u in REGISTRY if u.sides == ("driver",)]
+    assert all(states[n] != "not installed" for n in driver_only)
+
+
+def test_worker_side_plugin_applies_only_in_a_process_of_the_run(monkeypatch):
     from eagle_compat import plugin
 
     monkeypatch.delenv(installer.INSTALLED_ENV, raising=False)
     plugin.register()
     assert not eagle_compat.is_installed()
-    monkeypatch.setenv(installer.INSTALLED_ENV, "1")
+    monkeypatch.setenv(installer.INSTALLED_ENV, "run:1")
+    plugin.register()  # the variable alone (python -I, a late child after uninstall()): not a process of the run
+    assert not eagle_compat.is_installed()
+    installer.activate_at_startup()  # the start-up hook ran: a spawned child of the run
     plugin.register()
     assert eagle_compat.is_installed()
     _, worker = _import_speculators()
@@ -341,12 +388,17 @@ def test_unit_contract(unit):
     ext_before = dict(vars(ext)) if ext is not None else {}
     patcher = Patcher(unit.name)
     unit.apply(patcher, module)
-    assert patcher.changes or unit.name == "cpu_mla_disable", f"{unit.name} applied nothing although needed"
+    assert patcher.changes, f"{unit.name} applied nothing although needed"
     for change in patcher.changes:
+        if isinstance(change, EnvironmentHold):  # variables for vLLM's workers: set (where the user set none)
+            assert change.keys and all(os.environ.get(k) == engine.default_worker_env()[k] for k in change.keys)
+            assert set(change.keys) <= set(os.environ[startup.SET_ENV_LIST].split(","))
+            continue
         owner = change.owner  # a class is read in its own namespace (getattr would bind a classmethod)
         current = vars(owner).get(change.attribute) if isinstance(owner, type) else getattr(owner, change.attribute)
         assert current is change.replacement or current == change.replacement
-    changed = [(c.owner, c.attribute, c.existed, c.original) for c in patcher.changes if isinstance(c.owner, type)]
+    changed = [(c.owner, c.attribute, c.existed, c.original) for c in patcher.changes
+               if isinstance(getattr(c, "owner", None), type)]
     assert patcher.revert() == []
     for owner, attribute, existed, original in changed:  # classes a unit changes are restored exactly too
         assert (vars(owner).get(attribute) is original) if existed else attribute not in vars(owner), \
@@ -833,3 +885,29 @@ def test_speculators_cache_config_asks_for_a_whole_kv_cache_where_vllm_would_ext
     assert detect.FEATURE_PROBES["extensible_kv_cache_by_default"][0]() is True
     kept = engine.known_kwargs(CacheConfigWithTheOption, {"block_size": 16, "enable_extensible_kv_cache": False})
     assert kept == {"block_size": 16, "enable_extensible_kv_cache": False}
+
+
+@pytest.mark.parametrize("default, needed", [(True, True), (None, True), ("auto", True), (False, False)])
+def test_chunked_prefill_and_prefix_caching_are_turned_off_unless_their_default_says_off(monkeypatch, default,
+                                                                                          needed):
+    """A default of None ("vLLM decides") may resolve to on, and chunked prefill on gives truncated states with no
+    error: only a default of False spares the keyword (0.11.0's None also meant off; passing False changes nothing)."""
+    import vllm.config
+
+    def scheduler_config(*, enable_chunked_prefill=default, max_num_seqs=8):
+        pass
+
+    def cache_config(*, enable_prefix_caching=default, block_size=16):
+        pass
+
+    def without_either(*, max_num_seqs=8):
+        pass
+
+    monkeypatch.setattr(detect, "_sched_config", lambda: scheduler_config)
+    monkeypatch.setattr(vllm.config, "CacheConfig", cache_config)
+    assert detect._feature_chunked_prefill_not_off_by_default() is needed
+    assert detect._feature_prefix_caching_not_off_by_default() is needed
+    monkeypatch.setattr(detect, "_sched_config", lambda: without_either)
+    monkeypatch.setattr(vllm.config, "CacheConfig", without_either)
+    assert not detect._feature_chunked_prefill_not_off_by_default()
+    assert not detect._feature_prefix_caching_not_off_by_default()

@@ -301,13 +301,21 @@ def _feature_scheduler_config_requires_is_encoder_decoder() -> bool:
     return p is not None and p.default is inspect.Parameter.empty
 
 
-def _feature_chunked_prefill_on_by_default() -> bool:
-    return _param_default(_sched_config(), "enable_chunked_prefill") is True
+def _not_off_by_default(obj, name: str) -> bool:
+    """The keyword exists and its default is not False: on (True), or left to vLLM (None, "auto"), which a later
+    release may resolve to on. Passing False is then the only safe choice, and where the default already meant off
+    (0.11.0's None) it changes nothing."""
+    params = parameters(obj)
+    return name in params and params[name].default is not False
 
 
-def _feature_prefix_caching_on_by_default() -> bool:
+def _feature_chunked_prefill_not_off_by_default() -> bool:
+    return _not_off_by_default(_sched_config(), "enable_chunked_prefill")
+
+
+def _feature_prefix_caching_not_off_by_default() -> bool:
     from vllm.config import CacheConfig
-    return _param_default(CacheConfig, "enable_prefix_caching") is True
+    return _not_off_by_default(CacheConfig, "enable_prefix_caching")
 
 
 def _feature_extensible_kv_cache_by_default() -> bool:
@@ -504,10 +512,12 @@ def _feature_cuda_available() -> bool:
 FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "scheduler_config_requires_is_encoder_decoder": (
         _feature_scheduler_config_requires_is_encoder_decoder, "SchedulerConfig needs is_encoder_decoder (0.12+)"),
-    "chunked_prefill_on_by_default": (
-        _feature_chunked_prefill_on_by_default, "chunked prefill on by default (0.11.1+)"),
-    "prefix_caching_on_by_default": (
-        _feature_prefix_caching_on_by_default, "prefix caching on by default (0.12+)"),
+    "chunked_prefill_not_off_by_default": (
+        _feature_chunked_prefill_not_off_by_default,
+        "chunked prefill not off by default (on from 0.11.1; 0.11.0's None meant off)"),
+    "prefix_caching_not_off_by_default": (
+        _feature_prefix_caching_not_off_by_default,
+        "prefix caching not off by default (on from 0.12; 0.11's None meant off)"),
     "async_scheduling_not_off_by_default": (
         _feature_async_scheduling_not_off_by_default, "SchedulerConfig.async_scheduling is not off by default (0.14+)"),
     "model_config_takes_text_only_options": (

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from . import detect
+from . import detect, startup
 from .errors import IncompatibleEnvironment
 
 VLLM_BLOCK_SIZE = 16
@@ -531,7 +531,17 @@ STEP_DEADLINE_S = 1500
 # Variables eagle_compat set, with how many holders (generators, spawning executors) rely on each: vLLM reads them
 # at every call (its `envs` module), so one generator's close() must not unset what another one still runs with.
 _ENV_HOLDS: dict[str, list] = {}
+SET_ENV_LIST = startup.SET_ENV_LIST
 _ENV_LOCK = threading.Lock()
+
+
+def _list_held_env() -> None:
+    """Keep SET_ENV_LIST naming the variables eagle_compat set (the start-up hook removes them, and the list, from
+    any process started during a run that is not one of the run's: a user's vLLM server keeps its own environment)."""
+    if _ENV_HOLDS:
+        os.environ[SET_ENV_LIST] = ",".join(sorted(_ENV_HOLDS))
+    else:
+        os.environ.pop(SET_ENV_LIST, None)
 
 
 def apply_env(env: dict[str, str]) -> list[str]:
@@ -548,6 +558,7 @@ def apply_env(env: dict[str, str]) -> list[str]:
                 os.environ[k] = v
                 _ENV_HOLDS[k] = [v, 1]
             held.append(k)
+        _list_held_env()
     return held
 
 
@@ -563,3 +574,4 @@ def release_env(keys) -> None:
                 del _ENV_HOLDS[k]
                 if os.environ.get(k) == hold[0]:
                     os.environ.pop(k, None)
+        _list_held_env()

@@ -144,6 +144,8 @@ def install(*, side: str = "driver") -> InstallReport:
     """Patch exactly what breaks speculators 0.3.0 on the installed vLLM. A second call does nothing."""
     with _state.lock:
         versions = detect.installed_versions().describe()
+        if _state.installed and side == "driver" and _state.side != "driver":
+            return _widen_to_driver(versions)
         if _state.installed:
             log.info("eagle_compat is already installed; nothing to do")
             return InstallReport(side, versions, list(_state.status.values()), already_installed=True)
@@ -166,6 +168,24 @@ def install(*, side: str = "driver") -> InstallReport:
             uninstall()
             raise
         return InstallReport(side, versions, list(_state.status.values()))
+
+
+def _widen_to_driver(versions: str) -> InstallReport:
+    """install() in a process where the worker plugin installed first (a spawned child of a run that builds a vLLM
+    engine before it calls install()): the driver's units were "not for this side" then; apply them now rather than
+    answer "already installed" with speculators' generator unpatched."""
+    _state.side = "driver"
+    startup.begin_run()
+    disabled = disabled_units()
+    try:
+        for unit in REGISTRY:
+            current = _state.status.get(unit.name)
+            if current is None or current.state == "not for this side":
+                _register(unit, "driver", disabled)
+    except Exception:
+        uninstall()
+        raise
+    return InstallReport("driver", versions, list(_state.status.values()))
 
 
 def activate_at_startup() -> None:
@@ -206,7 +226,48 @@ def _on_import(unit: PatchUnit, status: UnitStatus, generation: int):
         with _state.lock:
             if _state.generation != generation:
                 return  # wrapt cannot unregister hooks: a hook from an earlier install() does nothing
-            _apply(unit, module, status)
+            try:
+                _apply(unit, module, status)
+            except IncompatibleEnvironment as exc:
+                raise IncompatibleEnvironment(_fail_install(unit, exc)) from exc
+    return hook
+
+
+def _fail_install(unit: PatchUnit, exc: IncompatibleEnvironment) -> str:
+    """A unit failed at its module's import, after install() returned. The import fails, Python drops the module,
+    and wrapt has already dropped that module's hooks: a second import would give the module with no patch at all,
+    under an install that says it is active. So the whole install is undone (as uninstall() does) and every later
+    import of the module, until uninstall() or a new install(), raises the same error instead."""
+    for _, patcher in reversed(_state.applied):
+        for problem in patcher.revert():
+            log.warning(problem)
+    _state.applied.clear()
+    for other in _state.status.values():
+        if other.name != unit.name:
+            other.state = f"reverted: {unit.name!r} failed at import"
+    _state.installed = False
+    _state.started_up = False
+    _state.generation += 1
+    startup.end_run()
+    message = f"{exc} (eagle_compat.install() was undone; call install() again once the cause is fixed)"
+    _hook_next_import(unit.target, _refuse_import(message, _state.generation))
+    return message
+
+
+def _hook_next_import(name: str, hook) -> None:
+    """A hook for the module's next import. wrapt's own call runs a hook at once while the module is in sys.modules,
+    as a module is while its import fails, so the hook goes into wrapt's table (the same since wrapt 1.x)."""
+    from wrapt import importer
+    with importer._post_import_hooks_lock:
+        importer._post_import_hooks.setdefault(name, []).append(hook)
+
+
+def _refuse_import(message: str, generation: int):
+    def hook(module):
+        with _state.lock:
+            if _state.generation == generation:  # until uninstall() or a new install()
+                _hook_next_import(module.__name__, hook)
+                raise IncompatibleEnvironment(message)
     return hook
 
 

@@ -29,11 +29,14 @@ def quiet_worker_stdout() -> None:
 
 def register() -> None:
     from .remote_errors import record_worker_errors
-    from .installer import install, is_installed
+    from .installer import install, is_installed, is_started_up
     from .startup import run_active
 
     record_worker_errors()  # only if a driver of ours asked (environment variable)
     quiet_worker_stdout()
 
-    if run_active() and not is_installed():
+    # The run's variable alone is not proof: a process started outside the start-up hook (python -I, or a late
+    # child of a program launched during the run, after uninstall()) can inherit it. A spawned process of the run
+    # has run the hook (is_started_up); a forked one inherited install() itself.
+    if run_active() and is_started_up() and not is_installed():
         install(side="worker")

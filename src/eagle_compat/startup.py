@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"  # "run:<pid of the driver>": a run's processes; unset elsewhere
+SET_ENV_LIST = "EAGLE_COMPAT_SET_ENV"  # the variables eagle_compat set for vLLM's workers (engine.apply_env)
 SPAWNED_CHILD_FLAG = "--multiprocessing-fork"  # multiprocessing's spawn puts it on the child's command line
 
 SITECUSTOMIZE = '''"""eagle_compat's start-up hook for one run (eagle_compat/startup.py); removed when the run ends."""
@@ -56,6 +57,9 @@ def _scope():
         activate_at_startup()
         return
     _os.environ.pop({env!r}, None)  # not a process of the run: it and its children stay untouched
+    for name in _os.environ.pop({set_env!r}, "").split(","):  # nor do they get what we set for the run's workers
+        if name:
+            _os.environ.pop(name, None)
     kept = [p for p in _os.environ.get("PYTHONPATH", "").split(_os.pathsep) if p and _os.path.abspath(p) != _HERE]
     if kept:
         _os.environ["PYTHONPATH"] = _os.pathsep.join(kept)
@@ -67,10 +71,11 @@ try:
     _chain()
 finally:
     _scope()
-'''.format(env=INSTALLED_ENV, flag=SPAWNED_CHILD_FLAG)
+'''.format(env=INSTALLED_ENV, flag=SPAWNED_CHILD_FLAG, set_env=SET_ENV_LIST)
 
 _run_dir: str | None = None
 _saved_pythonpath: tuple[bool, str] | None = None  # (was set, value) before the run's directory went first
+_set_run_variable = False  # whether begin_run() set INSTALLED_ENV (a process of another run keeps that run's)
 
 
 def run_active() -> bool:
@@ -88,26 +93,31 @@ def write_hook(directory: str) -> str:
 def begin_run() -> str:
     """Make the run's start-up directory and put it first on PYTHONPATH, with the run's variable (idempotent).
     Returns the directory."""
-    global _run_dir, _saved_pythonpath
+    global _run_dir, _saved_pythonpath, _set_run_variable
     if _run_dir is None or not os.path.isdir(_run_dir):
         _run_dir = write_hook(tempfile.mkdtemp(prefix="eagle-compat-startup-"))
         atexit.register(end_run)
     if _saved_pythonpath is None:
         _saved_pythonpath = ("PYTHONPATH" in os.environ, os.environ.get("PYTHONPATH", ""))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_run_dir, _saved_pythonpath[1]) if p)
-    os.environ.setdefault(INSTALLED_ENV, f"run:{os.getpid()}")
+    if INSTALLED_ENV not in os.environ:
+        os.environ[INSTALLED_ENV] = f"run:{os.getpid()}"
+        _set_run_variable = True
     return _run_dir
 
 
 def end_run() -> None:
     """Undo begin_run(): the variable, PYTHONPATH as it was, the directory."""
-    global _run_dir, _saved_pythonpath
-    os.environ.pop(INSTALLED_ENV, None)
+    global _run_dir, _saved_pythonpath, _set_run_variable
+    if _set_run_variable:
+        os.environ.pop(INSTALLED_ENV, None)
+        _set_run_variable = False
     if _saved_pythonpath is not None:
         was_set, value = _saved_pythonpath
-        current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _run_dir]
-        if was_set or current:
-            os.environ["PYTHONPATH"] = os.pathsep.join(current) if current else value
+        # only the run's directory comes out: empty entries (the current directory) are the user's
+        current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p != _run_dir]
+        if was_set or any(current):
+            os.environ["PYTHONPATH"] = os.pathsep.join(current)
         else:
             os.environ.pop("PYTHONPATH", None)
         _saved_pythonpath = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="CacheConfig", feature="prefix_caching_on_by_default", rewrite="without_prefix_caching",
+    constructor="CacheConfig", feature="prefix_caching_not_off_by_default", rewrite="without_prefix_caching",
     name="prefix_caching_off",
     broke="prefix caching is on by default: the scheduler fails on prompts >= one block (no block hasher)",
     affects=">=0.12",

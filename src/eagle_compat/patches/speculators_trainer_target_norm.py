@@ -13,6 +13,9 @@ verifier's final norm (its RMSNorm weight from the same checkpoint, the config's
 that `lm_head` by a forward pre-hook, as #313 does; the weight is a non-persistent buffer, so checkpoints are
 unchanged. A verifier whose norm is not `weight * x / rms(x)` is refused by name rather than trained wrong.
 uninstall() restores speculators' method; a drafter built while installed keeps its hook (it is that training's).
+Like #313, the norm applies to the last state of every data format the trainer reads, v0's `target` included: v0
+files must hold the state before the final norm, as speculators' own generator and `extract` write it (HF's
+`output_hidden_states[-1]` is after it on Llama-style models: normed twice, a wrong target).
 """
 from __future__ import annotations
 
