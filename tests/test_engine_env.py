@@ -35,3 +35,19 @@ def test_a_value_changed_by_the_user_meanwhile_is_left_alone(monkeypatch):
     os.environ[KEY] = "7"  # the user's code changed it while the generator ran
     engine.release_env(held)
     assert os.environ[KEY] == "7"
+
+
+def test_the_list_of_what_we_set_keeps_what_this_process_inherited_from_the_run(monkeypatch):
+    """A worker of the run (or a spawned child) inherits the driver's variables and their list: it holds none of them
+    itself, but its own holds must not drop them from the list (its non-run children would keep them)."""
+    from eagle_compat import startup
+    inherited = "EAGLE_COMPAT_TEST_INHERITED_VARIABLE"
+    monkeypatch.setenv(inherited, "1")
+    monkeypatch.setenv(startup.SET_ENV_LIST, inherited)
+    monkeypatch.setattr(engine, "_INHERITED_SET_ENV", frozenset({inherited}))
+    monkeypatch.delenv(KEY, raising=False)
+    held = engine.apply_env({KEY: "1500", inherited: "1"})
+    assert held == [KEY]  # the inherited one counts as set before us
+    assert set(os.environ[startup.SET_ENV_LIST].split(",")) == {KEY, inherited}
+    engine.release_env(held)
+    assert os.environ[startup.SET_ENV_LIST] == inherited and os.environ[inherited] == "1"

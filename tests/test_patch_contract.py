@@ -325,8 +325,51 @@ def test_a_unit_failing_at_its_modules_import_undoes_the_install_and_refuses_eve
             importlib.import_module("late_target_module")
         assert "late_target_module" not in sys.modules
     assert not eagle_compat.is_installed() and installer.INSTALLED_ENV not in os.environ
+    states = {s.name: s.state for s in eagle_compat.status()}
+    assert states["b_fails"].startswith("failed") and states["a_first"].startswith("reverted"), states
+    assert states["c_third"].startswith("reverted"), states
     eagle_compat.uninstall()  # lifts the refusal: the module imports as it is
     assert importlib.import_module("late_target_module").first == "original first"
+    del sys.modules["late_target_module"]
+    monkeypatch.setattr(installer, "REGISTRY", units[:1])
+    eagle_compat.install()  # a new install() after the failure: its own hooks, no refusal left over
+    assert importlib.import_module("late_target_module").first == "patched"
+
+
+def test_a_unit_failing_at_an_import_another_unit_makes_leaves_nothing_applied(monkeypatch, tmp_path):
+    """Unit A's apply() imports B's module and B fails there: the install is undone, A's own changes (made before and
+    after the nested failure) are reverted, and the error says why instead of a bookkeeping error."""
+    from eagle_compat.errors import IncompatibleEnvironment
+    from eagle_compat.patches import PatchUnit
+    (tmp_path / "outer_target_module.py").write_text("x = 'original x'\nz = 'original z'\n")
+    (tmp_path / "inner_target_module.py").write_text("y = 'original y'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("outer_target_module", "inner_target_module"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    def outer(patcher, module):
+        patcher.set(module, "x", "patched")
+        try:
+            importlib.import_module("inner_target_module")
+        except IncompatibleEnvironment:
+            pass  # a unit that swallows the nested error must not keep what it does next
+        patcher.set(module, "z", "patched")
+
+    def inner(patcher, module):
+        raise RuntimeError("inner cannot apply")
+
+    units = (PatchUnit(name="a_outer", broke="t", affects="all", delete_when="t", target="outer_target_module",
+                       apply=outer),
+             PatchUnit(name="b_inner", broke="t", affects="all", delete_when="t", target="inner_target_module",
+                       apply=inner))
+    monkeypatch.setattr(installer, "REGISTRY", units)
+    eagle_compat.install()
+    with pytest.raises(IncompatibleEnvironment, match="'a_outer' failed to apply.*another unit failed"):
+        importlib.import_module("outer_target_module")
+    assert not eagle_compat.is_installed() and installer._state.applied == []
+    eagle_compat.uninstall()
+    outer_module = importlib.import_module("outer_target_module")
+    assert (outer_module.x, outer_module.z) == ("original x", "original z")
 
 
 def test_install_in_a_process_the_worker_plugin_installed_applies_the_drivers_units(monkeypatch):
@@ -339,7 +382,8 @@ def test_install_in_a_process_the_worker_plugin_installed_applies_the_drivers_un
     states = {s.name: s.state for s in report.units}
     assert not report.already_installed and "not for this side" not in states.values(), states
     driver_only = [u.name for u in REGISTRY if u.sides == ("driver",)]
-    assert all(states[n] != "not installed" for n in driver_only)
+    assert all(states[n] in ("applied", "waiting for import", "not needed") or states[n].startswith("disabled")
+               for n in driver_only), states
 
 
 def test_worker_side_plugin_applies_only_in_a_process_of_the_run(monkeypatch):
@@ -354,6 +398,16 @@ def test_worker_side_plugin_applies_only_in_a_process_of_the_run(monkeypatch):
     installer.activate_at_startup()  # the start-up hook ran: a spawned child of the run
     plugin.register()
     assert eagle_compat.is_installed()
+
+
+def test_worker_side_plugin_applies_in_a_spawned_child_that_skipped_the_start_up_hook(monkeypatch):
+    """A driver run with -E/-I/-S passes the flag on to its spawned children, which then skip sitecustomize: the
+    spawn flag on the child's own command line still marks a process of the run."""
+    from eagle_compat import plugin, startup
+    monkeypatch.setenv(installer.INSTALLED_ENV, "run:1")
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-I", "-c", "...", startup.SPAWNED_CHILD_FLAG])
+    plugin.register()
+    assert eagle_compat.is_installed() and not installer.is_started_up()
     _, worker = _import_speculators()
     assert any(s.name == "worker_capture" and s.state == "applied" for s in eagle_compat.status())
 
@@ -391,8 +445,8 @@ def test_unit_contract(unit):
     assert patcher.changes, f"{unit.name} applied nothing although needed"
     for change in patcher.changes:
         if isinstance(change, EnvironmentHold):  # variables for vLLM's workers: set (where the user set none)
-            assert change.keys and all(os.environ.get(k) == engine.default_worker_env()[k] for k in change.keys)
-            assert set(change.keys) <= set(os.environ[startup.SET_ENV_LIST].split(","))
+            assert all(os.environ.get(k) == engine.default_worker_env()[k] for k in change.keys)  # none: yours
+            assert set(change.keys) <= set(os.environ.get(startup.SET_ENV_LIST, "").split(","))
             continue
         owner = change.owner  # a class is read in its own namespace (getattr would bind a classmethod)
         current = vars(owner).get(change.attribute) if isinstance(owner, type) else getattr(owner, change.attribute)

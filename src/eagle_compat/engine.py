@@ -535,11 +535,17 @@ SET_ENV_LIST = startup.SET_ENV_LIST
 _ENV_LOCK = threading.Lock()
 
 
+# the names a process of the run inherited in SET_ENV_LIST: set by the driver, so this process holds none of them
+_INHERITED_SET_ENV = frozenset(n for n in os.environ.get(SET_ENV_LIST, "").split(",") if n)
+
+
 def _list_held_env() -> None:
-    """Keep SET_ENV_LIST naming the variables eagle_compat set (the start-up hook removes them, and the list, from
-    any process started during a run that is not one of the run's: a user's vLLM server keeps its own environment)."""
-    if _ENV_HOLDS:
-        os.environ[SET_ENV_LIST] = ",".join(sorted(_ENV_HOLDS))
+    """Keep SET_ENV_LIST naming the variables eagle_compat set, here or in the process this one inherited them from
+    (the start-up hook removes them, and the list, from any process started during a run that is not one of the
+    run's: a user's vLLM server keeps its own environment)."""
+    names = set(_ENV_HOLDS) | {n for n in _INHERITED_SET_ENV if n in os.environ}
+    if names:
+        os.environ[SET_ENV_LIST] = ",".join(sorted(names))
     else:
         os.environ.pop(SET_ENV_LIST, None)
 

@@ -174,10 +174,10 @@ def _widen_to_driver(versions: str) -> InstallReport:
     """install() in a process where the worker plugin installed first (a spawned child of a run that builds a vLLM
     engine before it calls install()): the driver's units were "not for this side" then; apply them now rather than
     answer "already installed" with speculators' generator unpatched."""
-    _state.side = "driver"
-    startup.begin_run()
     disabled = disabled_units()
+    _state.side = "driver"
     try:
+        startup.begin_run()
         for unit in REGISTRY:
             current = _state.status.get(unit.name)
             if current is None or current.state == "not for this side":
@@ -243,7 +243,7 @@ def _fail_install(unit: PatchUnit, exc: IncompatibleEnvironment) -> str:
             log.warning(problem)
     _state.applied.clear()
     for other in _state.status.values():
-        if other.name != unit.name:
+        if other.name != unit.name and other.state in ("applied", "waiting for import"):
             other.state = f"reverted: {unit.name!r} failed at import"
     _state.installed = False
     _state.started_up = False
@@ -283,10 +283,14 @@ def _apply(unit: PatchUnit, module, status: UnitStatus) -> None:
         return
     patcher = Patcher(unit.name)
     _state.applied.append((unit, patcher))  # recorded before apply() runs: a unit failing half-way is reverted
+    generation = _state.generation
     try:
         unit.apply(patcher, module)
+        if _state.generation != generation:  # an import inside apply() failed and undid the install meanwhile
+            raise IncompatibleEnvironment("another unit failed at an import this unit made; the install was undone")
     except Exception as exc:
-        _state.applied.remove((unit, patcher))
+        if (unit, patcher) in _state.applied:
+            _state.applied.remove((unit, patcher))
         for problem in patcher.revert():
             log.warning(problem)
         status.state = f"failed: {type(exc).__name__}: {exc}"

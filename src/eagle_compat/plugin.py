@@ -7,6 +7,7 @@ installed.
 from __future__ import annotations
 
 import os
+import sys
 
 # Set by `extract` / `demo` without --verbose (cli.quiet_engine_output): the run's output is the bar and the report
 QUIET_MARK = "EAGLE_COMPAT_QUIET"
@@ -30,13 +31,14 @@ def quiet_worker_stdout() -> None:
 def register() -> None:
     from .remote_errors import record_worker_errors
     from .installer import install, is_installed, is_started_up
-    from .startup import run_active
+    from .startup import SPAWNED_CHILD_FLAG, run_active
 
     record_worker_errors()  # only if a driver of ours asked (environment variable)
     quiet_worker_stdout()
 
-    # The run's variable alone is not proof: a process started outside the start-up hook (python -I, or a late
-    # child of a program launched during the run, after uninstall()) can inherit it. A spawned process of the run
-    # has run the hook (is_started_up); a forked one inherited install() itself.
-    if run_active() and is_started_up() and not is_installed():
+    # The run's variable alone is not proof: a process started outside the run's start-up hook (a late child of a
+    # program launched during the run, after uninstall()) can inherit it. A spawned process of the run has run the
+    # hook (is_started_up), or, where the driver runs with -E/-I/-S (passed on to spawned children, which then skip
+    # sitecustomize), carries multiprocessing's spawn flag; a forked one inherited install() itself.
+    if run_active() and not is_installed() and (is_started_up() or SPAWNED_CHILD_FLAG in sys.orig_argv):
         install(side="worker")

@@ -60,8 +60,8 @@ def _scope():
     for name in _os.environ.pop({set_env!r}, "").split(","):  # nor do they get what we set for the run's workers
         if name:
             _os.environ.pop(name, None)
-    kept = [p for p in _os.environ.get("PYTHONPATH", "").split(_os.pathsep) if p and _os.path.abspath(p) != _HERE]
-    if kept:
+    kept = [p for p in _os.environ.get("PYTHONPATH", "").split(_os.pathsep) if not p or _os.path.abspath(p) != _HERE]
+    if any(kept):
         _os.environ["PYTHONPATH"] = _os.pathsep.join(kept)
     else:
         _os.environ.pop("PYTHONPATH", None)

@@ -14,7 +14,7 @@ UNIT = keyword_rewrite_unit(
     constructor="SchedulerConfig", feature="chunked_prefill_not_off_by_default", rewrite="without_chunked_prefill",
     name="chunked_prefill_off",
     broke="chunked prefill is on by default: oversize batches give truncated, misaligned states with no error",
-    affects=">=0.11.1",
+    affects=">=0.11",  # broke in 0.11.1; on 0.11.0 (default None = off) passing False changes nothing
     delete_when="speculators' call site passes enable_chunked_prefill=False (speculators >= 0.4)",
     silent=True,
 )
