@@ -91,6 +91,57 @@ def test_layer_id_errors():
             VllmHiddenStatesGenerator(path, layer_ids=layer_ids)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(max_num_seqs=0), r"max_num_seqs=0; must be an int >= 1"),
+    (dict(max_num_batched_tokens=0), r"max_num_batched_tokens=0; must be None"),
+    (dict(shm_limit_bytes=-1), r"shm_limit_bytes=-1; must be None"),
+    (dict(shm_limit_bytes="1G"), r"shm_limit_bytes='1G'; must be None"),
+    (dict(load_format=None), r"load_format=None; must be one of vLLM's load formats"),
+])
+def test_generator_options_are_refused_before_anything_loads(options, message):
+    path = tiny_models.build_tiny_model("llama")
+    with pytest.raises(InvalidInput, match=message):
+        VllmHiddenStatesGenerator(path, **options)
+
+
+def test_the_shm_limit_variable_and_the_model_path_are_checked_first(monkeypatch, tmp_path):
+    import pathlib
+    monkeypatch.setenv("EAGLE_COMPAT_SHM_LIMIT_BYTES", "1G")
+    with pytest.raises(InvalidInput, match=r"EAGLE_COMPAT_SHM_LIMIT_BYTES='1G'; must be a whole number of bytes"):
+        VllmHiddenStatesGenerator(tiny_models.build_tiny_model("llama"))
+    monkeypatch.delenv("EAGLE_COMPAT_SHM_LIMIT_BYTES")
+    with pytest.raises(InvalidInput, match="has no config.json"):  # a Path is read as a path, not a TypeError
+        VllmHiddenStatesGenerator(pathlib.Path(tmp_path))
+    with pytest.raises(InvalidInput, match=r"model_path=3; must be a model directory"):
+        VllmHiddenStatesGenerator(3)
+
+
+def test_token_ids_are_checked_against_a_vocabulary_the_config_may_leave_to_transformers(tmp_path):
+    """A multimodal config whose text part omits vocab_size (Gemma-3 writes only what differs from the class's
+    defaults) used to read as vocab_size 0, and the token-id check was off: ids past the embedding reached vLLM."""
+    import json
+
+    from eagle_compat.generator import model_text_config
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 64},
+        "vision_config": {"model_type": "siglip_vision_model"}}))
+    text = model_text_config(str(tmp_path))
+    assert text.num_hidden_layers == 2 and text.vocab_size > 0  # transformers' Gemma-3 default
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                      "vocab_size": None}))
+    with pytest.raises(InvalidInput, match="no vocab_size in its config"):
+        VllmHiddenStatesGenerator(str(tmp_path))
+
+
+def test_batch_options_are_checked(fp32_generator):
+    _, _, _, gen = fp32_generator
+    with pytest.raises(InvalidInput, match=r"truncate='no'; must be True or False"):
+        gen.generate([[1, 2]], truncate="no")
+    with pytest.raises(InvalidInput, match=r"prefetch=1.5; must be an int >= 0"):
+        next(gen.generate_batches([[[1, 2]]], prefetch=1.5))
+
+
 def test_worker_exception_reaches_the_caller_with_type_and_traceback(fp32_generator):
     from eagle_compat import WorkerError
 

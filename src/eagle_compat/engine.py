@@ -134,7 +134,8 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     cache_config = CacheConfig(**cache_config_kwargs(cache_kw))
     scheduler_config = SchedulerConfig(**scheduler_config_kwargs(
         dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-             max_num_batched_tokens=max_num_batched_tokens or max(MIN_MAX_BATCHED_TOKENS, max_model_len)),
+             max_num_batched_tokens=(max(MIN_MAX_BATCHED_TOKENS, max_model_len) if max_num_batched_tokens is None
+                                     else max_num_batched_tokens)),
         is_encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False))))
     parallel_config = build(ParallelConfig, tensor_parallel_size=tensor_parallel_size,
                             worker_extension_cls=worker_extension_cls,

@@ -62,7 +62,11 @@ def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
             raise InvalidInput(f"{path} is not a model config (a JSON object), got {type(raw).__name__}")
         for candidate in (raw.get("text_config"), raw.get("language_config"), raw):
             if isinstance(candidate, dict) and "num_hidden_layers" in candidate:
-                return SimpleNamespace(**candidate)
+                if "vocab_size" not in candidate and "vocab_size" in raw:  # a wrapper may keep it at the top
+                    candidate = {**candidate, "vocab_size": raw["vocab_size"]}
+                if "vocab_size" in candidate:  # else transformers' config class knows its default (Gemma-3)
+                    return SimpleNamespace(**candidate)
+                break
     from transformers import AutoConfig
 
     try:
@@ -115,6 +119,37 @@ def check_engine_options(*, tensor_parallel_size: Any, gpu_memory_utilization: A
                            "(bytes)")
     if isinstance(dtype, str) and dtype not in ENGINE_DTYPES:
         raise InvalidInput(f"{name('dtype')}={dtype!r}; allowed: {', '.join(ENGINE_DTYPES)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, load_format: Any,
+                            shm_limit_bytes: Any) -> None:
+    """The stable generator's own keywords, before anything is loaded (a typo used to surface in the worker, on
+    the first batch, or as a silently used default)."""
+    from .capture.handover import LIMIT_ENV
+    if not _is_int(max_num_seqs) or max_num_seqs < 1:
+        raise InvalidInput(f"max_num_seqs={max_num_seqs!r}; must be an int >= 1")
+    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
+        raise InvalidInput(f"max_num_batched_tokens={max_num_batched_tokens!r}; must be None (the default: "
+                           "max_model_len or more) or an int >= 1")
+    if not isinstance(load_format, str) or not load_format:
+        raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or 'dummy'")
+    if shm_limit_bytes is not None and (not _is_int(shm_limit_bytes) or shm_limit_bytes < 0):
+        raise InvalidInput(f"shm_limit_bytes={shm_limit_bytes!r}; must be None (free space in /dev/shm) or an int "
+                           ">= 0 (bytes; 0: every batch through the RPC queue)")
+    env = os.environ.get(LIMIT_ENV)
+    if shm_limit_bytes is None and env and not (env.isdigit()):
+        raise InvalidInput(f"{LIMIT_ENV}={env!r}; must be a whole number of bytes (e.g. 1073741824), or unset")
+
+
+def check_batch_options(*, truncate: Any, prefetch: Any = 0) -> None:
+    if not isinstance(truncate, bool):
+        raise InvalidInput(f"truncate={truncate!r}; must be True or False")
+    if not _is_int(prefetch) or prefetch < 0:
+        raise InvalidInput(f"prefetch={prefetch!r}; must be an int >= 0")
 
 
 def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncate: bool) -> list[list[int]]:
@@ -200,6 +235,11 @@ class VllmHiddenStatesGenerator:
                  in_process: bool = False):
         refuse_inside_a_spawned_import()
         engine.require_vllm()
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise InvalidInput(f"model_path={model_path!r}; must be a model directory or hub id (a str or a path)")
+        model_path = os.fspath(model_path)
+        check_generator_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                load_format=load_format, shm_limit_bytes=shm_limit_bytes)
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
         check_engine_options(tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -224,6 +264,9 @@ class VllmHiddenStatesGenerator:
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
+        if self.vocab_size < 1:  # token ids could not be checked: an id past the embedding gives wrong states
+            raise InvalidInput(f"model {model_path!r}: no vocab_size in its config (or its text config); "
+                               "a positive vocabulary size is needed to check token ids")
         self.layer_ids = (default_layer_ids(self.num_layers) if layer_ids is None
                           else validate_layer_ids(layer_ids, self.num_layers))
         from transformers import AutoTokenizer
@@ -285,6 +328,7 @@ class VllmHiddenStatesGenerator:
         """Hidden states of every prompt token for each layer id. Returns, per sequence, a dict with
         `input_ids` (LongTensor [T]), `hidden_states` (list, per layer id, of [T, hidden] tensors on the CPU) and
         `loss_mask` (None). Each hidden-state tensor has its own storage (in shared host memory)."""
+        check_batch_options(truncate=truncate)
         if self.executor is None:
             raise InvalidInput("this generator is closed")
         if not self._busy.acquire(blocking=False):
@@ -299,6 +343,7 @@ class VllmHiddenStatesGenerator:
         """`generate()` for each batch of `batches`, pipelined: the engine computes batch k+1 while the caller
         handles batch k (at most `prefetch` finished batches wait in between; 0 runs everything in the caller's
         thread). Yields each batch's results, in order, equal to what `generate()` returns for it."""
+        check_batch_options(truncate=truncate, prefetch=prefetch)
         if self.executor is None:
             raise InvalidInput("this generator is closed")
         if not self._busy.acquire(blocking=False):
@@ -396,7 +441,7 @@ class VllmHiddenStatesGenerator:
         is all we want, and the worker runs calls in order, so their KV blocks are free for the next step."""
         import torch
 
-        token_lists = validate_token_ids(token_ids, vocab_size=self.vocab_size or 2**62,
+        token_lists = validate_token_ids(token_ids, vocab_size=self.vocab_size,
                                          max_len=self.max_model_len - 1, truncate=truncate)
         batch_id = f"eagle_{self._request_counter}"
         self._request_counter += 1
