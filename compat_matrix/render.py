@@ -43,7 +43,9 @@ def _cell_text(cell: dict, notes: list[str]) -> str:
         errs = cell.get("errors") or {}
         worst = max((e["max_abs"] if cell.get("precision") == "fp32" else e["max_rel_to_layer_max"])
                     for e in errs.values()) if errs else 0.0
-        return f"pass ({'abs' if cell.get('precision') == 'fp32' else 'rel'} {worst:.0e})"
+        old_rule = cell.get("precision") != "fp32" and any(e.get("median") is None for e in errs.values())
+        return (f"pass{'*' if old_rule else ''} ({'abs' if cell.get('precision') == 'fp32' else 'rel'} "
+                f"{worst:.0e})")
     from cell import known_cause
     note = reason(cell.get("error"))
     cause = known_cause(cell.get("error"))
@@ -97,9 +99,10 @@ def render(results: list[dict]) -> str:
              "`compat_matrix/run.py`). Do not edit by hand. Columns: `shim/<family>` = unmodified speculators 0.3.0",
              "under `eagle_compat.install()` (engine dtype auto = bf16 on CPU; pass = the criterion of docs/parity.md:",
              "per layer, the median and p95 of the per-token error against HF fp32 within 2x HF's own bf16 error on the",
-             "same tokens + 2e-3; cells run before 2026-12-02 were judged within 5e-2 of the layer's max |value|);",
+             "same tokens + 2e-3; `pass*`: run before 2026-12-02, judged within 5e-2 of the layer's max |value|);",
              "`generator/<family>` = `eagle_compat.VllmHiddenStatesGenerator` in float32 (pass = max abs error <= 1e-4,",
-             "scaled by the layer's max |value| above 1). Cells show the worst error over the layers checked",
+             "scaled by each token's max |value| above 1; before 2026-12-05, by the layer's). Cells show the worst",
+             "error over the layers checked",
              "(`rel`: of the layer's max |value|). `smollm2` is a real pretrained model (SmolLM2-135M-Instruct).",
              "`unsupported` = the release cannot run that model in that mode on CPU, or eagle_compat refuses it",
              "with the reason given (rather than return wrong tensors); `host limit` = the release's CPU build",

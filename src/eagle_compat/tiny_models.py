@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from .capture.families import FAMILIES as _FAMILY_TABLE
 from .capture.families import QUANTIZED, REAL_MODELS, TINY, VOCAB_SIZE, Tiny
 
-BUILD_REVISION = 4  # bump when the way checkpoints are written changes (part of the cache key)
+BUILD_REVISION = 5  # bump when the way checkpoints are written changes (part of the cache key)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -150,6 +150,25 @@ def _fix_deepseek_checkpoint(model_dir: str, config: Any) -> None:
 
 
 
+def _fix_gpt_oss_router(model_dir: str, config: Any) -> None:
+    """gpt-oss's router is a linear layer with a bias, top-k then softmax over the chosen logits: a random one has
+    near ties, and HF's own bf16 forward then picks other experts than fp32 for some tokens, which loosens the bf16
+    criterion (its limits follow HF's own error) until a capture wrong on a few tokens passes. A decisive bias per
+    layer (ROUTER_SELECTION_BIAS on top_k experts) fixes the choice; the weights between them still vary per token."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    for i in range(config.num_hidden_layers):
+        bias = torch.zeros(experts, dtype=torch.float32)
+        for k in range(top_k):
+            bias[(i + 3 * k) % experts] = ROUTER_SELECTION_BIAS
+        tensors[f"model.layers.{i}.mlp.router.bias"] = bias
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE, extra_specials: list[str] | None = None) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -209,6 +228,8 @@ def build_tiny_model(family: str, out_dir: str | None = None, seed: int = 0) -> 
         model.save_pretrained(building, safe_serialization=True)
         if tiny.config.get("topk_method") == "noaux_tc":
             _fix_deepseek_checkpoint(building, config)
+        if tiny.architecture == "GptOssForCausalLM":
+            _fix_gpt_oss_router(building, config)
         save_tokenizer(building, config.vocab_size, list(tiny.extra_tokens))
     return out_dir
 

@@ -1,0 +1,40 @@
+"""The bf16 criterion (check.py) must be able to fail on each family the matrix judges in bf16 (its `shim` cells):
+HF's own bf16 forward stands in for a correct engine, and a capture whose last token of each sequence comes from
+the neighbouring layer stands in for the subtlest wrong one. A MoE model with a random router loosens the limits
+(HF's own bf16 forward picks other experts than fp32 for some tokens), so tiny MoE checkpoints fix their routers'
+choice (tiny_models: DeepSeek's noaux_tc bias, gpt-oss's router bias; Qwen3-MoE's routes every token to all its
+experts); without that, this capture passed on gpt-oss (session 25's audit). No engine: HF references only."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_compat import check, tiny_models
+from eagle_compat.capture.families import TINY
+
+from helpers import prompts
+
+# the families with bf16 (shim) cells in the matrix, MoE and dense
+FAMILIES = [f for f in ("llama", "gpt_oss", "deepseek_v3", "qwen3_moe") if f in TINY]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_capture_wrong_on_the_last_token_fails_the_bf16_criterion_at_every_layer(family):
+    path = tiny_models.build_tiny_model(family)
+    layers = list(range(tiny_models.num_layers(family)))
+    batch = prompts(4, 40, 90)
+    ref = tiny_models.hf_reference(path, batch, layers)
+    low = tiny_models.hf_reference(path, batch, layers, dtype="bfloat16")
+    correct = [{"hidden_states": [t.float() for t in seq]} for seq in low]
+    assert all(e.ok for e in check.compare(correct, ref, layers, "bf16", low)), family
+
+    def last_token_from_the_neighbour(seq):
+        out = []
+        for j, t in enumerate(seq):
+            t = t.float().clone()
+            t[-1] = seq[j - 1 if j else j + 1][-1].float()
+            out.append(t)
+        return {"hidden_states": out}
+
+    wrong = [last_token_from_the_neighbour(seq) for seq in low]
+    judged = check.compare(wrong, ref, layers, "bf16", low)
+    assert not any(e.ok for e in judged), [(e.layer_id, e.worst_token, e.limits()) for e in judged if e.ok]
