@@ -38,3 +38,24 @@ def test_a_capture_wrong_on_the_last_token_fails_the_bf16_criterion_at_every_lay
     wrong = [last_token_from_the_neighbour(seq) for seq in low]
     judged = check.compare(wrong, ref, layers, "bf16", low)
     assert not any(e.ok for e in judged), [(e.layer_id, e.worst_token, e.limits()) for e in judged if e.ok]
+
+
+@pytest.mark.parametrize("family", [f for f in ("gemma2", "gemma3", "gpt_oss") if f in TINY])
+def test_the_tiny_models_sliding_windows_change_the_states_of_the_family_prompts(family, tmp_path):
+    """tests/test_families.py's prompts (up to 90 tokens) run past the tiny checkpoints' sliding window (32): HF's
+    own forward with the window removed fails the fp32 criterion at every layer, so an engine that ignored the
+    window would fail the family parity there too."""
+    import json
+    import os
+    import shutil
+    path = tiny_models.build_tiny_model(family)
+    for name in os.listdir(path):
+        shutil.copy(os.path.join(path, name), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["sliding_window"] < 90
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
+    layers = list(range(tiny_models.num_layers(family)))
+    batch = prompts(4, 10, 90, seed=11)  # test_families' batch
+    without_window = [{"hidden_states": seq} for seq in tiny_models.hf_reference(str(tmp_path), batch, layers)]
+    judged = check.compare(without_window, tiny_models.hf_reference(path, batch, layers), layers, "fp32")
+    assert not any(e.ok for e in judged), [(e.layer_id, e.max_abs) for e in judged if e.ok]

@@ -154,18 +154,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", ("TransformerBlock",), ("GptOssForCausalLM",), tiny=(
         Tiny("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
-                  intermediate_size=256, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2),
+                  intermediate_size=256, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
              extra_tokens=HARMONY_TOKENS, matrix=("shim", "generator")),)),
     # vLLM's Gemma always ties the output embedding to the input one (it has no lm_head)
     # (both activation names: older vLLM reads `hidden_act`, which transformers 4's Gemma2Config lacks)
     Family("gemma2", ("Gemma2DecoderLayer",), ("Gemma2ForCausalLM",), tiny=(
         Tiny("gemma2", "Gemma2ForCausalLM", "Gemma2Config",
-             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("gemma3", ("Gemma3DecoderLayer",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), tiny=(
         Tiny("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig",
-             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+             dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
