@@ -94,6 +94,7 @@ def test_layer_id_errors():
 @pytest.mark.parametrize("options, message", [
     (dict(max_num_seqs=0), r"max_num_seqs=0; must be an int >= 1"),
     (dict(max_num_batched_tokens=0), r"max_num_batched_tokens=0; must be None"),
+    (dict(max_num_batched_tokens=16, max_model_len=512), r"max_num_batched_tokens=16; .* >= max_model_len \(512\)"),
     (dict(shm_limit_bytes=-1), r"shm_limit_bytes=-1; must be None"),
     (dict(shm_limit_bytes="1G"), r"shm_limit_bytes='1G'; must be None"),
     (dict(load_format=None), r"load_format=None; must be one of vLLM's load formats"),
@@ -130,8 +131,12 @@ def test_token_ids_are_checked_against_a_vocabulary_the_config_may_leave_to_tran
     assert text.num_hidden_layers == 2 and text.vocab_size > 0  # transformers' Gemma-3 default
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
                                                       "vocab_size": None}))
-    with pytest.raises(InvalidInput, match="no vocab_size in its config"):
+    with pytest.raises(InvalidInput, match="its config says vocab_size=None"):
         VllmHiddenStatesGenerator(str(tmp_path))
+    # a wrapper transformers does not know: read from the file, its vocabulary left to vLLM's config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "some_vl_wrapper",
+                                                      "text_config": {"num_hidden_layers": 4}}))
+    assert model_text_config(str(tmp_path)).num_hidden_layers == 4
 
 
 def test_batch_options_are_checked(fp32_generator):

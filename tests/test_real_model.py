@@ -150,13 +150,12 @@ def test_the_fp32_criterion_fails_nan_and_noise_under_an_outlier_token(reference
         layers = check.compare(broken(change), ref, LAYERS, "fp32")
         assert not any(e.ok for e in layers), [(e.layer_id, e.max_abs) for e in layers]
 
-    def noisy(t):
-        t[::2] += 0.01 * t[::2].abs().amax(dim=-1, keepdim=True)
+    def noisy(t):  # every other token but the first (the outlier itself)
+        t[1::2] += 0.01 * t[1::2].abs().amax(dim=-1, keepdim=True)
         return t
 
     layers = check.compare(broken(noisy), ref, LAYERS, "fp32")
-    outlier_layers = [e for e in layers if e.layer_id in (15, 27)]
-    assert outlier_layers and not any(e.ok for e in outlier_layers), [(e.layer_id, e.max_abs) for e in layers]
+    assert not any(e.ok for e in layers), [(e.layer_id, e.max_abs) for e in layers if e.ok]
     assert check.CheckResult("t", "m", None, "fp32", []).ok is False  # nothing compared is not a pass
 
 

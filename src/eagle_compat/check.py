@@ -96,6 +96,8 @@ class CheckResult:
         return bool(self.layers) and all(layer.ok for layer in self.layers)  # nothing compared proves nothing
 
     def failures(self) -> list[str]:
+        if not self.layers:
+            return ["no layer was compared (empty layer_ids?)"]
         return [describe_failure(e, self.precision) for e in self.layers if not e.ok]
 
     def raise_if_failed(self) -> None:

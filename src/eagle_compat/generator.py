@@ -60,18 +60,22 @@ def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
             raise InvalidInput(f"{path} cannot be read as JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise InvalidInput(f"{path} is not a model config (a JSON object), got {type(raw).__name__}")
+        from_file = None
         for candidate in (raw.get("text_config"), raw.get("language_config"), raw):
             if isinstance(candidate, dict) and "num_hidden_layers" in candidate:
                 if "vocab_size" not in candidate and "vocab_size" in raw:  # a wrapper may keep it at the top
                     candidate = {**candidate, "vocab_size": raw["vocab_size"]}
+                from_file = SimpleNamespace(**candidate)
                 if "vocab_size" in candidate:  # else transformers' config class knows its default (Gemma-3)
-                    return SimpleNamespace(**candidate)
+                    return from_file
                 break
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # no config.json, an unknown model type, a hub id that cannot be reached
+        if os.path.isfile(path) and from_file is not None:
+            return from_file  # a wrapper transformers does not know: its vocabulary comes from vLLM's config later
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidInput(f"model {model_path!r}: transformers cannot read its config ({first})") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -122,19 +126,21 @@ def check_engine_options(*, tensor_parallel_size: Any, gpu_memory_utilization: A
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
 
 
 def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, load_format: Any,
-                            shm_limit_bytes: Any) -> None:
+                            shm_limit_bytes: Any, max_model_len: int) -> None:
     """The stable generator's own keywords, before anything is loaded (a typo used to surface in the worker, on
     the first batch, or as a silently used default)."""
     from .capture.handover import LIMIT_ENV
     if not _is_int(max_num_seqs) or max_num_seqs < 1:
         raise InvalidInput(f"max_num_seqs={max_num_seqs!r}; must be an int >= 1")
-    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
-        raise InvalidInput(f"max_num_batched_tokens={max_num_batched_tokens!r}; must be None (the default: "
-                           "max_model_len or more) or an int >= 1")
+    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or
+                                               max_num_batched_tokens < max_model_len):
+        # chunked prefill is always off here, so one step must hold a whole max_model_len prompt
+        raise InvalidInput(f"max_num_batched_tokens={max_num_batched_tokens!r}; must be None (the default) or an "
+                           f"int >= max_model_len ({max_model_len})")
     if not isinstance(load_format, str) or not load_format:
         raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or 'dummy'")
     if shm_limit_bytes is not None and (not _is_int(shm_limit_bytes) or shm_limit_bytes < 0):
@@ -238,10 +244,10 @@ class VllmHiddenStatesGenerator:
         if not isinstance(model_path, (str, os.PathLike)):
             raise InvalidInput(f"model_path={model_path!r}; must be a model directory or hub id (a str or a path)")
         model_path = os.fspath(model_path)
-        check_generator_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                load_format=load_format, shm_limit_bytes=shm_limit_bytes)
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise InvalidInput(f"max_model_len={max_model_len!r}; must be an int >= 2")
+        check_generator_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                load_format=load_format, shm_limit_bytes=shm_limit_bytes, max_model_len=max_model_len)
         check_engine_options(tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                              kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype)
         # in_process: vLLM's one-rank executor in this process (no spawned worker to import vLLM again: start-up in
@@ -263,9 +269,9 @@ class VllmHiddenStatesGenerator:
         text_config = model_text_config(model_path, trust_remote_code)
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
-        self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
-        if self.vocab_size < 1:  # token ids could not be checked: an id past the embedding gives wrong states
-            raise InvalidInput(f"model {model_path!r}: no vocab_size in its config (or its text config); "
+        self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)  # else vLLM's config says, below
+        if hasattr(text_config, "vocab_size") and self.vocab_size < 1:
+            raise InvalidInput(f"model {model_path!r}: its config says vocab_size={text_config.vocab_size!r}; "
                                "a positive vocabulary size is needed to check token ids")
         self.layer_ids = (default_layer_ids(self.num_layers) if layer_ids is None
                           else validate_layer_ids(layer_ids, self.num_layers))
@@ -285,6 +291,10 @@ class VllmHiddenStatesGenerator:
                 dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 load_format=load_format, show_load_progress=show_load_progress, in_process=in_process)
+            self.vocab_size = self.vocab_size or int(self.vllm_config.model_config.get_vocab_size() or 0)
+            if self.vocab_size < 1:  # token ids could not be checked: an id past the embedding gives wrong states
+                raise InvalidInput(f"model {model_path!r}: no vocab_size in its config (or its text config); "
+                                   "a positive vocabulary size is needed to check token ids")
             executor_cls = engine.executor_class(in_process)
 
             self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
