@@ -144,6 +144,7 @@ print(json.dumps({"during": during, "same_site_packages": before == after, "gone
 def test_uninstall_leaves_another_runs_variable_as_it_found_it(monkeypatch):
     """A process of one run (its variable inherited) that installs and uninstalls keeps that run's variable."""
     import eagle_compat
+    eagle_compat.uninstall()  # an install an earlier test of this worker left (its own variable goes with it)
     monkeypatch.setenv(INSTALLED_ENV, RUN_VALUE)
     eagle_compat.install()
     eagle_compat.uninstall()

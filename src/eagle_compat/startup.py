@@ -75,7 +75,7 @@ finally:
 
 _run_dir: str | None = None
 _saved_pythonpath: tuple[bool, str] | None = None  # (was set, value) before the run's directory went first
-_set_run_variable = False  # whether begin_run() set INSTALLED_ENV (a process of another run keeps that run's)
+_run_value: str | None = None  # the INSTALLED_ENV value begin_run() set (a process of another run keeps that run's)
 
 
 def run_active() -> bool:
@@ -93,7 +93,7 @@ def write_hook(directory: str) -> str:
 def begin_run() -> str:
     """Make the run's start-up directory and put it first on PYTHONPATH, with the run's variable (idempotent).
     Returns the directory."""
-    global _run_dir, _saved_pythonpath, _set_run_variable
+    global _run_dir, _saved_pythonpath, _run_value
     if _run_dir is None or not os.path.isdir(_run_dir):
         _run_dir = write_hook(tempfile.mkdtemp(prefix="eagle-compat-startup-"))
         atexit.register(end_run)
@@ -101,17 +101,16 @@ def begin_run() -> str:
         _saved_pythonpath = ("PYTHONPATH" in os.environ, os.environ.get("PYTHONPATH", ""))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_run_dir, _saved_pythonpath[1]) if p)
     if INSTALLED_ENV not in os.environ:
-        os.environ[INSTALLED_ENV] = f"run:{os.getpid()}"
-        _set_run_variable = True
+        _run_value = os.environ[INSTALLED_ENV] = f"run:{os.getpid()}"
     return _run_dir
 
 
 def end_run() -> None:
     """Undo begin_run(): the variable, PYTHONPATH as it was, the directory."""
-    global _run_dir, _saved_pythonpath, _set_run_variable
-    if _set_run_variable:
+    global _run_dir, _saved_pythonpath, _run_value
+    if _run_value is not None and os.environ.get(INSTALLED_ENV) == _run_value:
         os.environ.pop(INSTALLED_ENV, None)
-        _set_run_variable = False
+    _run_value = None
     if _saved_pythonpath is not None:
         was_set, value = _saved_pythonpath
         # only the run's directory comes out: empty entries (the current directory) are the user's
