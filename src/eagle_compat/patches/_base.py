@@ -9,7 +9,6 @@ restores what it recorded.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -76,7 +75,7 @@ class Contribution:
 
 
 class MappingAttributes:
-    """A mapping (sys.modules, os.environ) seen through attributes, so a Patcher records and reverts its entries
+    """A mapping (sys.modules) seen through attributes, so a Patcher records and reverts its entries
     like any attribute."""
 
     def __init__(self, mapping: Any, name: str):
