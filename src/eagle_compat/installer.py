@@ -238,17 +238,10 @@ def _fail_install(unit: PatchUnit, exc: IncompatibleEnvironment) -> str:
     and wrapt has already dropped that module's hooks: a second import would give the module with no patch at all,
     under an install that says it is active. So the whole install is undone (as uninstall() does) and every later
     import of the module, until uninstall() or a new install(), raises the same error instead."""
-    for _, patcher in reversed(_state.applied):
-        for problem in patcher.revert():
-            log.warning(problem)
-    _state.applied.clear()
     for other in _state.status.values():
         if other.name != unit.name and other.state in ("applied", "waiting for import"):
             other.state = f"reverted: {unit.name!r} failed at import"
-    _state.installed = False
-    _state.started_up = False
-    _state.generation += 1
-    startup.end_run()
+    _undo()  # the statuses stay, for status() to say what happened
     message = f"{exc} (eagle_compat.install() was undone; call install() again once the cause is fixed)"
     _hook_next_import(unit.target, _refuse_import(message, _state.generation))
     return message
@@ -303,18 +296,23 @@ def _apply(unit: PatchUnit, module, status: UnitStatus) -> None:
 def uninstall() -> list[str]:
     """Restore every patched attribute (and environment variable). Returns any warnings."""
     with _state.lock:
-        problems: list[str] = []
-        for unit, patcher in reversed(_state.applied):
-            problems += patcher.revert()
-        _state.applied.clear()
         _state.status = {}
-        _state.installed = False
-        _state.started_up = False
-        _state.generation += 1
-        startup.end_run()
-        for p in problems:
-            log.warning(p)
-        return problems
+        return _undo()
+
+
+def _undo() -> list[str]:
+    """Revert every applied unit, disarm this install's hooks (a new generation) and end the run."""
+    problems: list[str] = []
+    for unit, patcher in reversed(_state.applied):
+        problems += patcher.revert()
+    _state.applied.clear()
+    _state.installed = False
+    _state.started_up = False
+    _state.generation += 1
+    startup.end_run()
+    for p in problems:
+        log.warning(p)
+    return problems
 
 
 def is_installed() -> bool:
