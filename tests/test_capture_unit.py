@@ -395,3 +395,42 @@ def test_results_kept_by_the_caller_cannot_grow_the_ring_past_its_default_bound(
         kept.append(ring.lease(slot))
     assert ring.total_bytes <= 16 << 20 and len(kept) == 4
     assert "4 buffers (16 MiB) are held by results the caller still references" in why, why
+
+
+def _fallback_round(steps, request_ids, token_lists):
+    """The worker's fallback staging fed `steps` (each: the order the scheduler ran requests in, with their row
+    counts), then the driver's reading of its reply. Row r of request q holds q*1000 + r."""
+    from eagle_compat.capture import handover
+    from eagle_compat.capture.worker import HostStaging
+    from eagle_compat.generator import VllmHiddenStatesGenerator, _Batch
+
+    staging = handover.RingStaging(HostStaging())
+    staging.begin("b", None)
+    for step in steps:
+        rows, pos, values = {}, 0, []
+        for rid, n in step:
+            rows[rid] = (pos, n)
+            pos += n
+            q = int(rid.rsplit("_", 1)[1])
+            values += [q * 1000 + r for r in range(n)]
+        per_layer = [torch.tensor(values, dtype=torch.float32)[:, None].repeat(1, 4)]
+        staging.add(per_layer, rows, [rid for rid, _ in step])
+    reply = staging.finish("b")
+    batch = _Batch("b", token_lists, request_ids, {}, None, set(), torch.float32)
+    return VllmHiddenStatesGenerator._results_from_fallback(batch, reply["fallback"], reply.get("fallback_rows"))
+
+
+def test_the_rpc_fallback_gives_each_sample_its_own_rows_in_any_scheduler_order():
+    """A batch that does not fit the shared-memory ring comes back through the RPC queue as one tensor per layer; the
+    driver cut it by the prompts' lengths in submission order, checking only the total: had the scheduler run them in
+    another order, or two counts swapped, samples would have held each other's states with no error. Now the worker
+    records which request each row is, and the driver checks every sample's count."""
+    ids, tokens = ["b_0", "b_1", "b_2"], [[5] * 3, [6] * 2, [7] * 3]
+    # the scheduler ran b_2 before b_0, over two steps
+    results = _fallback_round([[("b_2", 3), ("b_1", 2)], [("b_0", 3)]], ids, tokens)
+    for q, res in enumerate(results):
+        assert res["hidden_states"][0][:, 0].tolist() == [q * 1000 + r for r in range(len(tokens[q]))]
+    with pytest.raises(RuntimeError, match=r"do not match the prompts for 2 requests.*b_0: 2 rows for 3 tokens"):
+        _fallback_round([[("b_0", 2), ("b_1", 3), ("b_2", 3)]], ids, tokens)
+    with pytest.raises(RuntimeError, match="more than one step"):
+        _fallback_round([[("b_0", 2), ("b_1", 2)], [("b_0", 1), ("b_2", 3)]], ids, tokens)

@@ -575,7 +575,7 @@ class VllmHiddenStatesGenerator:
             self._sent.popleft()
         reply = reply or {}
         if batch.slot is None:
-            return self._results_from_fallback(batch.token_lists, reply.get("fallback"))
+            return self._results_from_fallback(batch, reply.get("fallback"), reply.get("fallback_rows"))
         rows = reply.get("rows") or {}
         missing = [(rid, n) for rid, (_, n) in batch.offsets.items() if rows.get(rid) != n]
         if missing:
@@ -613,22 +613,34 @@ class VllmHiddenStatesGenerator:
                 batch.slot = None
 
     @staticmethod
-    def _results_from_fallback(batch: list[list[int]], states: list | None) -> list[dict]:
+    def _results_from_fallback(batch: "_Batch", states: list | None, spans: list | None) -> list[dict]:
+        """Each sample's rows of a batch returned through the RPC queue, by the worker's record of which request each
+        staged row is: every sample's count is checked, and the order the scheduler ran them in does not matter."""
         import torch
 
         if not states:
             raise RuntimeError("no hidden states were captured")
-        total = sum(len(ids) for ids in batch)
-        if states[0].shape[0] != total:
-            raise RuntimeError(f"captured {states[0].shape[0]} rows for {total} prompt tokens")
-        results, offset = [], 0
-        for ids in batch:
-            n = len(ids)
+        where, offset = {}, 0
+        for rid, n in spans or ():
+            if rid in where:  # a prompt split over steps would interleave with others: refuse, never guess
+                raise RuntimeError(f"request {rid}'s rows arrived in more than one step")
+            where[rid], offset = (offset, n), offset + n
+        if offset != states[0].shape[0]:
+            raise RuntimeError(f"captured {states[0].shape[0]} rows, the worker's record accounts for {offset}")
+        asked = dict(zip(batch.request_ids, batch.token_lists))
+        wrong = [f"{rid}: {where[rid][1] if rid in where else 0} rows for {len(ids)} tokens"
+                 for rid, ids in asked.items() if where.get(rid, (0, None))[1] != len(ids)]
+        wrong += [f"{rid}: {n} rows for a request not in this batch"
+                  for rid, (_, n) in where.items() if rid not in asked]
+        if wrong:
+            raise RuntimeError(f"captured rows do not match the prompts for {len(wrong)} requests, e.g. {wrong[0]}")
+        results = []
+        for rid, ids in zip(batch.request_ids, batch.token_lists):
+            start, n = where[rid]
             results.append({"input_ids": torch.as_tensor(ids, dtype=torch.long),
                             # owned tensors: a view would make torch.save write the whole batch's buffer
-                            "hidden_states": [h[offset:offset + n].clone() for h in states],
+                            "hidden_states": [h[start:start + n].clone() for h in states],
                             "loss_mask": None})
-            offset += n
         return results
 
     def reserve_host_buffers(self, tokens_per_batch: int, count: int = 5) -> int:

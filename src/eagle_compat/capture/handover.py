@@ -379,12 +379,13 @@ class RingStaging:
         mine = [r for r in order if r in self.where]
         others = [r for r in order if r not in self.where]
         if others:
-            layout = list(rows)
-            if layout == others:
-                self.fallback.add(per_layer)
+            # which request each staged row is: the driver checks every sample's rows, not the batch's total
+            spans = [(r, rows[r][1]) for r in others]
+            if list(rows) == others:
+                self.fallback.add(per_layer, spans)
             else:
                 self.fallback.add([torch.cat([h[rows[r][0]: rows[r][0] + rows[r][1]] for r in others], 0)
-                                   for h in per_layer])
+                                   for h in per_layer], spans)
         if not mine:
             return
         h0 = per_layer[0]
@@ -424,10 +425,12 @@ class RingStaging:
                 e.synchronize()
 
     def finish(self, batch_id: Any) -> dict:
-        """Waits for the batch's copies: {"rows": {request_id: tokens}}, or {"fallback": per-layer tensors}."""
+        """Waits for the batch's copies: {"rows": {request_id: tokens}}, or {"fallback": per-layer tensors,
+        "fallback_rows": [(request_id, tokens), ...] in the tensors' row order}."""
         if batch_id == self.fallback_batch and batch_id not in self.batches:
             self.fallback_batch = None
-            return {"fallback": self.fallback.collect()}
+            spans = list(self.fallback.requests)
+            return {"fallback": self.fallback.collect(), "fallback_rows": spans}
         batch = self.batches.pop(batch_id, None)
         if batch is None:
             raise RuntimeError(f"no hand-over plan for batch {batch_id!r}")

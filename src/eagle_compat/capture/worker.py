@@ -199,11 +199,13 @@ class HostStaging:
 
     def __init__(self) -> None:
         self.steps: list[list] = []
+        self.requests: list[tuple[str, int]] = []  # (request id, rows) in the order of the staged rows
         self._stream = None
 
-    def add(self, per_layer: list) -> None:
+    def add(self, per_layer: list, requests: list[tuple[str, int]] | None = None) -> None:
         import torch
 
+        self.requests.extend(requests or ())
         if not per_layer or not per_layer[0].is_cuda:
             self.steps.append([(h, None) for h in per_layer])
             return
@@ -222,11 +224,13 @@ class HostStaging:
 
     def clear(self) -> None:
         self.steps.clear()
+        self.requests.clear()
 
     def collect(self) -> list | None:
         import torch
 
         if not self.steps:
+            self.requests.clear()
             return None
         for step in self.steps:
             for _, event in step:
@@ -234,7 +238,7 @@ class HostStaging:
                     event.synchronize()
         layers = len(self.steps[0])
         out = [torch.cat([step[j][0] for step in self.steps], 0) for j in range(layers)]
-        self.steps.clear()
+        self.clear()
         return out
 
 
