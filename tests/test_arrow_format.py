@@ -272,13 +272,18 @@ def test_replacing_the_arrow_dataset_keeps_the_earlier_one_whole_until_the_new_o
     assert datasets.load_from_disk(str(out)).to_dict() == before  # the earlier dataset, whole
 
 
+@pytest.mark.parametrize("fmt, refusal", [
+    ("arrow", r"hs_0\.safetensors does not hold its row's sample: row 0 \(input line 1\)"),
+    ("pt", r"data_0\.pt does not hold its sample: input line 1: the file holds")])
 def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model, dataset, tmp_path, fake_engine,
-                                                                          monkeypatch):
+                                                                          monkeypatch, fmt, refusal):
     """Arrow rows are bound by position: shard 1 run where line 1 tokenizes otherwise (another transformers
-    version on that machine) must not write a dataset pairing row 0 with shard 0's states of other tokens."""
+    version on that machine) must not write a dataset pairing row 0 with shard 0's states of other tokens. Nor may
+    a pt set be described as whole (data_config.json) when its shards tokenized line 1 differently: the run that
+    completes a set checked only its own files (audit of session 26)."""
     from eagle_compat.extract import inputs
     out = tmp_path / "out"
-    job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(0, 2)))
+    job.run(_opts(model, dataset, out, layers=LAYERS, format=fmt, skip_uncovered=True, shard=(0, 2)))
     real = inputs.read_dataset
 
     def other_tokenizer(*args, **kwargs):
@@ -287,10 +292,10 @@ def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model,
         data.samples[0] = inputs.Sample(s.index, s.input_ids[::-1], s.loss_mask, s.line)
         return data
     monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
-    with pytest.raises(writer.OutputDirectoryConflict, match=r"hs_0\.safetensors does not hold its row's sample: row "
-                                                             r"0 \(input line 1\)"):
-        job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True, shard=(1, 2)))
-    assert not (out / "state.json").exists() and json.load(open(out / "manifest.json"))["status"] == "incomplete"
+    with pytest.raises(writer.OutputDirectoryConflict, match=refusal):
+        job.run(_opts(model, dataset, out, layers=LAYERS, format=fmt, skip_uncovered=True, shard=(1, 2)))
+    assert not (out / "state.json").exists() and not (out / "data_config.json").exists()
+    assert json.load(open(out / "manifest.json"))["status"] == "incomplete"
 
 
 def test_convert_reads_speculators_0_3_0_slots_in_model_order_whatever_its_config_lists(model, dataset, tmp_path,

@@ -180,3 +180,14 @@ def test_run_help_is_help_and_extract_names_what_is_missing(capsys):
     assert cli.main(["run", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: eagle-compat run SCRIPT.py")
     assert cli.main(["extract", "--model", "m"]) == 2
     assert "required: --data, --out (only --preflight runs without them)" in capsys.readouterr().err
+
+
+def test_an_explicit_gpu_memory_utilization_of_0_is_refused_not_replaced_by_the_default(tmp_path, capsys):
+    """`args.gpu_memory_utilization or default` turned 0 into the default (0.3 on CPU), past the (0, 1] check."""
+    from eagle_compat import cli
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    code = cli.main(["extract", "--model", tiny_models.build_tiny_model("llama"), "--data", str(data),
+                     "--out", str(tmp_path / "out"), "--gpu-memory-utilization", "0"])
+    assert code == 2 and "--gpu-memory-utilization=0.0; must be in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -497,6 +497,71 @@ def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(
     job.run(_opts(model, dataset, out, resume=True))  # the same environment completes it
 
 
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "arrow"])
+def test_a_shard_merged_in_from_a_run_of_other_layers_is_refused_naming_the_file(model, dataset, tmp_path,
+                                                                                fake_engine, fmt):
+    """The README's merge: shards run into their own directories, files copied into one, then --resume there. Kept
+    files were checked by their token ids only, so shard 1 of --layers 2,5 merged into shard 0's --layers 0,5
+    directory completed as one set (the files of layer 2 under a record of layer 0, audit of session 26). Each file
+    now carries the stamp of the settings that made its states; the merge and the completion check it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    job.run(_opts(model, dataset, a, shard=(0, 2), format=fmt))
+    job.run(_opts(model, dataset, b, shard=(1, 2), format=fmt, layers=[2, 5]))
+    copied = _merge(b, a)
+    before = _tree(a)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"is not this run's: input line \d+: its states were made "
+                                                             r"with other settings \(another model, --layers or --dtype"):
+        job.run(_opts(model, dataset, a, resume=True, format=fmt))
+    assert _tree(a) == before
+    for name in copied:  # the same shard, run with the directory's settings, merges and completes the set
+        (a / name).unlink()
+    job.run(_opts(model, dataset, tmp_path / "c", shard=(1, 2), format=fmt))
+    _merge(tmp_path / "c", a)
+    summary = job.run(_opts(model, dataset, a, resume=True, format=fmt))
+    assert summary["complete"] and summary["written_this_run"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "arrow", "arrow-fp8"])
+def test_each_file_says_what_made_its_states_and_a_file_made_otherwise_is_named(tmp_path, fmt):
+    """The facts a kept file is checked by, in every format: its stamp, layer count, hidden size and dtype (a shard
+    of float16 files, from an older GPU resolving --dtype auto, merged into a bfloat16 set). A file written before
+    stamps existed is judged by the rest."""
+    from eagle_compat.extract import formats
+    ids, mask = torch.arange(5), torch.ones(5, dtype=torch.long)
+    states = [torch.randn(5, 8, dtype=torch.float16) for _ in range(2)]
+    fp8 = fmt == "arrow-fp8"
+    want = writer.StatesExpected("s1", 2, 8, "torch.bfloat16")
+
+    def why(stamp, states=states):
+        path = formats.get(fmt).save(str(tmp_path), 0, 0, ids, mask, states, [0, 5], stamp)
+        wrong = writer.first_mismatch([(path, ids.tolist(), mask.tolist(), "line 1")], want)
+        return wrong.why if wrong else None
+    assert "stamp s0, this run's s1" in why("s0")
+    assert "it holds 1 layers of states, this run 2" in why("s1", states[:1])
+    assert (why("s1") is None) if fp8 else ("float16, the directory's engine ran torch.bfloat16" in why("s1"))
+    states = [h.to(torch.bfloat16) for h in states]
+    assert why("s1", states) is None and why(None, states) is None
+    assert "hidden size 4, the model 8" in why(None, [h[:, :4] for h in states])
+
+
+def _tree(out):
+    """Every file under --out (sub-folders included) with its content hash, but the lock."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != writer.LOCK_FILE}
+
+
+def _merge(src, dst):
+    """Copy a shard's sample files into another directory (the README's merge), returning their names."""
+    names = []
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        if path.is_file() and re.match(r"^(data|hs)_\d+\.", path.name):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dst / rel)
+            names.append(str(rel))
+    return names
+
+
 def test_validate_is_part_of_the_settings_record(model, dataset, tmp_path, fake_engine):
     """--validate changes which conversations --skip-uncovered leaves out, so it changes the sample set."""
     out = tmp_path / "out"
@@ -745,6 +810,11 @@ def test_bad_model_and_out_paths_are_clear_errors_before_the_data_is_read(model,
     with pytest.raises(InvalidInput, match=r"--layers ',': no layer id"):
         job.parse_layers(",")
     assert not (tmp_path / "out").exists()
+    own = shutil.copytree(model, tmp_path / "model")  # (a copy: a regression must not write into the shared one)
+    before = sorted(os.listdir(own))  # --out the model's own folder: its records would change its checksums
+    with pytest.raises(InvalidInput, match=r"--out .* is the model's directory; give a directory of its own"):
+        job.run(_opts(str(own), dataset, own))
+    assert sorted(os.listdir(own)) == before
 
 
 def test_conversations_without_a_tokenizer_say_why_it_did_not_load(model, tmp_path, no_engine):
@@ -796,6 +866,29 @@ def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, data
     summary = job.run(_opts(model, dataset, out, layers=[0, 5], format=fmt))
     described = ["data_config.json"] if fmt == "pt" else ["state.json"]
     assert seen == [(summary["samples"], [], "running"), (summary["samples"], described, "running")]
+    assert json.load(open(out / "manifest.json"))["status"] == "complete"
+
+
+@pytest.mark.parametrize("fmt", ["pt", "arrow"])
+def test_ctrl_c_while_the_whole_set_is_checked_leaves_it_incomplete_and_resume_finishes(model, dataset, tmp_path,
+                                                                                        fake_engine, monkeypatch, fmt):
+    """Checking a large set and writing its Arrow dataset take minutes, after the run restored Ctrl-C's handler: an
+    interrupt there left the manifest "running" for ever (audit of session 26). Now "incomplete", the run's entry
+    says where it stopped, and --resume finishes the set."""
+    from eagle_compat.extract import formats
+    out = tmp_path / "out"
+    real = formats.get(fmt).check_whole_set
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(formats.get(fmt)), "check_whole_set", interrupted)
+    with pytest.raises(job.Interrupted, match="rerun the same command with --resume to finish it"):
+        job.run(_opts(model, dataset, out, format=fmt))
+    record = json.load(open(out / "manifest.json"))
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"].startswith("interrupted while the set")
+    monkeypatch.setattr(type(formats.get(fmt)), "check_whole_set", real.__func__)
+    summary = job.run(_opts(model, dataset, out, format=fmt, resume=True))
+    assert summary["complete"] and summary["written_this_run"] == 0
     assert json.load(open(out / "manifest.json"))["status"] == "complete"
 
 

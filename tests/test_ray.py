@@ -205,8 +205,8 @@ def test_a_killed_driver_is_continued_by_resume_to_a_local_runs_bytes(cluster, m
 class FlakyEngine:
     """Deterministic states; raises for the batch holding the poisoned sample (always, or once: `marker`)."""
 
-    def __init__(self, poison_len, marker):
-        self.poison_len, self.marker = poison_len, marker
+    def __init__(self, poison_len, marker, hidden):
+        self.poison_len, self.marker, self.hidden = poison_len, marker, hidden  # the model's: the set check reads it
 
     def describe(self):
         return {"stand_in": True}
@@ -218,8 +218,9 @@ class FlakyEngine:
                 if self.marker is not None:
                     open(self.marker, "w").close()
                 raise RuntimeError(f"poisoned sample of {self.poison_len} tokens")
-        return [{"input_ids": torch.tensor(ids), "hidden_states": [torch.full((len(ids), 8), float(k)) for k in
-                                                                   range(4)]} for ids in token_ids]
+        return [{"input_ids": torch.tensor(ids),
+                 "hidden_states": [torch.full((len(ids), self.hidden), float(k)) for k in range(4)]}
+                for ids in token_ids]
 
 
 def _standin_actor(poison_len, marker):
@@ -227,7 +228,7 @@ def _standin_actor(poison_len, marker):
 
     class StandInActor(ray_runner.ExtractActor):
         def _start(self):
-            self.gen = FlakyEngine(poison_len, marker)
+            self.gen = FlakyEngine(poison_len, marker, self.spec.hidden_size)
     return StandInActor
 
 
@@ -320,7 +321,7 @@ def _mixed_gpus_actor():
     class MixedGpusActor(ray_runner.ExtractActor):
         """Actor 1's GPU resolves --dtype auto to float16 (a V100 beside A100s), actor 0's to bfloat16."""
         def _start(self):
-            self.gen = FlakyEngine(-1, None)
+            self.gen = FlakyEngine(-1, None, self.spec.hidden_size)
 
         def engine_dtype(self):
             return "torch.float16" if self.rank == 1 else "torch.bfloat16"

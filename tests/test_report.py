@@ -90,7 +90,8 @@ def test_report_reads_our_directories_and_speculators_0_3_0_ones(model, chats, t
     for i, n in enumerate((5, 9, 9, 30)):
         torch.save({"input_ids": torch.arange(n), "hidden_states": [torch.zeros(n, 4)],
                     "loss_mask": torch.tensor([0] * (n - 2) + [1, 1])}, theirs / f"data_{i}.pt")
-    json.dump({"version": "2.0", "max_len": 30}, open(theirs / "data_config.json", "w"))
+    # the shape speculators 0.3.0's script writes: the length is data.seq_length (a top-level max_len was read)
+    json.dump({"version": "2.0", "data": {"seq_length": 30, "num_samples": 4}}, open(theirs / "data_config.json", "w"))
     proc = _report(theirs)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"{theirs}: 4 samples, 53 tokens, 8 in the loss mask (15.1%)"), proc.stdout
@@ -99,6 +100,12 @@ def test_report_reads_our_directories_and_speculators_0_3_0_ones(model, chats, t
     assert [b["samples"] for b in json.loads(data.stdout)["length_histogram"]] == [0, 1, 2, 0, 0, 0, 0, 1]
     empty = _report(tmp_path)
     assert empty.returncode == 2 and "holds no sample files" in empty.stderr
+    # an Arrow set without our manifest (speculators 0.8-0.9's own layout): from its rows (it raised KeyError)
+    arrow = tmp_path / "arrow"
+    job.run(_opts(model, chats, arrow, max_len=MAX_LEN, format="arrow"))
+    os.unlink(arrow / "manifest.json")
+    proc = _report(arrow)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"{arrow}: 2 samples"), proc.stdout + proc.stderr[-2000:]
 
 
 def test_the_length_histogram_plot_needs_matplotlib_and_says_so(model, chats, tmp_path, fake_engine):
@@ -147,3 +154,25 @@ def test_report_names_files_that_would_train_a_drafter_wrongly(model, chats, tmp
     json.dump(record, open(tmp_path / "good" / "manifest.json", "w"))
     assert cli.main(["report", str(tmp_path / "good")]) == 1
     assert "the slots are permuted. Convert the source again" in capsys.readouterr().out
+
+
+def test_a_resume_with_other_versions_is_said_at_the_run_and_in_the_report(model, chats, tmp_path, fake_engine,
+                                                                           monkeypatch, capsys):
+    """Resuming after an upgrade (a capture fix, a new vLLM) is allowed, but the set then holds states of both: the
+    run says so, and so does `eagle-compat report` (data_config.json keeps only the last run's versions)."""
+    from eagle_compat import detect
+    out = tmp_path / "out"
+    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(0, 2)))
+    assert "differing versions" not in report.text(report.of_directory(str(out)))
+    real = detect.installed_versions()
+
+    class Upgraded:
+        def as_dict(self):
+            return {**real.as_dict(), "vllm": "9.9.9"}
+    monkeypatch.setattr(detect, "installed_versions", lambda: Upgraded())
+    capsys.readouterr()
+    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(1, 2)))
+    assert re.search(r"NOTE: this directory's files so far were written with vllm \S+; this run uses vllm 9\.9\.9",
+                     capsys.readouterr().err)
+    text = report.text(report.of_directory(str(out)))
+    assert re.search(r"NOTE: its runs wrote files with differing versions: vllm \S+ / 9\.9\.9", text), text

@@ -342,7 +342,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
         batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job.parse_shard(args.shard),
         validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization or _default_gmu(),
+        # `is None`, not `or`: an explicit 0 must meet the (0, 1] refusal, not turn into the default
+        gpu_memory_utilization=_default_gmu() if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, skip_uncovered=args.skip_uncovered, ray=args.ray, ray_actors=args.ray_actors,
         ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)

@@ -56,7 +56,7 @@ def dequantize_fp8(q: Any, scale: Any, dtype: Any) -> Any:
     return q.to(dtype) * scale.to(dtype)
 
 
-def hs_bytes(input_ids: Any, hidden_states: list | Any, fmt: str = "arrow") -> bytes:
+def hs_bytes(input_ids: Any, hidden_states: list | Any, fmt: str = "arrow", stamp: str | None = None) -> bytes:
     import torch
     from safetensors.torch import save
 
@@ -66,15 +66,15 @@ def hs_bytes(input_ids: Any, hidden_states: list | Any, fmt: str = "arrow") -> b
         tensors["hidden_states"], tensors[SCALES_KEY] = (t.contiguous() for t in quantize_fp8(hs))
     else:
         tensors["hidden_states"] = hs.contiguous()
-    return save(tensors)
+    return save(tensors, metadata={writer.STAMP_KEY: stamp} if stamp else None)
 
 
 def save_hs(out_dir: str, row: int, input_ids: Any, hidden_states: list | Any, fmt: str = "arrow",
-            layer_ids: list[int] | None = None) -> str:
+            layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
     writer.require_finite(row, hidden_states, layer_ids)
     path = hs_path(out_dir, row)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    writer.atomic_write_bytes(path, hs_bytes(input_ids, hidden_states, fmt))
+    writer.atomic_write_bytes(path, hs_bytes(input_ids, hidden_states, fmt, stamp))
     return path
 
 

@@ -218,11 +218,12 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         rec["status"] = "converting"
         writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
         reader = formats.SetReader(source, src)
+        stamp = writer.states_stamp(rec["settings"])  # the destination's layer order
         for r, i in enumerate(indices):  # one sample in memory at a time
             if os.path.exists(destination.path(dst, i, r)):  # --resume: files are written whole or not at all
                 continue
             ids, mask, states = reader.sample(i, r)
-            destination.save(dst, i, r, ids, mask, states[:, order])
+            destination.save(dst, i, r, ids, mask, states[:, order], stamp=stamp)
             written += 1
         writer.fsync_renames(dst)
         st = rec["settings"]

@@ -60,14 +60,20 @@ class SampleFiles:
         return writer.sample_path(out, index, self.name)
 
     def save(self, out: str, index: int, row: int, input_ids: Any, loss_mask: Any, hidden_states: list,
-             layer_ids: list[int] | None = None) -> str:
+             layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
         if getattr(hidden_states, "dim", lambda: 0)() == 3:  # [T, L, H]: one tensor per layer, each its own storage
             hidden_states = [h.clone() for h in hidden_states.unbind(1)]  # (a view would save the whole [T, L, H])
         return writer.save_sample(out, index, {"input_ids": input_ids, "hidden_states": list(hidden_states),
-                                               "loss_mask": loss_mask}, self.name, layer_ids)
+                                               "loss_mask": loss_mask}, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], str]]) -> None:
-        """Files are named by input index: each run checks the files it keeps (job.run), nothing binds by position."""
+    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], list[int], str]],
+                        states: writer.StatesExpected | None = None) -> None:
+        """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens and
+        mask and states made as this run's; `placed`: (index, row, token ids, loss mask, what names the sample)."""
+        wrong = writer.first_mismatch(((self.path(out, index, row), ids, mask, what)
+                                       for index, row, ids, mask, what in placed), states)
+        if wrong:
+            raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "data_config.json"))
 
     def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The set is whole: describe it for speculators' trainer (whichever run finished it)."""
@@ -90,19 +96,17 @@ class ArrowLayout:
         return arrow.hs_path(out, row)
 
     def save(self, out: str, index: int, row: int, input_ids: Any, loss_mask: Any, hidden_states: Any,
-             layer_ids: list[int] | None = None) -> str:
-        return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids)
+             layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
+        return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], str]]) -> None:
-        """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens.
-        `placed`: (index, row, token ids, what names the sample)."""
-        wrong = writer.first_mismatch((self.path(out, index, row), ids, None, f"row {row} ({what})")
-                                      for index, row, ids, what in placed)
+    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], list[int], str]],
+                        states: writer.StatesExpected | None = None) -> None:
+        """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens,
+        and states made as this run's. `placed`: (index, row, token ids, loss mask, what names the sample)."""
+        wrong = writer.first_mismatch(((self.path(out, index, row), ids, None, f"row {row} ({what})")
+                                       for index, row, ids, _, what in placed), states)
         if wrong:
-            raise writer.OutputDirectoryConflict(
-                f"{wrong[0]} does not hold its row's sample: {wrong[1]}; the shards of this directory were made "
-                "from differing sample sets (another tokenizer, transformers version or option). The Arrow dataset "
-                "is not written")
+            raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "The Arrow dataset", "its row's sample"))
 
     def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The dataset `ArrowDataset` opens, written only for a whole set: before it the directory cannot be opened,
@@ -110,8 +114,17 @@ class ArrowLayout:
         arrow.write_dataset(out, rows)
 
 
+def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its sample") -> str:
+    not_written = f"{finishes} is not written"
+    if wrong.states:
+        return (f"{wrong.path} does not belong to this set: {wrong.why}. Shards merge only between runs of the same "
+                f"model, --layers and --dtype; remove the files of other runs. {not_written}")
+    return (f"{wrong.path} does not hold {holds}: {wrong.why}; the shards of this directory were made from differing "
+            f"sample sets (another tokenizer, transformers version or option). {not_written}")
+
+
 def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: dict, layer_ids: list[int], *,
-                 data: str, validate: bool, vocab_size: int, hidden_size: int) -> str:
+                 data: str, validate: bool, vocab_size: int, hidden_size: int, stamp: str | None = None) -> str:
     """The one sample writer of every runner (local, Ray actors): the engine's result for a placed sample, checked
     (`--validate`), saved atomically in the run's format. A non-finite sample is refused naming its input line; an
     OSError is the caller's to word (it knows what was written before)."""
@@ -124,7 +137,7 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
             writer.require_finite(s.index, sample["hidden_states"], layer_ids)  # its own message, as without
             writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         return fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
-                        layer_ids)
+                        layer_ids, stamp)
     except (writer.NonFiniteStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
 

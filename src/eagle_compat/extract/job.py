@@ -89,6 +89,9 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
+    if os.path.realpath(opts.out) == os.path.realpath(opts.model):  # its manifest would change the model's checksums
+        raise InvalidInput(f"--out {opts.out!r} is the model's directory; give a directory of its own (the run's "
+                           "records there would change the model's checksums, and no --resume would be accepted)")
     nearest = os.path.abspath(opts.out)  # the folder --out is (or will be made) in: before the data is read
     while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
         nearest = os.path.dirname(nearest)
@@ -323,11 +326,19 @@ def run(opts: ExtractOptions) -> dict:
         # the files kept must be of these very samples (checked by content: their token ids)
         redo = {id(b) for b in todo}
         kept = [b for b in mine if id(b) not in redo]
+        # and their states made as this run's would make them (a shard's files copied in from another directory)
+        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size,
+                                       (record or {}).get("engine_dtype"))
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                       for b in kept for s in b])
+                                       for b in kept for s in b], states)
+        if wrong and wrong.states:
+            raise writer.OutputDirectoryConflict(
+                f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
+                "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
+                "another --out")
         if wrong:
             raise writer.OutputDirectoryConflict(
-                f"{wrong[0]} is not the sample it stands for: {wrong[1]}. The directory's files were made from a "
+                f"{wrong.path} is not the sample it stands for: {wrong.why}. The directory's files were made from a "
                 "sample set that differs from this run's (another tokenizer, transformers version, chat template "
                 "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
                 "samples' states. Use the same environment and options, or choose another --out")
@@ -347,8 +358,16 @@ def run(opts: ExtractOptions) -> dict:
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
         for key, note in fmt.manifest_notes.items():
             manifest.setdefault(key, note)
+        mixed = report.versions_that_differ(manifest, versions) if record else {}  # files of earlier runs
+        if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
+            print("extract: NOTE: this directory's files so far were written with "
+                  + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
+                  + ", ".join(f"{k} {new}" for k, (_, new) in mixed.items()) + ": the set will hold states of both "
+                  "(manifest.json's runs list each run's versions; `eagle-compat report` says so too)",
+                  file=sys.stderr, flush=True)
         this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
-                    "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume, "versions": versions,
+                    "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
+                    "versions": {**versions, "eagle_compat": __import__("eagle_compat").__version__},
                     "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
                     "waited_for_earlier_writers_s": round(waited, 1)}
         manifest.setdefault("runs", []).append(this_run)
@@ -393,7 +412,9 @@ def run(opts: ExtractOptions) -> dict:
             try:        # fails here leaves the directory "incomplete", and --resume finishes it
                 writer.fsync_renames(opts.out)
                 # lists, not generators: nothing below resumes code of this module (one direction, issue 23)
-                fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, f"input line {s.line}") for s in placed])
+                states.dtype = manifest.get("engine_dtype") or states.dtype  # set by this run's engine
+                fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
+                                               for s in placed], states)
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
                 writer.fsync_renames(opts.out)
@@ -408,6 +429,17 @@ def run(opts: ExtractOptions) -> dict:
                 _best_effort_json(manifest_path, manifest)
                 raise writer.OutputWriteError(f"could not write {fmt.finishes} in {opts.out}: {exc.strerror or exc}; "
                                               "rerun the same command with --resume") from exc
+            except BaseException as exc:  # Ctrl-C included: checking a large set takes minutes; never "running"
+                manifest.update(status="incomplete", samples_present=present)
+                interrupted = isinstance(exc, KeyboardInterrupt)
+                this_run.update(status=f"{'interrupted' if interrupted else 'failed'} while the set was checked and "
+                                       f"described: {type(exc).__name__}: {str(exc)[:300]}")
+                _best_effort_json(manifest_path, manifest)
+                if interrupted:
+                    raise Interrupted(f"interrupted while the whole set was checked and {fmt.finishes} written; every "
+                                      f"sample file in {opts.out} is complete; rerun the same command with --resume "
+                                      "to finish it") from None
+                raise
         manifest.update(status="complete" if complete else "incomplete", samples_present=present)
         _write_json(manifest_path, manifest)
         if not complete and shard_n == 1:  # every batch was this run's, and each reported its files written

@@ -26,6 +26,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     fmt = formats.get(opts.format)
+    stamp = writer.states_stamp(manifest["settings"])
     done_tokens = 0
     try:
         gen = generator.VllmHiddenStatesGenerator(
@@ -42,7 +43,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     def write(s: formats.Placed, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
         try:
             formats.write_sample(fmt, opts.out, s, r, layer_ids, data=opts.data, validate=opts.validate,
-                                 vocab_size=vocab_size, hidden_size=hidden_size)
+                                 vocab_size=vocab_size, hidden_size=hidden_size, stamp=stamp)
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"could not write {fmt.path(opts.out, s.index, s.row)}: {exc.strerror or exc}. The {pool.done} files "

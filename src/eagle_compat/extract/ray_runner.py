@@ -128,6 +128,7 @@ class ActorSpec:
     trust_remote_code: bool
     cpus: int
     on_gpu: bool
+    stamp: str | None = None  # writer.states_stamp of the directory's settings
     env: dict = field(default_factory=dict)
 
 
@@ -221,7 +222,7 @@ class ExtractActor:
         for s, r in zip(batch, results, strict=True):
             try:  # temp file + rename, as a local run writes it
                 formats.write_sample(fmt, spec.out, s, r, spec.layer_ids, data=spec.data, validate=spec.validate,
-                                     vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
+                                     vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, stamp=spec.stamp)
             except OSError as exc:
                 raise writer.OutputWriteError(f"could not write {fmt.path(spec.out, s.index, s.row)} on "
                                               f"{socket.gethostname()}: {exc.strerror or exc}") from exc
@@ -307,7 +308,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                      hidden_size=hidden_size, tensor_parallel_size=tp,
                      gpu_memory_utilization=opts.gpu_memory_utilization,
                      kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
-                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env)
+                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
+                     stamp=writer.states_stamp(manifest["settings"]))
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     src = os.path.dirname(PACKAGE_DIR)
     pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)

@@ -48,13 +48,14 @@ def of_directory(out_dir: str) -> dict:
         from .layers import problems_of
         # the report covers the whole input; an unfinished directory holds only part of it
         return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": manifest.get("status"),
-                "samples_present": manifest.get("samples_present"), "problems": problems_of(manifest)}
+                "samples_present": manifest.get("samples_present"), "problems": problems_of(manifest),
+                "versions_differ": {k: [*old, new] for k, (old, new) in versions_that_differ(manifest).items()}}
     import torch
     names = writer.sample_files(out_dir)
     if not names:
         raise FileNotFoundError(f"{out_dir} holds no sample files (data_{{i}}.pt / .safetensors, or an Arrow dataset)")
     lengths, losses = [], []
-    if names == ["state.json"]:  # an Arrow dataset: rows carry input_ids and loss_mask
+    if "state.json" in names:  # an Arrow dataset (its hidden_states/hs_* beside it): rows carry ids and masks
         from . import arrow
         for row in arrow.read_rows(out_dir):
             lengths.append(len(row["input_ids"]))
@@ -66,9 +67,10 @@ def of_directory(out_dir: str) -> dict:
             losses.append(int(torch.as_tensor(sample["loss_mask"]).sum()))
     max_len = None
     config = os.path.join(out_dir, "data_config.json")
-    if os.path.exists(config):
+    if os.path.exists(config):  # speculators 0.3.0's data_config.json (and ours): data.seq_length
         with open(config) as f:
-            max_len = json.load(f).get("max_len")
+            cfg = json.load(f)
+        max_len = (cfg.get("data") or {}).get("seq_length") or cfg.get("max_len")
     report = _totals(lengths, losses, max_len)
     report["truncation"] = {"note": "not recorded by the run that wrote these files: samples at max_len "
                                     f"({sum(n == max_len for n in lengths) if max_len else 'max_len unknown'}) may "
@@ -78,6 +80,32 @@ def of_directory(out_dir: str) -> dict:
         from .layers import problems_of
         report["problems"] = problems_of(manifest)
     return report
+
+
+VERSIONS_THAT_MATTER = ("eagle_compat", "vllm", "torch", "transformers")
+
+
+def versions_that_differ(manifest: dict, now: dict | None = None) -> dict[str, tuple[list[str], str]]:
+    """{package: (the versions earlier runs of the directory wrote files with, this run's)} for each package whose
+    version changed between the directory's runs (or, with `now`, between them and this run). Runs of older releases
+    did not record eagle_compat's version per run: the directory's first one stands for them."""
+    def of(run: dict) -> dict:
+        v = dict(run.get("versions") or {})
+        v.setdefault("eagle_compat", manifest.get("eagle_compat"))
+        return v
+    runs = [of(r) for r in manifest.get("runs", []) if isinstance(r, dict) and r.get("versions")]
+    if now is None:
+        if len(runs) < 2:
+            return {}
+        runs, now = runs[:-1], runs[-1]
+    else:
+        now = {**now, "eagle_compat": now.get("eagle_compat") or __import__("eagle_compat").__version__}
+    out = {}
+    for key in VERSIONS_THAT_MATTER:
+        earlier = sorted({str(r.get(key)) for r in runs if r.get(key)})
+        if earlier and now.get(key) and earlier != [str(now[key])]:
+            out[key] = (earlier, str(now[key]))
+    return out
 
 
 def _totals(lengths: list[int], losses: list[int], max_len: int | None) -> dict:
@@ -108,6 +136,9 @@ def text(report: dict, title: str = "data report") -> str:
     if report.get("status") not in (None, "complete"):
         lines.append(f"  NOTE: the directory is {report['status']} ({report.get('samples_present')} of "
                      f"{report['samples']} samples have their file): these figures describe the whole input")
+    if report.get("versions_differ"):
+        lines.append("  NOTE: its runs wrote files with differing versions: " + "; ".join(
+            f"{k} {' / '.join(v)}" for k, v in report["versions_differ"].items()) + " (manifest.json: runs)")
     if report.get("samples_without_loss_tokens"):
         lines.append(f"  {report['samples_without_loss_tokens']} samples have no token in the loss mask: nothing to "
                      "train on (kept: --min-loss-tokens 0)")

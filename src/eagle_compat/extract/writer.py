@@ -19,7 +19,7 @@ import os
 import re
 import socket
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import EagleCompatError, InvalidInput
 
@@ -30,6 +30,13 @@ SAMPLE_FILE = re.compile(r"^(data|hs)_\d+\.[A-Za-z0-9]+$")
 # `{file}.tmp-{host}-{pid}-{random}`: unique across the hosts of a cluster writing to shared storage (PIDs repeat
 # across hosts); `.tmp-{pid}` is the name earlier versions left
 TEMP_FILE = re.compile(r"\.tmp-(?:[\w.-]+-\d+-[0-9a-f]{8}|\d+)$")
+
+# Each sample file names the settings that made its states (`states_stamp`): a file copied in from another shard's
+# directory (the README's merge), made with other layers or another model, must not pass for this run's because its
+# token ids agree. .pt: an extra key (speculators' loaders pick the keys they read); safetensors: metadata.
+STAMP_KEY = "eagle_compat_states_of"
+SAFETENSORS_DTYPES = {"BF16": "torch.bfloat16", "F16": "torch.float16", "F32": "torch.float32",
+                      "F8_E4M3": "torch.float8_e4m3fn"}
 
 LAYER_CONVENTION = ("hidden_states[k] is the residual stream leaving decoder layer layer_ids[k] "
                     "(hidden + residual after that layer; HF output_hidden_states[layer_id + 1] for layer_id <= N-2; "
@@ -169,19 +176,30 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
     return os.path.join(out_dir, f"data_{index}.{'pt' if fmt == 'pt' else 'safetensors'}")
 
 
-def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: list[int] | None = None) -> str:
+def states_stamp(settings: dict) -> str:
+    """What made a file's states, in a few bytes: the model's content, the layers, the requested dtype. Not paths
+    (shards of one set run on machines with other paths) and not the token ids (checked on their own)."""
+    made_of = {k: settings.get(k) for k in ("model_checksums", "layer_ids", "dtype")}
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: list[int] | None = None,
+                stamp: str | None = None) -> str:
     import torch
 
     require_finite(index, sample["hidden_states"], layer_ids)
     path = sample_path(out_dir, index, fmt)
     if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
-        atomic_write_file(path, lambda tmp: torch.save(sample, tmp))
+        record = sample if stamp is None else {**sample, STAMP_KEY: stamp}
+        atomic_write_file(path, lambda tmp: torch.save(record, tmp))
     else:
         from safetensors.torch import save as st_save
 
         tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
         tensors.update({f"hidden_states.{k}": h.contiguous() for k, h in enumerate(sample["hidden_states"])})
-        atomic_write_bytes(path, st_save(tensors, metadata={"format": "eagle_compat-1"}))
+        # one key: safetensors orders metadata keys by a hash map, and a file must be the same bytes from any writer
+        metadata = {STAMP_KEY: stamp} if stamp else {"format": "eagle_compat-1"}
+        atomic_write_bytes(path, st_save(tensors, metadata=metadata))
     return path
 
 
@@ -228,38 +246,94 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
     return out
 
 
-def token_ids_in(path: str) -> tuple[list[int], list[int] | None]:
-    """The token ids and loss mask a sample file holds (`input_ids` / `loss_mask`; --format arrow's hs files hold
-    `token_ids` only: their masks are the Arrow rows'), read without its hidden states."""
+class SampleFacts:
+    """What a sample file holds, read without its states: token ids, loss mask (None: --format arrow's hs files,
+    whose masks are the Arrow rows'), the stamp of the settings that made it (None: written before stamps), and its
+    states' layer count, hidden size and dtype (None for fp8 files: stored scaled)."""
+
+    def __init__(self, ids: list[int], mask: list[int] | None, stamp: str | None, layers: int, hidden: int,
+                 dtype: str | None):
+        self.ids, self.mask, self.stamp, self.layers, self.hidden, self.dtype = ids, mask, stamp, layers, hidden, dtype
+
+
+def read_facts(path: str) -> SampleFacts:
     import torch
 
     if path.endswith(".pt"):
         sample = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-        return sample["input_ids"].tolist(), torch.as_tensor(sample["loss_mask"]).tolist()
+        states = list(sample["hidden_states"])
+        return SampleFacts(sample["input_ids"].tolist(), torch.as_tensor(sample["loss_mask"]).tolist(),
+                           sample.get(STAMP_KEY), len(states), int(states[0].shape[-1]) if states else 0,
+                           str(states[0].dtype) if states else None)
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        if "input_ids" in keys:
-            return f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
-        return f.get_tensor("token_ids").tolist(), None
+        keys, stamp = set(f.keys()), (f.metadata() or {}).get(STAMP_KEY)
+        if "input_ids" in keys:  # ours: hidden_states.{k}, one [T, H] per layer
+            layers = sum(k.startswith("hidden_states.") for k in keys)
+            first = f.get_slice("hidden_states.0") if layers else None
+            return SampleFacts(f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist(), stamp, layers,
+                               int(first.get_shape()[-1]) if first else 0,
+                               SAFETENSORS_DTYPES.get(first.get_dtype()) if first else None)
+        hs = f.get_slice("hidden_states")  # --format arrow: [T, L, H]
+        shape = hs.get_shape()
+        return SampleFacts(f.get_tensor("token_ids").tolist(), None, stamp, int(shape[1]), int(shape[2]),
+                           None if "hidden_states_scales" in keys else SAFETENSORS_DTYPES.get(hs.get_dtype()))
 
 
-def first_mismatch(expected: Any) -> tuple[str, Any] | None:
-    """(path, what) of the first file whose token ids (or loss mask) differ from the sample it stands for:
-    `expected` yields (path, token ids, loss mask or None, what names the sample). Files are bound to samples by position; a resume with another
-    tokenizer, transformers, chat template or option that changes the sample set would pair them wrongly."""
+def token_ids_in(path: str) -> tuple[list[int], list[int] | None]:
+    """The token ids and loss mask a sample file holds, read without its hidden states."""
+    facts = read_facts(path)
+    return facts.ids, facts.mask
+
+
+class StatesExpected:
+    """What every file of a directory must hold besides its sample's tokens: the run's stamp, layer count, hidden
+    size (0: unknown) and engine dtype (None: no engine has run for it yet)."""
+
+    def __init__(self, stamp: str, layers: int, hidden: int, dtype: str | None):
+        self.stamp, self.layers, self.hidden, self.dtype = stamp, layers, hidden, dtype
+
+    def mismatch(self, facts: SampleFacts) -> str | None:
+        if facts.stamp is not None and facts.stamp != self.stamp:
+            return ("its states were made with other settings (another model, --layers or --dtype: the file's "
+                    f"stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in from another directory")
+        if facts.layers != self.layers:
+            return f"it holds {facts.layers} layers of states, this run {self.layers}"
+        if self.hidden and facts.hidden != self.hidden:
+            return f"its states have hidden size {facts.hidden}, the model {self.hidden}"
+        if self.dtype and facts.dtype and facts.dtype != self.dtype:
+            return f"its states are {facts.dtype}, the directory's engine ran {self.dtype}"
+        return None
+
+
+class Mismatch(NamedTuple):
+    path: str
+    why: str
+    states: bool  # the file's states were made otherwise (its tokens may well be right)
+
+
+def first_mismatch(expected: Any, states: StatesExpected | None = None) -> Mismatch | None:
+    """(path, what) of the first file that is not the sample it stands for: other token ids or loss mask, or states
+    made otherwise (`states`). `expected` yields (path, token ids, loss mask or None, what names the sample). Files
+    are bound to samples by position; a resume with another tokenizer, transformers, chat template or option that
+    changes the sample set would pair them wrongly, and a file copied in from another run's directory would pass its
+    states off as this run's."""
     for path, ids, mask, what in expected:
         try:
-            got, got_mask = token_ids_in(path)
+            facts = read_facts(path)
         except Exception as exc:  # noqa: BLE001 - an unreadable file is not this sample's either
-            return path, f"{what}: the file cannot be read ({type(exc).__name__}: {exc})"
-        if got != list(ids):
-            return path, (f"{what}: the file holds {len(got)} tokens {got[:6]}..., the sample now tokenizes to "
-                          f"{len(ids)} tokens {list(ids)[:6]}...")
-        if got_mask is not None and mask is not None and got_mask != list(mask):
-            return path, (f"{what}: the same tokens, but another loss mask ({sum(got_mask)} loss tokens in the file, "
-                          f"{sum(mask)} now: the assistant's spans moved)")
+            return Mismatch(path, f"{what}: the file cannot be read ({type(exc).__name__}: {exc}); if it is damaged "
+                                  "(an interrupted copy), delete it and --resume redoes its batch", False)
+        if facts.ids != list(ids):
+            return Mismatch(path, f"{what}: the file holds {len(facts.ids)} tokens {facts.ids[:6]}..., the sample "
+                                  f"now tokenizes to {len(ids)} tokens {list(ids)[:6]}...", False)
+        if facts.mask is not None and mask is not None and facts.mask != list(mask):
+            return Mismatch(path, f"{what}: the same tokens, but another loss mask ({sum(facts.mask)} loss tokens "
+                                  f"in the file, {sum(mask)} now: the assistant's spans moved)", False)
+        why = states.mismatch(facts) if states is not None else None
+        if why:
+            return Mismatch(path, f"{what}: {why}", True)
     return None
 
 
