@@ -193,7 +193,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
                                              **({"median": e.median, "p95": e.high, "hf_median": e.reference_median,
                                                  "hf_p95": e.reference_high, "worst_token": e.worst_token,
                                                  "hf_worst_token": e.reference_worst_token}
-                                                if e.median is not None else {})}
+                                                if e.median is not None else {}),
+                                             # fp32: the worst token's error over its own bound (judged per token)
+                                             **({"over_bound": e.over_bound} if e.over_bound is not None else {})}
                            for e in result.layers},
                    error=None if result.ok else "hidden states differ from HF beyond tolerance")
     except Exception as exc:  # noqa: BLE001 - every failure is a result

@@ -305,3 +305,21 @@ def test_the_carry_probe_asks_for_every_manylinux_tag_the_image_takes(monkeypatc
     assert asked == set(range(17, 36))
     builder = (ROOT / "scripts" / "gpu_bundle.sh").read_text()
     assert "$(seq 35 -1 17)" in builder.split("\nplat=", 1)[1].split("\n# the requirements", 1)[0]
+
+
+def test_a_pass_judged_by_an_older_rule_is_marked_where_the_current_one_could_differ(matrix_code):
+    """bf16 cells without the calibrated statistics, and fp32 cells above 1e-4 without the per-token verdict
+    (`over_bound`), were judged by a rule the current one replaced: `pass*`. An fp32 error at or below 1e-4 passes
+    either rule (each token's bound is at least 1e-4)."""
+    import render
+    from eagle_compat import check
+    assert render.FP32_ABS_TOL == check.FP32_ABS_TOL
+
+    def text(precision, **error):
+        return render._cell_text({"status": "pass", "precision": precision,
+                                  "errors": {"0": {"max_abs": 1e-3, "max_rel_to_layer_max": 1e-3, **error}}}, [])
+    assert text("fp32").startswith("pass* (abs 1e-03)")
+    assert text("fp32", over_bound=0.4).startswith("pass (abs 1e-03)")
+    assert text("fp32", max_abs=5e-7).startswith("pass (abs 5e-07)")
+    assert text("bf16").startswith("pass* (rel")
+    assert text("bf16", median=0.01).startswith("pass (rel")
