@@ -159,6 +159,26 @@ def test_convert_both_ways_equals_direct_runs(model, dataset, tmp_path, fake_eng
     assert FakeEngine.started == before
 
 
+def test_a_set_converted_from_fp8_is_accepted_by_a_resume_and_a_foreign_source_file_is_refused(model, dataset,
+                                                                                                 tmp_path, fake_engine):
+    """fp8 files convert to bfloat16 whatever the source's engine ran: the destination says so (`states_dtype`), or
+    the stamp check of a resume refused every file as another precision (review of session 26). And a source file
+    made otherwise (another run's, copied in) is refused by name rather than converted under a fresh stamp."""
+    kw = dict(layers=LAYERS, skip_uncovered=True)
+    fp8 = tmp_path / "fp8"
+    job.run(_opts(model, dataset, fp8, format="arrow-fp8", **kw))
+    convert.convert(str(fp8), str(tmp_path / "fp8_to_pt"), to="pt")
+    before = FakeEngine.started
+    assert job.run(_opts(model, dataset, tmp_path / "fp8_to_pt", resume=True, **kw))["complete"]
+    assert FakeEngine.started == before
+    pt, other = tmp_path / "pt", tmp_path / "other"
+    job.run(_opts(model, dataset, pt, **kw))
+    job.run(_opts(model, dataset, other, layers=[1, 2, 5], skip_uncovered=True))
+    os.replace(other / "data_3.pt", pt / "data_3.pt")
+    with pytest.raises(InvalidInput, match=r"SRC .*data_3\.pt: its states were made with other settings"):
+        convert.convert(str(pt), str(tmp_path / "pt_to_arrow"))
+
+
 def test_convert_refuses_files_without_the_final_layer_and_puts_layers_in_ascending_order(
         model, dataset, tmp_path, fake_engine, monkeypatch):
     """Sets extracted before extract refused such layers (layers.check_training_layers) may hold any layers in any

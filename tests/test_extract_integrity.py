@@ -544,6 +544,33 @@ def test_each_file_says_what_made_its_states_and_a_file_made_otherwise_is_named(
     assert "hidden size 4, the model 8" in why(None, [h[:, :4] for h in states])
 
 
+@pytest.mark.parametrize("fmt", ["pt", "arrow"])
+def test_the_run_completing_a_set_checks_the_other_shards_files_and_refuses_strays(model, dataset, tmp_path,
+                                                                                  fake_engine, fmt):
+    """The files of other shards are read only by the run that completes the set: shard 1's files of --layers 2,5
+    copied next to shard 0's, then shard 0's --resume, must not complete it; nor may a sample file that stands for
+    no sample (speculators 0.3.0 trains on every .pt of the folder)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    job.run(_opts(model, dataset, a, shard=(0, 2), format=fmt))
+    job.run(_opts(model, dataset, b, shard=(1, 2), format=fmt, layers=[2, 5]))
+    copied = _merge(b, a)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"does not belong to this set: (row \d+ \()?input line "
+                                                             r"\d+\)?: its states were made with other settings"):
+        job.run(_opts(model, dataset, a, shard=(0, 2), format=fmt, resume=True))
+    assert json.load(open(a / "manifest.json"))["status"] == "incomplete"
+    assert not (a / "data_config.json").exists() and not (a / "state.json").exists()
+    for name in copied:
+        (a / name).unlink()
+    job.run(_opts(model, dataset, a, shard=(1, 2), format=fmt))  # the set is whole now
+    stray = a / (f"data_{N + 65}.pt" if fmt == "pt" else f"hidden_states/hs_{N + 65}.safetensors")
+    shutil.copy2(a / ("data_0.pt" if fmt == "pt" else "hidden_states/hs_0.safetensors"), stray)
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"{re.escape(stray.name)} \(and 0 more\) stands for no "
+                                                             r"sample of this set"):
+        job.run(_opts(model, dataset, a, format=fmt, resume=True))
+    stray.unlink()
+    assert job.run(_opts(model, dataset, a, format=fmt, resume=True))["complete"]
+
+
 def _tree(out):
     """Every file under --out (sub-folders included) with its content hash, but the lock."""
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))

@@ -151,6 +151,17 @@ def plan(src: str, to: str | None, num_layers: int | None = None) -> dict:
             "num_layers": n, "src_manifest_sha256": src_sha}
 
 
+def _source_states(p: dict) -> writer.StatesExpected:
+    """What the source's files must hold: its record's stamp (files of earlier releases and speculators 0.3.0's carry
+    none), layer count, hidden size and precision."""
+    record = p["record"]
+    settings = record.get("settings") or {}
+    ours = "model_checksums" in settings  # not a record made up for speculators 0.3.0's own output
+    return writer.StatesExpected(writer.states_stamp(settings) if ours else None, len(record["layer_ids"]),
+                                 int((record.get("model_config") or {}).get("hidden_size") or 0),
+                                 record.get("states_dtype") or record.get("engine_dtype"))
+
+
 def _dst_record(src: str, p: dict) -> dict:
     rec = json.loads(json.dumps(p["record"]))  # a deep copy
     rec.pop("record_file", None)
@@ -167,6 +178,8 @@ def _dst_record(src: str, p: dict) -> dict:
                              "lossy": ("fp8 (e4m3, per-token scales) dequantized to bf16" if p["from"] == "arrow-fp8"
                                        else "quantized to fp8 (e4m3, per-token scales)" if p["to"] == "arrow-fp8"
                                        else False)}
+    if p["from"] == "arrow-fp8":  # dequantized to bfloat16, whatever the source's engine ran
+        rec["states_dtype"] = "torch.bfloat16"
     rec["status"] = "converting"
     return rec
 
@@ -219,9 +232,14 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
         reader = formats.SetReader(source, src)
         stamp = writer.states_stamp(rec["settings"])  # the destination's layer order
+        made = _source_states(p)
         for r, i in enumerate(indices):  # one sample in memory at a time
             if os.path.exists(destination.path(dst, i, r)):  # --resume: files are written whole or not at all
                 continue
+            why = made.mismatch(writer.read_facts(source.path(src, i, r)))  # a new stamp must not cover a stray
+            if why:
+                raise InvalidInput(f"SRC {source.path(src, i, r)}: {why}; the source is not one extraction, and is "
+                                   "not converted (files already written in DST are whole)")
             ids, mask, states = reader.sample(i, r)
             destination.save(dst, i, r, ids, mask, states[:, order], stamp=stamp)
             written += 1

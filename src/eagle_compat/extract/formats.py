@@ -66,12 +66,15 @@ class SampleFiles:
         return writer.save_sample(out, index, {"input_ids": input_ids, "hidden_states": list(hidden_states),
                                                "loss_mask": loss_mask}, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None) -> None:
+    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
+                        states: writer.StatesExpected | None = None, known: frozenset = frozenset()) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens and
-        mask and states made as this run's; `placed`: (index, row, token ids, loss mask, what names the sample)."""
-        wrong = writer.first_mismatch(((self.path(out, index, row), ids, mask, what)
-                                       for index, row, ids, mask, what in placed), states)
+        mask and states made as this run's, and no other sample file may be there (speculators 0.3.0 trains on every
+        .pt of the folder). `placed`: (index, row, token ids, loss mask, what names the sample); `known`: indices
+        whose files this run wrote or already checked."""
+        refuse_strays(self, out, placed, "data_config.json")
+        wrong = writer.first_mismatch([(self.path(out, index, row), ids, mask, what)
+                                       for index, row, ids, mask, what in placed if index not in known], states)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "data_config.json"))
 
@@ -99,12 +102,14 @@ class ArrowLayout:
              layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
         return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None) -> None:
+    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
+                        states: writer.StatesExpected | None = None, known: frozenset = frozenset()) -> None:
         """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens,
-        and states made as this run's. `placed`: (index, row, token ids, loss mask, what names the sample)."""
-        wrong = writer.first_mismatch(((self.path(out, index, row), ids, None, f"row {row} ({what})")
-                                       for index, row, ids, _, what in placed), states)
+        and states made as this run's; no other sample file may be there. `placed`: (index, row, token ids, loss
+        mask, what names the sample); `known`: indices whose files this run wrote or already checked."""
+        refuse_strays(self, out, placed, "The Arrow dataset")
+        wrong = writer.first_mismatch([(self.path(out, index, row), ids, None, f"row {row} ({what})")
+                                       for index, row, ids, _, what in placed if index not in known], states)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "The Arrow dataset", "its row's sample"))
 
@@ -112,6 +117,18 @@ class ArrowLayout:
         """The dataset `ArrowDataset` opens, written only for a whole set: before it the directory cannot be opened,
         so a partial set is never mistaken for a whole one."""
         arrow.write_dataset(out, rows)
+
+
+def refuse_strays(fmt: SampleFiles | ArrowLayout, out: str, placed: list, finishes: str) -> None:
+    """A sample file that stands for no sample of the set (copied in from a larger set, another format's) would be
+    trained on or mistaken for part of it."""
+    expected = {os.path.relpath(fmt.path(out, index, row), out) for index, row, *_ in placed}
+    strays = [name for name in writer.sample_files(out) if name != "state.json" and name not in expected]
+    if strays:
+        raise writer.OutputDirectoryConflict(
+            f"{os.path.join(out, strays[0])} (and {len(strays) - 1} more) stands for no sample of this set: the input "
+            f"has {len(placed)} samples, their files are named by index (row for --format arrow); a trainer would "
+            f"read it as part of the set. Remove it. {finishes} is not written")
 
 
 def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its sample") -> str:

@@ -327,8 +327,14 @@ def run(opts: ExtractOptions) -> dict:
         redo = {id(b) for b in todo}
         kept = [b for b in mine if id(b) not in redo]
         # and their states made as this run's would make them (a shard's files copied in from another directory)
-        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size,
-                                       (record or {}).get("engine_dtype"))
+        # (a set converted from fp8 holds bfloat16 whatever its engine ran: `states_dtype`)
+        recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
+        if not recorded_dtype and kept:  # an earlier release's record: its files say the set's precision, known
+            try:                         # before this run's engine starts (and is refused if it differs)
+                recorded_dtype = writer.read_facts(path_of(kept[0][0])).dtype
+            except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
+                recorded_dtype = None
+        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype)
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
                                        for b in kept for s in b], states)
         if wrong and wrong.states:
@@ -350,6 +356,8 @@ def run(opts: ExtractOptions) -> dict:
             "num_samples": len(samples), "skipped_uncovered": data.skipped,
             "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens],
             "versions": versions, "runs": []}
+        if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
+            manifest["engine_dtype"] = recorded_dtype  # read from the kept files (see above)
         if replaced is not None:
             manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
                                                          "runs": replaced.get("runs", [])}
@@ -403,43 +411,48 @@ def run(opts: ExtractOptions) -> dict:
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
         elapsed = time.time() - started
-        present = sum(os.path.exists(path_of(s)) for s in placed)
-        complete = present == len(samples)
-        this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
-                        samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
-                        report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
-        if complete:  # what a trainer needs of a whole set, before the manifest says "complete": a run that
-            try:        # fails here leaves the directory "incomplete", and --resume finishes it
+        present, complete = None, False
+        try:  # counting the files and, for a whole set, what a trainer needs of it, before the manifest says
+            # "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
+            # "incomplete", and --resume finishes it
+            present = sum(os.path.exists(path_of(s)) for s in placed)
+            complete = present == len(samples)
+            this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
+                            samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
+                            report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
+            if complete:
                 writer.fsync_renames(opts.out)
-                # lists, not generators: nothing below resumes code of this module (one direction, issue 23)
                 states.dtype = manifest.get("engine_dtype") or states.dtype  # set by this run's engine
+                # lists, not generators: nothing below resumes code of this module (one direction, issue 23); the
+                # files of this run's batches were checked (kept) or written by it: only the others are read
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
-                                               for s in placed], states)
+                                               for s in placed], states,
+                                    known=frozenset(s.index for b in mine for s in b))
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
                 writer.fsync_renames(opts.out)
-            except writer.OutputDirectoryConflict:
-                manifest.update(status="incomplete", samples_present=present)
-                this_run.update(status="failed: the files of this directory were made from differing sample sets")
-                _best_effort_json(manifest_path, manifest)
-                raise
-            except OSError as exc:
-                manifest.update(status="incomplete", samples_present=present)
-                this_run.update(status=f"failed: {fmt.finishes} could not be written: {exc.strerror or exc}")
-                _best_effort_json(manifest_path, manifest)
-                raise writer.OutputWriteError(f"could not write {fmt.finishes} in {opts.out}: {exc.strerror or exc}; "
-                                              "rerun the same command with --resume") from exc
-            except BaseException as exc:  # Ctrl-C included: checking a large set takes minutes; never "running"
-                manifest.update(status="incomplete", samples_present=present)
-                interrupted = isinstance(exc, KeyboardInterrupt)
-                this_run.update(status=f"{'interrupted' if interrupted else 'failed'} while the set was checked and "
-                                       f"described: {type(exc).__name__}: {str(exc)[:300]}")
-                _best_effort_json(manifest_path, manifest)
-                if interrupted:
-                    raise Interrupted(f"interrupted while the whole set was checked and {fmt.finishes} written; every "
-                                      f"sample file in {opts.out} is complete; rerun the same command with --resume "
-                                      "to finish it") from None
-                raise
+        except writer.OutputDirectoryConflict as exc:
+            manifest.update(status="incomplete", samples_present=present)
+            this_run.update(status=f"failed: {str(exc)[:500]}")
+            _best_effort_json(manifest_path, manifest)
+            raise
+        except OSError as exc:
+            manifest.update(status="incomplete", samples_present=present)
+            this_run.update(status=f"failed: {fmt.finishes} could not be written: {exc.strerror or exc}")
+            _best_effort_json(manifest_path, manifest)
+            raise writer.OutputWriteError(f"could not write {fmt.finishes} in {opts.out}: {exc.strerror or exc}; "
+                                          "rerun the same command with --resume") from exc
+        except BaseException as exc:  # Ctrl-C included; never left "running"
+            manifest.update(status="incomplete", samples_present=present)
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            this_run.update(status=f"{'interrupted' if interrupted else 'failed'} while the set was checked and "
+                                   f"described: {type(exc).__name__}: {str(exc)[:300]}")
+            _best_effort_json(manifest_path, manifest)
+            if interrupted:
+                raise Interrupted(f"interrupted while the whole set was checked and {fmt.finishes} written; every "
+                                  f"sample file in {opts.out} is complete; rerun the same command with --resume "
+                                  "to finish it") from None
+            raise
         manifest.update(status="complete" if complete else "incomplete", samples_present=present)
         _write_json(manifest_path, manifest)
         if not complete and shard_n == 1:  # every batch was this run's, and each reported its files written

@@ -136,7 +136,9 @@ def fsync_renames(out_dir: str) -> None:
 def atomic_write_file(path: str, write: Any) -> None:
     """`write(tmp_path)` makes the file under a temporary name; then fsync and rename: a reader sees the whole file
     or none. Nothing is left behind on failure (disk full, Ctrl-C), not even under the temporary name."""
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    # no dot from the host name: torch.save names its archive after the file name up to the last dot, and a file
+    # must be the same bytes whichever host wrote it
+    tmp = f"{path}.tmp-{socket.gethostname().replace('.', '-')}-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         try:
             write(tmp)
@@ -273,8 +275,8 @@ def read_facts(path: str) -> SampleFacts:
             layers = sum(k.startswith("hidden_states.") for k in keys)
             first = f.get_slice("hidden_states.0") if layers else None
             return SampleFacts(f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist(), stamp, layers,
-                               int(first.get_shape()[-1]) if first else 0,
-                               SAFETENSORS_DTYPES.get(first.get_dtype()) if first else None)
+                               int(first.get_shape()[-1]) if first is not None else 0,
+                               SAFETENSORS_DTYPES.get(first.get_dtype()) if first is not None else None)
         hs = f.get_slice("hidden_states")  # --format arrow: [T, L, H]
         shape = hs.get_shape()
         return SampleFacts(f.get_tensor("token_ids").tolist(), None, stamp, int(shape[1]), int(shape[2]),
@@ -288,14 +290,15 @@ def token_ids_in(path: str) -> tuple[list[int], list[int] | None]:
 
 
 class StatesExpected:
-    """What every file of a directory must hold besides its sample's tokens: the run's stamp, layer count, hidden
-    size (0: unknown) and engine dtype (None: no engine has run for it yet)."""
+    """What every file of a directory must hold besides its sample's tokens: the run's stamp (None: a set another
+    tool wrote, whose record is not ours), layer count, hidden size (0: unknown) and engine dtype (None: no engine
+    has run for it yet)."""
 
-    def __init__(self, stamp: str, layers: int, hidden: int, dtype: str | None):
+    def __init__(self, stamp: str | None, layers: int, hidden: int, dtype: str | None):
         self.stamp, self.layers, self.hidden, self.dtype = stamp, layers, hidden, dtype
 
     def mismatch(self, facts: SampleFacts) -> str | None:
-        if facts.stamp is not None and facts.stamp != self.stamp:
+        if facts.stamp is not None and self.stamp is not None and facts.stamp != self.stamp:
             return ("its states were made with other settings (another model, --layers or --dtype: the file's "
                     f"stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in from another directory")
         if facts.layers != self.layers:
