@@ -177,6 +177,7 @@ def test_temp_files_of_a_dead_run_are_swept(model, dataset, tmp_path, fake_engin
 # ---- item 6: bad input lines, a failing writer --------------------------------------------------------------------
 
 GOOD = {"input_ids": [5, 6, 7]}
+CHAT = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -189,6 +190,7 @@ GOOD = {"input_ids": [5, 6, 7]}
     ({"input_ids": [5, 100000]}, "token id 100000 outside the model's vocabulary [0, 511]"),
     ({"conversations": []}, "must be a non-empty list of messages"),
     ({"conversations": [{"role": "robot", "content": "hi"}]}, "message needs a role in"),
+    ({"conversations": CHAT, "input_ids": [5, 6, 7]}, "holds both a conversation and 'input_ids', which differ"),
     (b'{"input_ids": [5, 6]}\xff', "not UTF-8 text"),
 ])
 def test_a_malformed_line_is_named_before_any_engine(model, tmp_path, no_engine, bad, message):
@@ -202,6 +204,18 @@ def test_a_malformed_line_is_named_before_any_engine(model, tmp_path, no_engine,
     with pytest.raises(InvalidInput, match=r"data\.jsonl:3: .*" + re.escape(message)):
         job.run(_opts(model, str(data), out))
     assert not out.exists()  # nothing written, not even the directory
+
+
+def test_a_line_with_a_conversation_and_input_ids_that_agree_is_taken(model, tmp_path):
+    """Both forms in one line were resolved silently in favour of the conversation; now they must agree (the
+    parametrized case above: they differ, refused)."""
+    from transformers import AutoTokenizer
+    from eagle_compat.extract import inputs
+    tok = AutoTokenizer.from_pretrained(model)
+    data = _write_lines(tmp_path / "one.jsonl", [{"conversations": CHAT}])
+    ids = inputs.read_dataset(data, tok, 256, vocab_size=512).samples[0].input_ids
+    both = _write_lines(tmp_path / "both.jsonl", [{"conversations": CHAT, "input_ids": ids}])
+    assert inputs.read_dataset(both, tok, 256, vocab_size=512).samples[0].input_ids == ids
 
 
 def _fail_on_write(monkeypatch, after: int):

@@ -205,6 +205,13 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 except Exception as exc:  # noqa: BLE001 - the template's own error (e.g. roles must alternate)
                     raise InvalidInput(f"{where}: the chat template failed on this conversation: "
                                        f"{type(exc).__name__}: {exc}") from None
+                if "input_ids" in record:  # both forms: used only where they agree, never one chosen silently
+                    given = _token_record(record, where)[0][:max_len]
+                    if given != ids:
+                        raise InvalidInput(
+                            f"{where}: holds both a conversation and 'input_ids', which differ (the conversation "
+                            f"tokenizes to {len(ids)} tokens {ids[:6]}..., 'input_ids' has {len(given)} "
+                            f"{given[:6]}...); keep one of them in each line: {LINE_FORMS}")
             elif "input_ids" in record:
                 ids, mask = _token_record(record, where)
                 cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])

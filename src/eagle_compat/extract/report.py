@@ -93,7 +93,8 @@ def versions_that_differ(manifest: dict, now: dict | None = None) -> dict[str, t
         v = dict(run.get("versions") or {})
         v.setdefault("eagle_compat", manifest.get("eagle_compat"))
         return v
-    runs = [of(r) for r in manifest.get("runs", []) if isinstance(r, dict) and r.get("versions")]
+    runs = [of(r) for r in manifest.get("runs", [])  # runs that had files to write (a merge check writes none)
+            if isinstance(r, dict) and r.get("versions") and r.get("batches_to_do", 1)]
     if now is None:
         if len(runs) < 2:
             return {}
