@@ -162,7 +162,7 @@ def test_a_resume_with_other_versions_is_said_at_the_run_and_in_the_report(model
     run says so, and so does `eagle-compat report` (data_config.json keeps only the last run's versions)."""
     from eagle_compat import detect
     out = tmp_path / "out"
-    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(0, 2)))
+    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(0, 2), batch_size=1))  # each shard has a batch
     assert "differing versions" not in report.text(report.of_directory(str(out)))
     real = detect.installed_versions()
 
@@ -171,7 +171,7 @@ def test_a_resume_with_other_versions_is_said_at_the_run_and_in_the_report(model
             return {**real.as_dict(), "vllm": "9.9.9"}
     monkeypatch.setattr(detect, "installed_versions", lambda: Upgraded())
     capsys.readouterr()
-    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(1, 2)))
+    job.run(_opts(model, chats, out, max_len=MAX_LEN, shard=(1, 2), batch_size=1))
     assert re.search(r"NOTE: this directory's files so far were written with vllm \S+; this run uses vllm 9\.9\.9",
                      capsys.readouterr().err)
     text = report.text(report.of_directory(str(out)))
