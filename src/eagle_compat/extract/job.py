@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .. import detect
+from .._version import __version__
 from ..errors import InvalidInput
 from . import formats, inputs, layers, local_runner, pipeline, report, writer
 
@@ -349,7 +350,7 @@ def run(opts: ExtractOptions) -> dict:
                 "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
                 "samples' states. Use the same environment and options, or choose another --out")
         manifest = record or {
-            "eagle_compat": __import__("eagle_compat").__version__, "layer_convention": writer.LAYER_CONVENTION,
+            "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
             "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
             "num_samples_in_data": len(samples) + len(data.skipped) + len(data.few_loss_tokens),
@@ -375,7 +376,7 @@ def run(opts: ExtractOptions) -> dict:
                   file=sys.stderr, flush=True)
         this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                     "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
-                    "versions": {**versions, "eagle_compat": __import__("eagle_compat").__version__},
+                    "versions": {**versions, "eagle_compat": __version__},
                     "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
                     "waited_for_earlier_writers_s": round(waited, 1)}
         manifest.setdefault("runs", []).append(this_run)

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any, Iterable
 
+from .._version import __version__
+
 HISTOGRAM_BINS = 8
 
 
@@ -100,7 +102,7 @@ def versions_that_differ(manifest: dict, now: dict | None = None) -> dict[str, t
             return {}
         runs, now = runs[:-1], runs[-1]
     else:
-        now = {**now, "eagle_compat": now.get("eagle_compat") or __import__("eagle_compat").__version__}
+        now = {**now, "eagle_compat": now.get("eagle_compat") or __version__}
     out = {}
     for key in VERSIONS_THAT_MATTER:
         earlier = sorted({str(r.get(key)) for r in runs if r.get(key)})
