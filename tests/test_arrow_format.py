@@ -170,6 +170,11 @@ def test_a_set_converted_from_fp8_is_accepted_by_a_resume_and_a_foreign_source_f
     convert.convert(str(fp8), str(tmp_path / "fp8_to_pt"), to="pt")
     before = FakeEngine.started
     assert job.run(_opts(model, dataset, tmp_path / "fp8_to_pt", resume=True, **kw))["complete"]
+    assert job.run(_opts(model, dataset, tmp_path / "fp8_to_pt", resume=True, shard=(0, 2), **kw))["complete"]
+    assert FakeEngine.started == before
+    os.unlink(tmp_path / "fp8_to_pt" / "data_0.pt")  # a file to redo: not beside states of another precision
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"was converted from arrow-fp8 with loss"):
+        job.run(_opts(model, dataset, tmp_path / "fp8_to_pt", resume=True, **kw))
     assert FakeEngine.started == before
     pt, other = tmp_path / "pt", tmp_path / "other"
     job.run(_opts(model, dataset, pt, **kw))

@@ -190,7 +190,7 @@ CHAT = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "
     ({"input_ids": [5, 100000]}, "token id 100000 outside the model's vocabulary [0, 511]"),
     ({"conversations": []}, "must be a non-empty list of messages"),
     ({"conversations": [{"role": "robot", "content": "hi"}]}, "message needs a role in"),
-    ({"conversations": CHAT, "input_ids": [5, 6, 7]}, "holds both a conversation and 'input_ids', which differ"),
+    ({"conversations": CHAT, "input_ids": [5, 6, 7]}, "holds both a conversation and 'input_ids'/'loss_mask', which"),
     (b'{"input_ids": [5, 6]}\xff', "not UTF-8 text"),
 ])
 def test_a_malformed_line_is_named_before_any_engine(model, tmp_path, no_engine, bad, message):
@@ -216,6 +216,9 @@ def test_a_line_with_a_conversation_and_input_ids_that_agree_is_taken(model, tmp
     ids = inputs.read_dataset(data, tok, 256, vocab_size=512).samples[0].input_ids
     both = _write_lines(tmp_path / "both.jsonl", [{"conversations": CHAT, "input_ids": ids}])
     assert inputs.read_dataset(both, tok, 256, vocab_size=512).samples[0].input_ids == ids
+    every = _write_lines(tmp_path / "mask.jsonl", [{"conversations": CHAT, "input_ids": ids, "loss_mask": [1] * len(ids)}])
+    with pytest.raises(InvalidInput, match=r"mask\.jsonl:1: holds both .* which differ"):
+        inputs.read_dataset(every, tok, 256, vocab_size=512)  # the line's own mask: not dropped without a word
 
 
 def _fail_on_write(monkeypatch, after: int):
@@ -583,6 +586,51 @@ def test_the_run_completing_a_set_checks_the_other_shards_files_and_refuses_stra
         job.run(_opts(model, dataset, a, format=fmt, resume=True))
     stray.unlink()
     assert job.run(_opts(model, dataset, a, format=fmt, resume=True))["complete"]
+
+
+def test_temporary_names_carry_no_dot_of_the_host_so_every_host_writes_the_same_bytes(tmp_path, monkeypatch):
+    """torch.save names its archive after the file's name up to the last dot: a host `node1.cluster` wrote other
+    bytes than `node2` for the same sample (review of session 26)."""
+    import socket
+    sample = {"input_ids": torch.arange(4), "hidden_states": [torch.ones(4, 8)], "loss_mask": torch.ones(4)}
+    written = []
+    for host in ("node1.cluster.example", "node2"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        (tmp_path / host).mkdir()
+        written.append(open(writer.save_sample(str(tmp_path / host), 0, sample, "pt", [0], "s"), "rb").read())
+    assert written[0] == written[1]
+
+
+def test_an_earlier_records_set_takes_its_precision_from_its_files_before_the_engine(model, dataset, tmp_path,
+                                                                                    fake_engine):
+    """A record of an earlier release names no engine dtype: the first kept file's precision stands for it, so an
+    engine of another precision is refused before it writes (it was found only at completion, after the engine)."""
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out))
+    record = json.load(open(out / "manifest.json"))
+    del record["engine_dtype"]
+    json.dump(record, open(out / "manifest.json", "w"))
+    os.unlink(writer.sample_path(str(out), 7, "pt"))
+
+    class OlderGpu(FakeEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.vllm_config.model_config.dtype = "torch.float16"
+            OlderGpu.generated = 0
+
+        def generate(self, *args, **kwargs):
+            OlderGpu.generated += 1
+            return super().generate(*args, **kwargs)
+
+    fake_engine_cls = eagle_compat.generator.VllmHiddenStatesGenerator
+    try:
+        eagle_compat.generator.VllmHiddenStatesGenerator = OlderGpu
+        with pytest.raises(writer.OutputDirectoryConflict, match=r"engine runs torch.float16 .* written by an engine "
+                                                                 r"in torch.float32"):
+            job.run(_opts(model, dataset, out, resume=True))
+        assert OlderGpu.generated == 0 and not os.path.exists(writer.sample_path(str(out), 7, "pt"))
+    finally:
+        eagle_compat.generator.VllmHiddenStatesGenerator = fake_engine_cls
 
 
 def _tree(out):

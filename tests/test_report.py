@@ -176,3 +176,14 @@ def test_a_resume_with_other_versions_is_said_at_the_run_and_in_the_report(model
                      capsys.readouterr().err)
     text = report.text(report.of_directory(str(out)))
     assert re.search(r"NOTE: its runs wrote files with differing versions: vllm \S+ / 9\.9\.9", text), text
+
+
+def test_the_report_counts_the_files_rather_than_trust_the_record(model, chats, tmp_path, fake_engine):
+    """A directory copied or pruned after its run: the record says complete, a file is gone. The report said
+    nothing (it took the count from the record); now a PROBLEM line names both counts."""
+    out = tmp_path / "out"
+    job.run(_opts(model, chats, out, max_len=MAX_LEN))
+    assert "PROBLEM" not in report.text(report.of_directory(str(out)))
+    os.unlink(next(out.glob("data_*.pt")))
+    text = report.text(report.of_directory(str(out)))
+    assert re.search(r"PROBLEM: 1 sample files are in .*, its record says 2", text), text

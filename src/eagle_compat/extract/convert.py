@@ -236,7 +236,10 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         for r, i in enumerate(indices):  # one sample in memory at a time
             if os.path.exists(destination.path(dst, i, r)):  # --resume: files are written whole or not at all
                 continue
-            why = made.mismatch(writer.read_facts(source.path(src, i, r)))  # a new stamp must not cover a stray
+            try:
+                why = made.mismatch(writer.read_facts(source.path(src, i, r)))  # a new stamp must not cover a stray
+            except Exception as exc:  # noqa: BLE001 - a damaged file, named
+                why = f"the file cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
             if why:
                 raise InvalidInput(f"SRC {source.path(src, i, r)}: {why}; the source is not one extraction, and is "
                                    "not converted (files already written in DST are whole)")

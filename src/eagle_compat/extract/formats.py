@@ -67,12 +67,13 @@ class SampleFiles:
                                                "loss_mask": loss_mask}, self.name, layer_ids, stamp)
 
     def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None, known: frozenset = frozenset()) -> None:
+                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
+                        left_out: dict[int, int] | None = None) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens and
         mask and states made as this run's, and no other sample file may be there (speculators 0.3.0 trains on every
         .pt of the folder). `placed`: (index, row, token ids, loss mask, what names the sample); `known`: indices
         whose files this run wrote or already checked."""
-        refuse_strays(self, out, placed, "data_config.json")
+        refuse_strays(self, out, placed, "data_config.json is not written", left_out)
         wrong = writer.first_mismatch([(self.path(out, index, row), ids, mask, what)
                                        for index, row, ids, mask, what in placed if index not in known], states)
         if wrong:
@@ -103,11 +104,12 @@ class ArrowLayout:
         return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids, stamp)
 
     def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None, known: frozenset = frozenset()) -> None:
+                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
+                        left_out: dict[int, int] | None = None) -> None:
         """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens,
         and states made as this run's; no other sample file may be there. `placed`: (index, row, token ids, loss
         mask, what names the sample); `known`: indices whose files this run wrote or already checked."""
-        refuse_strays(self, out, placed, "The Arrow dataset")
+        refuse_strays(self, out, placed, "The Arrow dataset is not written", left_out)
         wrong = writer.first_mismatch([(self.path(out, index, row), ids, None, f"row {row} ({what})")
                                        for index, row, ids, _, what in placed if index not in known], states)
         if wrong:
@@ -119,16 +121,25 @@ class ArrowLayout:
         arrow.write_dataset(out, rows)
 
 
-def refuse_strays(fmt: SampleFiles | ArrowLayout, out: str, placed: list, finishes: str) -> None:
-    """A sample file that stands for no sample of the set (copied in from a larger set, another format's) would be
-    trained on or mistaken for part of it."""
+def refuse_strays(fmt: SampleFiles | ArrowLayout, out: str, placed: list, finishes: str,
+                  left_out: dict[int, int] | None = None) -> None:
+    """A sample file that stands for no sample of the set (copied in from a larger set, another format's, or of a
+    sample the input now leaves out) would be trained on or mistaken for part of it. `placed`: (index, row, ...);
+    `left_out`: index -> input line of the samples the set leaves out."""
     expected = {os.path.relpath(fmt.path(out, index, row), out) for index, row, *_ in placed}
     strays = [name for name in writer.sample_files(out) if name != "state.json" and name not in expected]
-    if strays:
-        raise writer.OutputDirectoryConflict(
-            f"{os.path.join(out, strays[0])} (and {len(strays) - 1} more) stands for no sample of this set: the input "
-            f"has {len(placed)} samples, their files are named by index (row for --format arrow); a trainer would "
-            f"read it as part of the set. Remove it. {finishes} is not written")
+    if not strays:
+        return
+    name = strays[0]
+    index = int(name.rsplit("_", 1)[1].split(".")[0])
+    why = (f"input line {left_out[index]} is now left out (--skip-uncovered / --min-loss-tokens), but an earlier run "
+           "wrote its file: the samples tokenize differently than they did then"
+           if not fmt.arrow and index in (left_out or {}) else
+           f"the input has {len(placed)} samples, their files named by "
+           f"{'row' if fmt.arrow else 'index'}; copied in from a larger set or another format?")
+    raise writer.OutputDirectoryConflict(
+        f"{os.path.join(out, name)} (and {len(strays) - 1} more) stands for no sample of this set: {why}. A trainer "
+        f"would read it as part of the set: remove it. {finishes}")
 
 
 def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its sample") -> str:

@@ -206,12 +206,14 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                     raise InvalidInput(f"{where}: the chat template failed on this conversation: "
                                        f"{type(exc).__name__}: {exc}") from None
                 if "input_ids" in record:  # both forms: used only where they agree, never one chosen silently
-                    given = _token_record(record, where)[0][:max_len]
-                    if given != ids:
+                    given, given_mask = _token_record(record, where)
+                    given, given_mask = given[:max_len], given_mask[:max_len]
+                    if given != ids or ("loss_mask" in record and given_mask != mask):
                         raise InvalidInput(
-                            f"{where}: holds both a conversation and 'input_ids', which differ (the conversation "
-                            f"tokenizes to {len(ids)} tokens {ids[:6]}..., 'input_ids' has {len(given)} "
-                            f"{given[:6]}...); keep one of them in each line: {LINE_FORMS}")
+                            f"{where}: holds both a conversation and 'input_ids'/'loss_mask', which differ (the "
+                            f"conversation gives {len(ids)} tokens {ids[:6]}... with {sum(mask)} loss tokens, the "
+                            f"line {len(given)} {given[:6]}... with {sum(given_mask)}); keep one form in each line: "
+                            f"{LINE_FORMS}")
             elif "input_ids" in record:
                 ids, mask = _token_record(record, where)
                 cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])

@@ -290,6 +290,8 @@ def run(opts: ExtractOptions) -> dict:
     placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
               for row, s in enumerate(samples)]
     sample_of = {s.index: s for s in samples}
+    # samples the input has but the set leaves out: a file of one of them is an earlier run's, made from other tokens
+    left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
     shard_i, shard_n = opts.shard
     batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
     mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
@@ -330,12 +332,15 @@ def run(opts: ExtractOptions) -> dict:
         # and their states made as this run's would make them (a shard's files copied in from another directory)
         # (a set converted from fp8 holds bfloat16 whatever its engine ran: `states_dtype`)
         recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
+        dtype_from = "the directory's engine ran"
         if not recorded_dtype and kept:  # an earlier release's record: its files say the set's precision, known
             try:                         # before this run's engine starts (and is refused if it differs)
                 recorded_dtype = writer.read_facts(path_of(kept[0][0])).dtype
+                dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
             except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
                 recorded_dtype = None
-        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype)
+        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
+                                       dtype_from)
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
                                        for b in kept for s in b], states)
         if wrong and wrong.states:
@@ -343,6 +348,14 @@ def run(opts: ExtractOptions) -> dict:
                 f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
                 "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
                 "another --out")
+        formats.refuse_strays(fmt, opts.out, [(s.index, s.row) for s in placed], "Nothing was written",
+                              left_out=left_out_lines)
+        converted = (record or {}).get("converted_from") or {}
+        if todo and converted.get("lossy"):
+            raise writer.OutputDirectoryConflict(
+                f"{opts.out} was converted from {converted.get('format')} with loss ({converted['lossy']}): files "
+                "extracted now would sit beside states of another precision. Complete the source and convert it "
+                "again, or extract into another --out")
         if wrong:
             raise writer.OutputDirectoryConflict(
                 f"{wrong.path} is not the sample it stands for: {wrong.why}. The directory's files were made from a "
@@ -367,7 +380,7 @@ def run(opts: ExtractOptions) -> dict:
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
         for key, note in fmt.manifest_notes.items():
             manifest.setdefault(key, note)
-        mixed = report.versions_that_differ(manifest, versions) if record else {}  # files of earlier runs
+        mixed = report.versions_that_differ(manifest, versions) if record and todo else {}  # files of both
         if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
             print("extract: NOTE: this directory's files so far were written with "
                   + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
@@ -423,12 +436,13 @@ def run(opts: ExtractOptions) -> dict:
                             report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
             if complete:
                 writer.fsync_renames(opts.out)
-                states.dtype = manifest.get("engine_dtype") or states.dtype  # set by this run's engine
+                states.dtype = (manifest.get("states_dtype") or manifest.get("engine_dtype")  # this run's engine's
+                                or states.dtype)
                 # lists, not generators: nothing below resumes code of this module (one direction, issue 23); the
                 # files of this run's batches were checked (kept) or written by it: only the others are read
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
                                                for s in placed], states,
-                                    known=frozenset(s.index for b in mine for s in b))
+                                    known=frozenset(s.index for b in mine for s in b), left_out=left_out_lines)
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
                            data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
                 writer.fsync_renames(opts.out)

@@ -48,9 +48,16 @@ def of_directory(out_dir: str) -> dict:
     manifest = writer.read_manifest(out_dir)
     if manifest and manifest.get("report"):
         from .layers import problems_of
-        # the report covers the whole input; an unfinished directory holds only part of it
+        # the report covers the whole input; an unfinished directory holds only part of it. The files are counted,
+        # not taken from the record: a directory copied or pruned since says so
+        present = len([n for n in writer.sample_files(out_dir) if n != "state.json"])
+        problems = problems_of(manifest)
+        recorded = manifest.get("samples_present")
+        if recorded is not None and present != recorded:
+            problems.append(f"{present} sample files are in {out_dir}, its record says {recorded} (files copied in, "
+                            "lost or removed since it was written): run the extract command again with --resume")
         return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": manifest.get("status"),
-                "samples_present": manifest.get("samples_present"), "problems": problems_of(manifest),
+                "samples_present": present, "problems": problems,
                 "versions_differ": {k: [*old, new] for k, (old, new) in versions_that_differ(manifest).items()}}
     import torch
     names = writer.sample_files(out_dir)

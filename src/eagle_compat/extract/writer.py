@@ -294,8 +294,9 @@ class StatesExpected:
     tool wrote, whose record is not ours), layer count, hidden size (0: unknown) and engine dtype (None: no engine
     has run for it yet)."""
 
-    def __init__(self, stamp: str | None, layers: int, hidden: int, dtype: str | None):
-        self.stamp, self.layers, self.hidden, self.dtype = stamp, layers, hidden, dtype
+    def __init__(self, stamp: str | None, layers: int, hidden: int, dtype: str | None,
+                 dtype_from: str = "the directory's engine ran"):
+        self.stamp, self.layers, self.hidden, self.dtype, self.dtype_from = stamp, layers, hidden, dtype, dtype_from
 
     def mismatch(self, facts: SampleFacts) -> str | None:
         if facts.stamp is not None and self.stamp is not None and facts.stamp != self.stamp:
@@ -306,7 +307,7 @@ class StatesExpected:
         if self.hidden and facts.hidden != self.hidden:
             return f"its states have hidden size {facts.hidden}, the model {self.hidden}"
         if self.dtype and facts.dtype and facts.dtype != self.dtype:
-            return f"its states are {facts.dtype}, the directory's engine ran {self.dtype}"
+            return f"its states are {facts.dtype}, {self.dtype_from} {self.dtype}"
         return None
 
 
