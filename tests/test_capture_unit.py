@@ -434,3 +434,33 @@ def test_the_rpc_fallback_gives_each_sample_its_own_rows_in_any_scheduler_order(
         _fallback_round([[("b_0", 2), ("b_1", 3), ("b_2", 3)]], ids, tokens)
     with pytest.raises(RuntimeError, match="more than one step"):
         _fallback_round([[("b_0", 2), ("b_1", 2)], [("b_0", 1), ("b_2", 3)]], ids, tokens)
+
+
+def test_cpu_sdpa_attention_with_one_cached_mask_is_refused_for_mixed_sliding_windows():
+    """vLLM 0.11.0's CPU TorchSDPA caches one set of masks per step for every layer: Gemma 2's global layers attended
+    with layer 0's window (the matrix's generator/gemma2 cell on 0.11.0, windows of 32). A model whose layers share
+    one window, or another backend, is not refused."""
+    from eagle_compat.capture.resolver import check_known_wrong_kernels
+
+    class TorchSDPABackendImpl:
+        def __init__(self, window):
+            self.sliding_window = window
+
+        def _run_sdpa_forward(self, metadata):
+            return metadata.get_attn_bias("decoder")  # the cached masks
+
+    class Attention(nn.Module):
+        def __init__(self, window, impl_cls=TorchSDPABackendImpl):
+            super().__init__()
+            self.sliding_window, self.impl = window, impl_cls(window)
+
+    def layers(*windows, impl_cls=TorchSDPABackendImpl):
+        return [nn.Sequential(Attention(w, impl_cls)) for w in windows]
+
+    with pytest.raises(UnsupportedModel, match=r"different sliding windows \(32, None\).*silently wrong"):
+        check_known_wrong_kernels(layers(32, None, 32, None))
+    check_known_wrong_kernels(layers(32, 32))  # one window for every layer: the cached masks are right
+
+    class OtherBackendImpl(TorchSDPABackendImpl):
+        pass
+    check_known_wrong_kernels(layers(32, None, impl_cls=OtherBackendImpl))

@@ -96,6 +96,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "capture/resolver.py `check_known_wrong_kernels` (refuses with UnsupportedModel)", "the vLLM floor is 0.11.1",
         True, _ipex_moe, condition="x86 CPU with IPEX, DeepSeek-style routing bias"),
     Workaround(
+        "cpu_sdpa_mixed_windows_refused", "CPU TorchSDPA attention caches one set of masks per step for every "
+        "layer: models mixing windowed and global layers (Gemma 2/3, gpt-oss) attend with the first layer's window",
+        "<0.12", "capture/resolver.py `check_known_wrong_kernels` (refuses with UnsupportedModel)",
+        "the vLLM floor is 0.12", True, lambda: "models with mixed sliding windows" if _cpu() else False,
+        condition="CPU, TorchSDPA attention, layers of different sliding windows (seen on 0.11.0)"),
+    Workaround(
         "v2_runner_batch_order", "vLLM's V2 model runner lays a batch out sorted by length, not in the scheduler's "
         "order: rows would belong to other requests", ">=0.12",
         "capture/worker.py `runner_batch_order` + `_reorder`", "never: the capture must follow the runner's order",

@@ -97,6 +97,7 @@ def check_known_wrong_kernels(layers: list[Any]) -> None:
     vLLM 0.11.0 on x86 CPU runs float32 MoE through IPEX's `GatedMLPMOE`, which mishandles the routing bias of
     `noaux_tc` models (DeepSeek-V3, Kimi-K2: `e_score_correction_bias`): measured against a plain implementation,
     its MoE output is 26-50% off (0.0 without the bias), ~3% in the residual stream of a tiny DeepSeek-V3."""
+    _refuse_one_mask_for_mixed_windows(layers)
     for layer in layers:
         for module in layer.modules():
             kernel = getattr(module, "cpu_fused_moe", None)
@@ -105,6 +106,25 @@ def check_known_wrong_kernels(layers: list[Any]) -> None:
                     "this vLLM runs the MoE layers on CPU through IPEX's fused MoE, which ignores DeepSeek-style "
                     "routing bias (e_score_correction_bias, topk_method='noaux_tc'): hidden states would be silently "
                     "wrong. Use vLLM >= 0.11.1, or a GPU.")
+
+
+def _refuse_one_mask_for_mixed_windows(layers: list[Any]) -> None:
+    """vLLM 0.11.0's CPU attention (TorchSDPA) builds each prefill's attention masks once and caches them on the
+    step's metadata, which every layer shares: in a model mixing windowed and global layers (Gemma 2 and 3,
+    gpt-oss), the first layer's masks serve all of them, so the others attend with the wrong window once a prompt is
+    longer than it (the tiny Gemma 2 of window 32: 0.46-0.62 of the layer's max off from layer 1; it also ignores
+    Gemma 2's attention-logit soft-capping). Found by the matrix in session 26."""
+    impls = [m.impl for layer in layers for m in layer.modules() if hasattr(m, "impl") and hasattr(m, "sliding_window")]
+    sdpa = [i for i in impls if type(i).__name__ == "TorchSDPABackendImpl" and hasattr(i, "_run_sdpa_forward")]
+    if not sdpa or "get_attn_bias" not in inspect.getsource(type(sdpa[0])._run_sdpa_forward):
+        return
+    windows = sorted({getattr(i, "sliding_window", None) for i in sdpa}, key=str)
+    if len(windows) > 1:
+        raise UnsupportedModel(
+            f"this vLLM's CPU attention (TorchSDPA) caches one set of attention masks per step for every layer, and "
+            f"this model's layers use different sliding windows ({', '.join(map(str, windows))}): the layers after "
+            "the first would attend with the wrong window, and hidden states would be silently wrong. Use vLLM >= "
+            "0.12 (CPU), or a GPU.")
 
 
 def resolve(model: Any, vllm_config: Any = None, *, platform: str | None = None) -> DecoderContract:
