@@ -460,6 +460,9 @@ def test_cpu_sdpa_attention_with_one_cached_mask_is_refused_for_mixed_sliding_wi
     with pytest.raises(UnsupportedModel, match=r"different sliding windows \(32, None\).*silently wrong"):
         check_known_wrong_kernels(layers(32, None, 32, None))
     check_known_wrong_kernels(layers(32, 32))  # one window for every layer: the cached masks are right
+    cross = layers(32, None)
+    cross[1][0].impl.attn_type = "encoder_decoder"  # the cache is kept per attention type
+    check_known_wrong_kernels(cross)
 
     class OtherBackendImpl(TorchSDPABackendImpl):
         pass

@@ -49,6 +49,13 @@ def _ipex_moe() -> bool:
     return _cpu() and importlib.util.find_spec("intel_extension_for_pytorch") is not None
 
 
+def _cpu_sdpa_cached_masks() -> bool | str:
+    from . import detect
+    source = detect.module_source("vllm.v1.attention.backends.cpu_attn") or ""
+    cached = "class TorchSDPABackendImpl" in source and "get_attn_bias" in source
+    return "models with mixed sliding windows" if _cpu() and cached else False
+
+
 def _v2_runner_possible() -> bool | str:
     import importlib.util
     from . import detect
@@ -99,7 +106,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "cpu_sdpa_mixed_windows_refused", "CPU TorchSDPA attention caches one set of masks per step for every "
         "layer: models mixing windowed and global layers (Gemma 2/3, gpt-oss) attend with the first layer's window",
         "<0.12", "capture/resolver.py `check_known_wrong_kernels` (refuses with UnsupportedModel)",
-        "the vLLM floor is 0.12", True, lambda: "models with mixed sliding windows" if _cpu() else False,
+        "the vLLM floor is 0.12", True, _cpu_sdpa_cached_masks,
         condition="CPU, TorchSDPA attention, layers of different sliding windows (seen on 0.11.0)"),
     Workaround(
         "v2_runner_batch_order", "vLLM's V2 model runner lays a batch out sorted by length, not in the scheduler's "

@@ -116,9 +116,12 @@ def _refuse_one_mask_for_mixed_windows(layers: list[Any]) -> None:
     Gemma 2's attention-logit soft-capping). Found by the matrix in session 26."""
     impls = [m.impl for layer in layers for m in layer.modules() if hasattr(m, "impl") and hasattr(m, "sliding_window")]
     sdpa = [i for i in impls if type(i).__name__ == "TorchSDPABackendImpl" and hasattr(i, "_run_sdpa_forward")]
-    if not sdpa or "get_attn_bias" not in inspect.getsource(type(sdpa[0])._run_sdpa_forward):
+    if not sdpa or "get_attn_bias" not in detect.function_source(type(sdpa[0])._run_sdpa_forward):
         return
-    windows = sorted({getattr(i, "sliding_window", None) for i in sdpa}, key=str)
+    by_type: dict[Any, set] = {}  # the cache is kept per attention type (decoder, encoder, cross)
+    for impl in sdpa:
+        by_type.setdefault(getattr(impl, "attn_type", None), set()).add(getattr(impl, "sliding_window", None))
+    windows = sorted(max(by_type.values(), key=len), key=str)
     if len(windows) > 1:
         raise UnsupportedModel(
             f"this vLLM's CPU attention (TorchSDPA) caches one set of attention masks per step for every layer, and "
