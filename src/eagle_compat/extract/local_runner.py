@@ -26,7 +26,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     fmt = formats.get(opts.format)
-    stamp = writer.states_stamp(manifest["settings"])
+    stamp = writer.stamp_of(manifest)
     done_tokens = 0
     try:
         gen = generator.VllmHiddenStatesGenerator(

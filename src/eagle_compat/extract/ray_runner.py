@@ -309,7 +309,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                      gpu_memory_utilization=opts.gpu_memory_utilization,
                      kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
                      trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
-                     stamp=writer.states_stamp(manifest["settings"]))
+                     stamp=writer.stamp_of(manifest))
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     src = os.path.dirname(PACKAGE_DIR)
     pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)

@@ -185,6 +185,12 @@ def states_stamp(settings: dict) -> str:
     return hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def stamp_of(manifest: dict) -> str | None:
+    """The stamp of the files a directory's record describes (None for a record without settings: only the
+    runners' scripted tests make one)."""
+    return states_stamp(manifest["settings"]) if manifest.get("settings") else None
+
+
 def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: list[int] | None = None,
                 stamp: str | None = None) -> str:
     import torch
