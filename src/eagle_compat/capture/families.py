@@ -164,8 +164,10 @@ FAMILIES: tuple[Family, ...] = (
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("gemma3", ("Gemma3DecoderLayer",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), tiny=(
+        # alternating layers (the default pattern of 6 would make all four windowed, leaving global ones untested)
         Tiny("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
+                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window_pattern=2,
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
