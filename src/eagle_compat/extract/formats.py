@@ -47,14 +47,43 @@ class DataDescription:
     command: str = ""
 
 
-class SampleFiles:
-    """speculators 0.3.0's layout: one file per sample, named by its input index."""
-    arrow = False
-    manifest_notes: dict = {}
-    finishes = "data_config.json"  # what a whole set gets
+class _Layout:
+    """What every format's whole set must be before the run that completes it writes what a trainer opens."""
+    arrow: bool
+    finishes: str  # what a whole set gets
+    finishes_sentence: str  # the same, starting a sentence
+    holds = "its sample"  # what each file must hold
 
     def __init__(self, name: str):
         self.name = name
+
+    def path(self, out: str, index: int, row: int) -> str:
+        raise NotImplementedError
+
+    def expected(self, out: str, index: int, row: int, ids: list[int], mask: list[int], what: str) -> tuple:
+        """(path, token ids, loss mask or None, what names the sample), as writer.first_mismatch reads it."""
+        raise NotImplementedError
+
+    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
+                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
+                        left_out: dict[int, int] | None = None) -> None:
+        """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens
+        (and mask, where the file keeps it) and states made as this run's, and no other sample file may be there
+        (speculators 0.3.0 trains on every .pt of its folder; Arrow rows bind files by position). `placed`: (index,
+        row, token ids, loss mask, what names the sample); `known`: indices whose files this run wrote or already
+        checked."""
+        refuse_strays(self, out, placed, f"{self.finishes_sentence} is not written", left_out)
+        wrong = writer.first_mismatch([self.expected(out, index, row, ids, mask, what)
+                                       for index, row, ids, mask, what in placed if index not in known], states)
+        if wrong:
+            raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, self.finishes_sentence, self.holds))
+
+
+class SampleFiles(_Layout):
+    """speculators 0.3.0's layout: one file per sample, named by its input index."""
+    arrow = False
+    manifest_notes: dict = {}
+    finishes = finishes_sentence = "data_config.json"
 
     def path(self, out: str, index: int, row: int) -> str:
         return writer.sample_path(out, index, self.name)
@@ -66,18 +95,8 @@ class SampleFiles:
         return writer.save_sample(out, index, {"input_ids": input_ids, "hidden_states": list(hidden_states),
                                                "loss_mask": loss_mask}, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
-                        left_out: dict[int, int] | None = None) -> None:
-        """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens and
-        mask and states made as this run's, and no other sample file may be there (speculators 0.3.0 trains on every
-        .pt of the folder). `placed`: (index, row, token ids, loss mask, what names the sample); `known`: indices
-        whose files this run wrote or already checked."""
-        refuse_strays(self, out, placed, "data_config.json is not written", left_out)
-        wrong = writer.first_mismatch([(self.path(out, index, row), ids, mask, what)
-                                       for index, row, ids, mask, what in placed if index not in known], states)
-        if wrong:
-            raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "data_config.json"))
+    def expected(self, out: str, index: int, row: int, ids: list[int], mask: list[int], what: str) -> tuple:
+        return self.path(out, index, row), ids, mask, what
 
     def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The set is whole: describe it for speculators' trainer (whichever run finished it)."""
@@ -85,16 +104,14 @@ class SampleFiles:
                                                                                                description))
 
 
-class ArrowLayout:
+class ArrowLayout(_Layout):
     """speculators 0.8-0.9's layout: per-row hidden-state files, and one Arrow dataset for the whole set."""
     arrow = True
-    finishes = "the Arrow dataset"
+    finishes, finishes_sentence = "the Arrow dataset", "The Arrow dataset"
+    holds = "its row's sample"
     manifest_notes = {"arrow_rows": "row r of the Arrow dataset and hidden_states/hs_{r}.safetensors hold the r-th "
                                     "smallest sample index present (indices count the input's non-blank lines from 0; "
                                     "those in skipped_uncovered have no row)"}
-
-    def __init__(self, name: str):
-        self.name = name
 
     def path(self, out: str, index: int, row: int) -> str:
         return arrow.hs_path(out, row)
@@ -103,17 +120,8 @@ class ArrowLayout:
              layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
         return arrow.save_hs(out, row, input_ids, hidden_states, self.name, layer_ids, stamp)
 
-    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
-                        left_out: dict[int, int] | None = None) -> None:
-        """Rows bind files by position: every hs_{r} (other shards' and runs' included) must hold row r's tokens,
-        and states made as this run's; no other sample file may be there. `placed`: (index, row, token ids, loss
-        mask, what names the sample); `known`: indices whose files this run wrote or already checked."""
-        refuse_strays(self, out, placed, "The Arrow dataset is not written", left_out)
-        wrong = writer.first_mismatch([(self.path(out, index, row), ids, None, f"row {row} ({what})")
-                                       for index, row, ids, _, what in placed if index not in known], states)
-        if wrong:
-            raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, "The Arrow dataset", "its row's sample"))
+    def expected(self, out: str, index: int, row: int, ids: list[int], mask: list[int], what: str) -> tuple:
+        return self.path(out, index, row), ids, None, f"row {row} ({what})"  # masks are the Arrow rows'
 
     def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The dataset `ArrowDataset` opens, written only for a whole set: before it the directory cannot be opened,
@@ -121,7 +129,7 @@ class ArrowLayout:
         arrow.write_dataset(out, rows)
 
 
-def refuse_strays(fmt: SampleFiles | ArrowLayout, out: str, placed: list, finishes: str,
+def refuse_strays(fmt: _Layout, out: str, placed: list, finishes: str,
                   left_out: dict[int, int] | None = None) -> None:
     """A sample file that stands for no sample of the set (copied in from a larger set, another format's, or of a
     sample the input now leaves out) would be trained on or mistaken for part of it. `placed`: (index, row, ...);

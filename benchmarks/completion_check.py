@@ -1,0 +1,95 @@
+"""What the completion check costs: the run that completes a set reads every other shard's sample file (headers,
+token ids and loss mask; no states) one at a time. This writes a set of sample files per format with extract's own
+writer, then times `check_whole_set` over all of them, with the files dropped from the page cache (as on a set
+copied in from other machines) and again warm, as a ratio to the time their writing took in the same run.
+
+usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--samples 64 --tokens 1024
+       --layers 4 --hidden 4096] [--formats pt,safetensors,arrow]
+No vLLM: the files hold random bf16 states of the given shape."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import time
+
+import torch
+
+from eagle_compat.extract import formats, writer
+
+
+def _drop_from_page_cache(paths: list[str]) -> bool:
+    """Ask the kernel to forget the files' pages (no root needed); False where it cannot be asked."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hidden: int) -> dict:
+    fmt = formats.get(fmt_name)
+    out = os.path.join(root, fmt_name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    stamp = writer.states_stamp({"model_checksums": {"bench": 1}, "layer_ids": list(range(layers)), "dtype": "bf16"})
+    gen = torch.Generator().manual_seed(0)
+    placed, paths = [], []
+    states = [torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    write_s = 0.0
+    for index in range(samples):
+        ids = torch.randint(0, 32000, (tokens,), generator=gen)
+        mask = torch.ones(tokens, dtype=torch.long)
+        start = time.perf_counter()
+        paths.append(fmt.save(out, index, index, ids, mask, states, list(range(layers)), stamp))
+        write_s += time.perf_counter() - start
+        placed.append((index, index, ids.tolist(), mask.tolist(), f"sample {index}"))
+    expected = writer.StatesExpected(stamp, layers, hidden, "torch.bfloat16")
+    cold = _drop_from_page_cache(paths)
+    start = time.perf_counter()
+    fmt.check_whole_set(out, placed, expected)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    fmt.check_whole_set(out, placed, expected)
+    warm_s = time.perf_counter() - start
+    size = sum(os.path.getsize(p) for p in paths)
+    shutil.rmtree(out)
+    return {"format": fmt_name, "samples": samples, "file_mib": round(size / samples / 2**20, 2),
+            "write_s": round(write_s, 3), "check_cold_s": round(cold_s, 3) if cold else None,
+            "check_warm_s": round(warm_s, 3),
+            "check_cold_ms_per_file": round(cold_s / samples * 1e3, 2) if cold else None,
+            "check_warm_ms_per_file": round(warm_s / samples * 1e3, 2),
+            "check_cold_over_write": round(cold_s / write_s, 4) if cold else None,
+            "check_warm_over_write": round(warm_s / write_s, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--formats", default="pt,safetensors,arrow")
+    args = parser.parse_args()
+    rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden) for f in args.formats.split(",")]
+    result = {"what": "completion check (formats.check_whole_set) over a set's files, as a ratio to writing them",
+              "shape": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
+              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+              "torch": torch.__version__, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
