@@ -7,7 +7,7 @@ usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--
        --layers 4 --hidden 4096] [--formats pt,safetensors,arrow]
 No vLLM: the files hold random bf16 states of the given shape. Reading 8 files at a time from a thread pool was
 tried in session 27 and gained nothing on this machine's disk (1.6 -> 2.5 ms a file for pt, 6.4 -> 6.3 for
-safetensors, cold), so the check stays one file at a time."""
+safetensors, cold: results/cpu-completion-check-8b-shape-thread-pool-tried.json), so it stays one at a time."""
 from __future__ import annotations
 
 import argparse
