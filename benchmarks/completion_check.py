@@ -1,7 +1,9 @@
 """What the completion check costs: the run that completes a set reads every other shard's sample file (headers,
 token ids and loss mask; no states) one at a time. This writes a set of sample files per format with extract's own
 writer, then times `check_whole_set` over all of them, with the files dropped from the page cache (as on a set
-copied in from other machines) and again warm, as a ratio to the time their writing took in the same run.
+copied in from other machines) and again warm, as a ratio to the time their writing took in the same run (the
+median of --repeats such pairs). Cold means the files' data only: directory and inode caches stay warm, and the
+files lie where they were just written, one after another.
 
 usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--samples 64 --tokens 1024
        --layers 4 --hidden 4096] [--formats pt,safetensors,arrow]
@@ -15,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import time
 
 import torch
@@ -36,7 +39,8 @@ def _drop_from_page_cache(paths: list[str]) -> bool:
     return True
 
 
-def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hidden: int) -> dict:
+def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hidden: int,
+            repeats: int) -> dict:
     fmt = formats.get(fmt_name)
     out = os.path.join(root, fmt_name)
     shutil.rmtree(out, ignore_errors=True)
@@ -54,18 +58,22 @@ def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hi
         write_s += time.perf_counter() - start
         placed.append((index, index, ids.tolist(), mask.tolist(), f"sample {index}"))
     expected = writer.StatesExpected(stamp, layers, hidden, "torch.bfloat16")
-    cold = _drop_from_page_cache(paths)
-    start = time.perf_counter()
-    fmt.check_whole_set(out, placed, expected)
-    cold_s = time.perf_counter() - start
-    start = time.perf_counter()
-    fmt.check_whole_set(out, placed, expected)
-    warm_s = time.perf_counter() - start
+    cold_runs, warm_runs = [], []
+    for _ in range(repeats):  # cold, then warm, each time (a shared machine: the median of several)
+        cold = _drop_from_page_cache(paths)
+        start = time.perf_counter()
+        fmt.check_whole_set(out, placed, expected)
+        cold_runs.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fmt.check_whole_set(out, placed, expected)
+        warm_runs.append(time.perf_counter() - start)
+    cold_s, warm_s = statistics.median(cold_runs), statistics.median(warm_runs)
     size = sum(os.path.getsize(p) for p in paths)
     shutil.rmtree(out)
     return {"format": fmt_name, "samples": samples, "file_mib": round(size / samples / 2**20, 2),
-            "write_s": round(write_s, 3), "check_cold_s": round(cold_s, 3) if cold else None,
-            "check_warm_s": round(warm_s, 3),
+            "write_s": round(write_s, 3), "repeats": repeats,
+            "check_cold_s_runs": [round(x, 3) for x in cold_runs] if cold else None,
+            "check_warm_s_runs": [round(x, 3) for x in warm_runs],
             "check_cold_ms_per_file": round(cold_s / samples * 1e3, 2) if cold else None,
             "check_warm_ms_per_file": round(warm_s / samples * 1e3, 2),
             "check_cold_over_write": round(cold_s / write_s, 4) if cold else None,
@@ -81,8 +89,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--formats", default="pt,safetensors,arrow")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden) for f in args.formats.split(",")]
+    rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden, args.repeats)
+            for f in args.formats.split(",")]
     result = {"what": "completion check (formats.check_whole_set) over a set's files, as a ratio to writing them",
               "shape": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
