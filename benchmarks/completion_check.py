@@ -6,13 +6,14 @@ median of --repeats such pairs). Cold means the files' data only: directory and 
 files lie where they were just written, one after another.
 
 usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--samples 64 --tokens 1024
-       --layers 4 --hidden 4096] [--formats pt,safetensors,arrow]
+       --layers 4 --hidden 4096] [--formats pt,safetensors,arrow] [--pool 8]
 No vLLM: the files hold random bf16 states of the given shape. Reading 8 files at a time from a thread pool was
 tried in session 27 and gained nothing on this machine's disk (1.6 -> 2.5 ms a file for pt, 6.4 -> 6.3 for
 safetensors, cold: results/cpu-completion-check-8b-shape-thread-pool-tried.json), so it stays one at a time."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -40,7 +41,7 @@ def _drop_from_page_cache(paths: list[str]) -> bool:
 
 
 def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hidden: int,
-            repeats: int) -> dict:
+            repeats: int, pool: int = 0) -> dict:
     fmt = formats.get(fmt_name)
     out = os.path.join(root, fmt_name)
     shutil.rmtree(out, ignore_errors=True)
@@ -58,26 +59,44 @@ def measure(fmt_name: str, root: str, samples: int, tokens: int, layers: int, hi
         write_s += time.perf_counter() - start
         placed.append((index, index, ids.tolist(), mask.tolist(), f"sample {index}"))
     expected = writer.StatesExpected(stamp, layers, hidden, "torch.bfloat16")
-    cold_runs, warm_runs = [], []
-    for _ in range(repeats):  # cold, then warm, each time (a shared machine: the median of several)
+    cold_runs, warm_runs, cold = _time_pairs(paths, repeats, lambda: fmt.check_whole_set(out, placed, expected))
+    cold_s, warm_s = statistics.median(cold_runs), statistics.median(warm_runs)
+    file_mib = sum(map(os.path.getsize, paths)) / samples / 2**20
+    row = {"format": fmt_name, "samples": samples, "file_mib": round(file_mib, 2),
+           "write_s": round(write_s, 3), "repeats": repeats,
+           "check_cold_s_runs": [round(x, 3) for x in cold_runs] if cold else None,
+           "check_warm_s_runs": [round(x, 3) for x in warm_runs],
+           "check_cold_ms_per_file": round(cold_s / samples * 1e3, 2) if cold else None,
+           "check_warm_ms_per_file": round(warm_s / samples * 1e3, 2),
+           "check_cold_over_write": round(cold_s / write_s, 4) if cold else None,
+           "check_warm_over_write": round(warm_s / write_s, 4)}
+    if pool:  # the same per-file check, `pool` files at a time from threads (not what extract does: a trial)
+        items = [fmt.expected(out, *p) for p in placed]
+
+        def pooled():
+            with concurrent.futures.ThreadPoolExecutor(pool) as ex:
+                found = [m for m in ex.map(lambda item: writer.first_mismatch([item], expected), items) if m]
+            assert not found, found[0]
+        p_cold, p_warm, _ = _time_pairs(paths, repeats, pooled)
+        row[f"pool_{pool}"] = {"check_cold_ms_per_file": round(statistics.median(p_cold) / samples * 1e3, 2),
+                               "check_warm_ms_per_file": round(statistics.median(p_warm) / samples * 1e3, 2),
+                               "cold_over_one_at_a_time": round(statistics.median(p_cold) / cold_s, 3)}
+    shutil.rmtree(out)
+    return row
+
+
+def _time_pairs(paths: list[str], repeats: int, check) -> tuple[list[float], list[float], bool]:
+    """`repeats` pairs of a cold check (the files' data dropped first) and a warm one (a shared machine: medians)."""
+    cold_runs, warm_runs, cold = [], [], False
+    for _ in range(repeats):
         cold = _drop_from_page_cache(paths)
         start = time.perf_counter()
-        fmt.check_whole_set(out, placed, expected)
+        check()
         cold_runs.append(time.perf_counter() - start)
         start = time.perf_counter()
-        fmt.check_whole_set(out, placed, expected)
+        check()
         warm_runs.append(time.perf_counter() - start)
-    cold_s, warm_s = statistics.median(cold_runs), statistics.median(warm_runs)
-    size = sum(os.path.getsize(p) for p in paths)
-    shutil.rmtree(out)
-    return {"format": fmt_name, "samples": samples, "file_mib": round(size / samples / 2**20, 2),
-            "write_s": round(write_s, 3), "repeats": repeats,
-            "check_cold_s_runs": [round(x, 3) for x in cold_runs] if cold else None,
-            "check_warm_s_runs": [round(x, 3) for x in warm_runs],
-            "check_cold_ms_per_file": round(cold_s / samples * 1e3, 2) if cold else None,
-            "check_warm_ms_per_file": round(warm_s / samples * 1e3, 2),
-            "check_cold_over_write": round(cold_s / write_s, 4) if cold else None,
-            "check_warm_over_write": round(warm_s / write_s, 4)}
+    return cold_runs, warm_runs, cold
 
 
 def main() -> None:
@@ -90,8 +109,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--formats", default="pt,safetensors,arrow")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pool", type=int, default=0, help="also time the reads N at a time from threads (a trial)")
     args = parser.parse_args()
-    rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden, args.repeats)
+    rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden, args.repeats,
+                    args.pool)
             for f in args.formats.split(",")]
     result = {"what": "completion check (formats.check_whole_set) over a set's files, as a ratio to writing them",
               "shape": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
