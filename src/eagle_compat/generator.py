@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from . import engine, environment
 from .capture import handshake
-from .remote_errors import WorkerErrorLog, record_start_error, reply_from_worker, translate
+from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worker, retrying_lost_port_race,
+                            translate)
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput, WorkerError
 
@@ -297,9 +298,7 @@ class VllmHiddenStatesGenerator:
                                    "a positive vocabulary size is needed to check token ids")
             executor_cls = engine.executor_class(in_process)
 
-            self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
-            with self._worker_errors.spawning():
-                self.executor = executor_cls(vllm_config=self.vllm_config)
+            self.executor = retrying_lost_port_race(lambda: self._start_executor(executor_cls))
             replies = handshake.require_patched_workers(
                 self._translated(self.executor.collective_rpc, "collective_rpc"), "generator")
             self.worker_pids = [r.get("pid") for r in replies]
@@ -314,6 +313,14 @@ class VllmHiddenStatesGenerator:
         except BaseException:
             self.close()
             raise
+
+    def _start_executor(self, executor_cls: type) -> Any:
+        previous = getattr(self, "_worker_errors", None)
+        if previous is not None:  # a start that lost the port race
+            previous.close()
+        self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
+        with self._worker_errors.spawning():
+            return executor_cls(vllm_config=self.vllm_config)
 
     # ------------------------------------------------------------------------------------------------------------
     def _translated(self, fn: Any, method: str) -> Any:

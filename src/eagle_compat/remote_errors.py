@@ -211,3 +211,36 @@ class WorkerErrorLog:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+START_ATTEMPTS = 3  # a lost port race needs another engine starting in the same instant: twice in a row is rare
+
+
+def lost_port_race(exc: BaseException) -> bool:
+    """Whether an engine start failed because the torch.distributed port vLLM chose was taken before its worker
+    bound it: `get_open_port()` binds port 0, reads the number and releases it, and the worker binds it only after
+    it is spawned, so several engines starting on one host can be handed the same port (vllm#39015, #43206)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = seen.remote_message if isinstance(seen, WorkerError) else str(seen)
+        if "EADDRINUSE" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def retrying_lost_port_race(start: Callable[[], Any], attempts: int | None = None) -> Any:
+    """`start()` (one whole engine start: spawning the workers up to their being ready), once more after each start
+    that lost the port race, at most `attempts` times in all. Nothing has reached the engine by then, and vLLM
+    has ended a failed start's workers; any other failure is raised at once."""
+    attempts = START_ATTEMPTS if attempts is None else attempts
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as exc:
+            if attempt == attempts or not lost_port_race(exc):
+                raise
+            logging.getLogger("eagle_compat").warning(
+                "engine start-up %d of %d lost the race for its torch.distributed port to another process on this "
+                "host (EADDRINUSE); starting again on a new port", attempt, attempts)
+    raise AssertionError("unreachable")

@@ -56,6 +56,11 @@ def _cpu_sdpa_cached_masks() -> bool | str:
     return "models with mixed sliding windows" if _cpu() and cached else False
 
 
+def _workers_meet_at_released_port() -> bool:
+    from . import detect
+    return bool(detect.feature("workers_meet_at_released_port"))
+
+
 def _v2_runner_possible() -> bool | str:
     import importlib.util
     from . import detect
@@ -135,6 +140,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "dead_worker_named", "a worker that dies mid-batch reaches the caller as `cancelled` (or a hang)", "",
         "remote_errors.py `dead_workers` (WorkerError WorkerDied)", "vLLM reports dead workers itself",
         False, lambda: True),
+    Workaround(
+        "startup_port_race_generator", "an engine start fails with EADDRINUSE when another process on the host (an "
+        "engine starting at the same time) takes the torch.distributed port vLLM chose before its worker binds it "
+        "(seen on 0.16.0)", "<0.28",
+        "remote_errors.py `retrying_lost_port_race` (around the generator's executor start; the shim has unit "
+        "startup_port_race)", "the vLLM floor is 0.28 (its workers meet at a file store)", False,
+        _workers_meet_at_released_port),
 )
 
 

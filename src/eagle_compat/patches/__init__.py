@@ -10,9 +10,9 @@ from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv
                kv_cache_config_helpers, kv_cache_room_checked, kv_planning_helpers_moved, platform_block_size,
                prefix_caching_off, quiet_shutdown, request_eos_token_id, scheduler_block_size,
                scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
-               speculators_trainer_target_norm, step_deadline, text_only_model, transformers5_pydantic_torch,
-               transformers_attn_mask_utils, two_phase_step, unique_reply_shape, unscheduled_requests_refused,
-               warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
+               speculators_trainer_target_norm, startup_port_race, step_deadline, text_only_model,
+               transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
+               unscheduled_requests_refused, warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
 from ._base import GENERATOR_MODULE, WORKER_MODULE, Patcher, PatchUnit
 
 REGISTRY: tuple[PatchUnit, ...] = (
@@ -45,6 +45,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     cpu_tp_thread_binding.UNIT,
     worker_capture.UNIT,
     *worker_error_messages.UNITS,
+    startup_port_race.UNIT,
     quiet_shutdown.UNIT,
     step_deadline.UNIT,
     worker_handshake.UNIT,

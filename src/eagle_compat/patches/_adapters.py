@@ -13,6 +13,8 @@ never by the order in which units contributed:
   the last unit name outermost, unlike the executor's `methods`). Contributions commute by construction.
 * `ExecutorAdapter` (the executor speculators builds; vLLM's class is untouched): in phases, each phase's
   contributions in unit-name order:
+    0. `start(attempt)`: wraps one whole start (phase 1 and the construction), which it may run again (a start that
+       lost a race); starts nest in unit-name order, the first name outermost;
     1. `spawning(args, kwargs)`: context managers entered around the construction (each restores only what it set);
     2. `built(executor, what spawning yielded)`: per-executor set-up, before any call goes through a hook;
     3. `methods`: {name: hook(executor, call, args, kwargs)} put on the instance; hooks on one method nest in
@@ -22,6 +24,7 @@ never by the order in which units contributed:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
@@ -96,6 +99,7 @@ class ExecutorHooks:
     built: Callable[[Any, Any], None] | None = None
     methods: Mapping[str, Callable[[Any, Callable, tuple, dict], Any]] = field(default_factory=dict)
     ready: Callable[[Any], None] | None = None
+    start: Callable[[Callable[[], Any]], Any] | None = None  # start(attempt) -> what attempt() returned
 
 
 class BuiltExecutors:
@@ -127,16 +131,23 @@ class ExecutorAdapter(Adapter):
     def describe(self) -> dict[str, Any]:
         hooks = self.ordered()
         methods = sorted({m for _, h in hooks for m in h.methods})
-        return {"target": self.name,
+        return {"target": self.name, "start": [u for u, h in hooks if h.start],
                 "spawning": [u for u, h in hooks if h.spawning], "built": [u for u, h in hooks if h.built],
                 "methods": {m: [u for u, h in hooks if m in h.methods] for m in methods},
                 "ready": [u for u, h in hooks if h.ready]}
 
     def __call__(self, wrapped, instance, args, kwargs):
         hooks = self.ordered()
-        with contextlib.ExitStack() as stack:
-            spawned = {u: stack.enter_context(h.spawning(args, kwargs)) for u, h in hooks if h.spawning}
-            executor = wrapped(*args, **kwargs)
+
+        def attempt() -> tuple[Any, dict[str, Any]]:
+            with contextlib.ExitStack() as stack:
+                spawned = {u: stack.enter_context(h.spawning(args, kwargs)) for u, h in hooks if h.spawning}
+                return wrapped(*args, **kwargs), spawned
+
+        for _, h in reversed(hooks):  # innermost first: the first unit name ends up outermost
+            if h.start:
+                attempt = functools.partial(h.start, attempt)
+        executor, spawned = attempt()
         for unit, h in hooks:
             if h.built:
                 h.built(executor, spawned.get(unit))
