@@ -1033,3 +1033,79 @@ def test_a_ray_actor_that_does_not_see_the_drivers_out_refuses_to_start(tmp_path
                                            r"folder every Ray node shares"):
         ray_runner.ExtractActor(spec, 0)
     assert not os.listdir(tmp_path)  # not even its writers lock
+
+
+# ---- large weight files: what their checksums see ---------------------------------------------------------------
+
+def _train_one_middle_tensor(model_dir) -> str:
+    """What a fine-tune that trained one middle layer does to the weight file: every value of that tensor changes;
+    the file's size, its header and both of its ends (embeddings, final norm, head) stay as they were."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    name = next(k for k in sorted(tensors) if "layers.3." in k and "down_proj" in k)
+    tensors[name] = tensors[name] + 1e-3 * torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(1))
+    save_file(tensors, path, metadata=metadata)
+    return name
+
+
+def test_a_fine_tune_of_a_large_weight_file_is_not_taken_for_its_base(model, dataset, tmp_path, fake_engine,
+                                                                      monkeypatch):
+    """Weights over the full-hash limit (1 GiB; 1 KiB here) are hashed by their header and each tensor's ends. The
+    hash of earlier releases (size, first and last MiB) took a fine-tune of one middle layer for its base, and
+    `--resume` would have added its states to the base's."""
+    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    weights = str(tmp_path / "model")
+    shutil.copytree(model, weights)
+    out = tmp_path / "out"
+    job.run(_opts(weights, dataset, out, shard=(0, 2)))
+    recorded = json.load(open(out / "manifest.json"))["settings"]["model_checksums"]["model.safetensors"]
+    assert recorded["hashed"] == writer.HASHED_TENSORS
+    base_ends = writer.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20)
+    _train_one_middle_tensor(weights)
+    assert writer.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20) == base_ends  # the old gap
+    before = _snapshot(out)
+    with pytest.raises(InvalidInput, match=r"(?s)other settings.*model_checksums"):
+        job.run(_opts(weights, dataset, out, shard=(1, 2)))
+    assert _snapshot(out) == before
+
+
+def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset, tmp_path, fake_engine,
+                                                                  monkeypatch):
+    """A directory whose record hashed the weights by size and first and last MiB (earlier releases) is continued:
+    its files' stamps depend on those checksums, so the run hashes the files the way the record says."""
+    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    current = writer.model_checksums
+
+    def as_earlier_releases(model_path, recorded=None):
+        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
+                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
+                for name, entry in current(model_path).items()}
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(writer, "model_checksums", as_earlier_releases)
+        job.run(_opts(model, dataset, out, shard=(0, 2)))
+    job.run(_opts(model, dataset, out, shard=(1, 2)))
+    record = json.load(open(out / "manifest.json"))
+    assert record["status"] == "complete"
+    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_ENDS
+    clean = tmp_path / "clean"
+    job.run(_opts(model, dataset, clean))
+    _equal_dirs(out, clean)
+
+
+def test_a_large_weight_file_that_is_not_safetensors_is_hashed_across_its_length(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    path = tmp_path / "pytorch_model.bin"
+    content = bytearray(os.urandom(5 << 20))
+    path.write_bytes(content)
+    first = writer.model_checksums(str(tmp_path))["pytorch_model.bin"]
+    content[(5 << 20) // 2] ^= 0xFF  # one byte in the middle: inside one of the 64 spread MiB
+    path.write_bytes(content)
+    second = writer.model_checksums(str(tmp_path))["pytorch_model.bin"]
+    assert first["hashed"] == writer.HASHED_SPREAD and first["sha256"] != second["sha256"]

@@ -119,8 +119,15 @@ def _check(opts: ExtractOptions) -> None:
 
 def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dict[str, Any]:
     """What must be equal for any run to add files to a directory. Not the shard layout: batches are fixed by
-    position, so any layout writes the same files (tested), and shards may finish in any order."""
-    return {"model": os.path.abspath(opts.model), "model_checksums": writer.model_checksums(opts.model),
+    position, so any layout writes the same files (tested), and shards may finish in any order. Large weight files
+    are hashed the way the directory's record says, where it has one."""
+    try:
+        earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}
+    except InvalidInput:  # a record that cannot be read is refused, with its reason, by check_directory
+        earlier = {}
+    recorded = (earlier.get("settings") or {}).get("model_checksums")
+    return {"model": os.path.abspath(opts.model),
+            "model_checksums": writer.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None),
             "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,

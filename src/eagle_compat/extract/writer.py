@@ -230,7 +230,7 @@ def file_sha256(path: str, limit: int | None = None) -> str:
         if limit is None:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-        else:  # large weights: size + first and last `limit` bytes (documented in the manifest)
+        else:  # size + first and last `limit` bytes: HASHED_ENDS
             size = os.path.getsize(path)
             h.update(str(size).encode())
             h.update(f.read(limit))
@@ -240,7 +240,62 @@ def file_sha256(path: str, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str, Any]:
+# Weights over FULL_HASH_LIMIT are not read whole (hundreds of GB for Kimi-K2.5, before the engine starts): each
+# record names how its files were hashed, and a run adding to a directory hashes them the way its record says.
+FULL_HASH_LIMIT = 1 << 30
+HASHED_FULL = "full"
+# records of earlier releases: a fine-tune that trained neither end of any weight file shared its base's checksums
+HASHED_ENDS = "size+first+last MiB"
+# a trained tensor changes (nearly) every value: its first and last 4 KiB differ
+HASHED_TENSORS = "size+header+first and last 4 KiB of each tensor"
+HASHED_SPREAD = "size+64 MiB spread over the file"  # a large weight file that is not safetensors (a pickle)
+_TENSOR_END = 4096
+
+
+def _large_file_sha256(path: str, method: str) -> str:
+    if method == HASHED_ENDS:
+        return file_sha256(path, 1 << 20)
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if method == HASHED_TENSORS:
+            header_size = int.from_bytes(f.read(8), "little")
+            header = f.read(header_size)
+            h.update(header)
+            for begin, end in _tensor_end_reads(json.loads(header)):
+                f.seek(8 + header_size + begin)
+                h.update(f.read(end - begin))
+        elif method == HASHED_SPREAD:
+            for k in range(64):
+                f.seek((size - (1 << 20)) * k // 63 if size > 1 << 20 else 0)
+                h.update(f.read(1 << 20))
+        else:
+            raise ValueError(f"unknown hashing method {method!r}")
+    return h.hexdigest()
+
+
+def _tensor_end_reads(header: dict) -> list[tuple[int, int]]:
+    """The byte ranges holding each tensor's first and last 4 KiB, in file order; ranges less than 64 KiB apart are
+    read as one (a quantized MoE file holds thousands of small scale tensors side by side)."""
+    wanted = []
+    for key, tensor in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = (int(x) for x in tensor["data_offsets"])
+        wanted += [(begin, min(end, begin + _TENSOR_END)), (max(begin, end - _TENSOR_END), end)]
+    merged: list[list[int]] = []
+    for begin, end in sorted(wanted):
+        if merged and begin <= merged[-1][1] + (64 << 10):
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    return [(begin, end) for begin, end in merged]
+
+
+def model_checksums(model_path: str, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each model file's size and sha256 (`hashed` says of what). `recorded`: a directory's record of them, whose
+    methods are used again for files of the same size (a record made with HASHED_ENDS stays comparable)."""
     out: dict[str, Any] = {}
     if not os.path.isdir(model_path):
         return {"note": "not a local directory; no checksums"}
@@ -249,8 +304,17 @@ def model_checksums(model_path: str, full_hash_limit: int = 1 << 30) -> dict[str
         if not os.path.isfile(path) or not name.endswith((".json", ".safetensors", ".bin", ".model", ".py")):
             continue
         size = os.path.getsize(path)
-        out[name] = {"size": size, "sha256": file_sha256(path, None if size <= full_hash_limit else 1 << 20),
-                     "hashed": "full" if size <= full_hash_limit else "size+first+last MiB"}
+        method = (HASHED_FULL if size <= FULL_HASH_LIMIT
+                  else HASHED_TENSORS if name.endswith(".safetensors") else HASHED_SPREAD)
+        before = (recorded or {}).get(name)
+        if isinstance(before, dict) and before.get("size") == size and before.get("hashed") in (
+                HASHED_FULL, HASHED_ENDS, HASHED_TENSORS, HASHED_SPREAD):
+            method = before["hashed"]
+        try:
+            digest = file_sha256(path) if method == HASHED_FULL else _large_file_sha256(path, method)
+        except (ValueError, KeyError, TypeError) as exc:  # a .safetensors whose header does not parse
+            raise InvalidInput(f"--model file {path}: cannot read its safetensors header ({exc})") from None
+        out[name] = {"size": size, "sha256": digest, "hashed": method}
     return out
 
 
