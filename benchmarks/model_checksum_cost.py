@@ -3,8 +3,8 @@
 Weight files over 1 GiB are hashed by their header and each tensor's first and last 4 KiB (`writer.HASHED_TENSORS`,
 session 28); earlier releases hashed their size and first and last MiB (`HASHED_ENDS`), which took a fine-tune of a
 middle layer for its base. This writes two synthetic safetensors files with real checkpoints' tensor layouts and
-times both methods and a full hash, cold (the file's pages dropped with posix_fadvise first) and warm, median of
---repeats, in one run:
+times both methods (median of --repeats) and a full hash (once), cold (the file's pages dropped with posix_fadvise
+first) and warm, in one run:
 
 * `llama8b`: --llama-layers decoder layers of Llama-3-8B (bf16, 9 tensors a layer; a real shard holds about 8);
 * `kimi_int4`: one MoE layer of Kimi-K2.5's INT4 checkpoint (384 experts x 3 projections x packed weight, group
@@ -123,10 +123,9 @@ def main() -> None:
         count = _write_safetensors(path, tensors)
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        reads = len(writer._tensor_end_reads(header))
-        row = {"bytes": size, "tensors": count, "reads_tensor_ends": reads,
-               "bytes_read_tensor_ends": sum(e - b for b, e in writer._tensor_end_reads(header))}
+            reads = writer._tensor_end_reads(writer._safetensors_layout(f, path, size)[2])
+        row = {"bytes": size, "tensors": count, "reads_tensor_ends": len(reads),
+               "bytes_read_tensor_ends": sum(end - begin for begin, end, _ in reads)}
         calls = {label: (lambda m=m: writer._large_file_sha256(path, m)) for label, m in methods.items()}
         calls["full"] = lambda: writer.file_sha256(path)
         for label, fn in calls.items():

@@ -1075,7 +1075,7 @@ def test_a_fine_tune_of_a_large_weight_file_is_not_taken_for_its_base(model, dat
 
 
 def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset, tmp_path, fake_engine,
-                                                                  monkeypatch):
+                                                                  monkeypatch, capsys):
     """A directory whose record hashed the weights by size and first and last MiB (earlier releases) is continued:
     its files' stamps depend on those checksums, so the run hashes the files the way the record says."""
     monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
@@ -1090,7 +1090,10 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
     with monkeypatch.context() as m:
         m.setattr(writer, "model_checksums", as_earlier_releases)
         job.run(_opts(model, dataset, out, shard=(0, 2)))
+    capsys.readouterr()
     job.run(_opts(model, dataset, out, shard=(1, 2)))
+    assert "made by an earlier release, which hashed large weight files by size and first and last MiB " \
+           "(model.safetensors); it is continued that way" in capsys.readouterr().err
     record = json.load(open(out / "manifest.json"))
     assert record["status"] == "complete"
     assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_ENDS
@@ -1109,3 +1112,48 @@ def test_a_large_weight_file_that_is_not_safetensors_is_hashed_across_its_length
     path.write_bytes(content)
     second = writer.model_checksums(str(tmp_path))["pytorch_model.bin"]
     assert first["hashed"] == writer.HASHED_SPREAD and first["sha256"] != second["sha256"]
+
+
+@pytest.mark.parametrize("header, why", [
+    (b"[]", "its header is not a JSON object"),
+    (b"{not json", "its header is not JSON"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}).encode(),
+     "data_offsets [0, 1099511627776] are not within"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 15]}}).encode(), "are not within"),
+    (None, "its header length 18446744073709551615 exceeds the file or 100 MB"),
+])
+def test_a_large_weight_file_whose_header_does_not_describe_it_is_named(tmp_path, monkeypatch, header, why):
+    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    path = tmp_path / "model.safetensors"
+    length = (1 << 64) - 1 if header is None else len(header)
+    path.write_bytes(length.to_bytes(8, "little") + (header or b"") + bytes(4096))
+    with pytest.raises(InvalidInput, match=re.escape(f"--model file {path}: not a readable safetensors file (") + ".*"
+                       + re.escape(why)):
+        writer.model_checksums(str(tmp_path))
+
+
+def test_only_a_directory_holding_files_of_the_earlier_hash_keeps_it(model, dataset, tmp_path, fake_engine,
+                                                                     monkeypatch):
+    """A record naming the earlier hash counts only for a large file of the recorded size, and only while the
+    directory holds files stamped with it: a record without files gives way, and the new run hashes each tensor."""
+    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    small = {"config.json": {"size": os.path.getsize(os.path.join(model, "config.json")), "sha256": "x",
+                             "hashed": writer.HASHED_ENDS}}
+    assert writer.model_checksums(model, small)["config.json"]["hashed"] == writer.HASHED_FULL
+    current = writer.model_checksums
+
+    def as_earlier_releases(model_path, recorded=None):
+        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
+                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
+                for name, entry in current(model_path).items()}
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(writer, "model_checksums", as_earlier_releases)
+        job.run(_opts(model, dataset, out, shard=(0, 2)))
+    for name in writer.sample_files(str(out)):
+        os.unlink(out / name)
+    job.run(_opts(model, dataset, out))
+    record = json.load(open(out / "manifest.json"))
+    assert record["status"] == "complete"
+    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_TENSORS

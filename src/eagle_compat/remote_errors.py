@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -138,7 +139,7 @@ class _FileHandler(logging.Handler):
 
 
 def _append(path: str, exc: BaseException) -> None:
-    payload = {"type": type(exc).__name__, "message": str(exc), "method": "worker start-up",
+    payload = {"type": type(exc).__name__, "message": str(exc), "method": "worker start-up", "time": time.time(),
                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
     try:
         with open(path, "a") as f:
@@ -176,11 +177,12 @@ class WorkerErrorLog:
         self.directory = tempfile.mkdtemp(prefix="eagle-compat-workers-")
 
     def records(self) -> list[dict]:
+        """Every worker's records, in the order they were logged (each worker has its own file)."""
         records = []
         for path in sorted(glob.glob(os.path.join(self.directory, "*.jsonl"))):
             with open(path) as f:
                 records += [json.loads(line) for line in f if line.strip()]
-        return records
+        return sorted(records, key=lambda r: r.get("time", 0.0))
 
     def latest(self, method: str = "") -> WorkerError | None:
         records = self.records()
@@ -221,7 +223,9 @@ def lost_port_race(exc: BaseException) -> bool:
     bound it: `get_open_port()` binds port 0, reads the number and releases it, and the worker binds it only after
     it is spawned, so several engines starting on one host can be handed the same port (vllm#39015, #43206)."""
     seen: BaseException | None = exc
-    while seen is not None:
+    walked: set[int] = set()
+    while seen is not None and id(seen) not in walked:
+        walked.add(id(seen))
         text = seen.remote_message if isinstance(seen, WorkerError) else str(seen)
         if "EADDRINUSE" in text:
             return True

@@ -122,12 +122,17 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
     position, so any layout writes the same files (tested), and shards may finish in any order. Large weight files
     are hashed the way the directory's record says, where it has one."""
     try:
-        earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}
+        earlier = (writer.read_manifest(opts.out) if writer.sample_files(opts.out) else None) or {}
     except InvalidInput:  # a record that cannot be read is refused, with its reason, by check_directory
         earlier = {}
     recorded = (earlier.get("settings") or {}).get("model_checksums")
-    return {"model": os.path.abspath(opts.model),
-            "model_checksums": writer.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None),
+    checksums = writer.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None)
+    if writer.hashed_the_earlier_way(checksums):
+        print(f"extract: NOTE: {opts.out} was made by an earlier release, which hashed large weight files by size and "
+              f"first and last MiB ({', '.join(writer.hashed_the_earlier_way(checksums))}); it is continued that way, "
+              "so a fine-tune that left both ends of each file as they were is not told from its base here. A new "
+              "--out hashes each tensor's ends", file=sys.stderr, flush=True)
+    return {"model": os.path.abspath(opts.model), "model_checksums": checksums,
             "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,

@@ -260,12 +260,13 @@ def _large_file_sha256(path: str, method: str) -> str:
     h.update(str(size).encode())
     with open(path, "rb") as f:
         if method == HASHED_TENSORS:
-            header_size = int.from_bytes(f.read(8), "little")
-            header = f.read(header_size)
+            header, data_start, spans = _safetensors_layout(f, path, size)
             h.update(header)
-            for begin, end in _tensor_end_reads(json.loads(header)):
-                f.seek(8 + header_size + begin)
-                h.update(f.read(end - begin))
+            for read_begin, read_end, pieces in _tensor_end_reads(spans):
+                f.seek(data_start + read_begin)
+                block = f.read(read_end - read_begin)
+                for begin, end in pieces:  # only the ends: the digest does not depend on how reads were merged
+                    h.update(block[begin - read_begin:end - read_begin])
         elif method == HASHED_SPREAD:
             for k in range(64):
                 f.seek((size - (1 << 20)) * k // 63 if size > 1 << 20 else 0)
@@ -275,27 +276,59 @@ def _large_file_sha256(path: str, method: str) -> str:
     return h.hexdigest()
 
 
-def _tensor_end_reads(header: dict) -> list[tuple[int, int]]:
-    """The byte ranges holding each tensor's first and last 4 KiB, in file order; ranges less than 64 KiB apart are
-    read as one (a quantized MoE file holds thousands of small scale tensors side by side)."""
-    wanted = []
-    for key, tensor in header.items():
+def _safetensors_layout(f: Any, path: str, size: int) -> tuple[bytes, int, list[tuple[int, int]]]:
+    """The header's bytes, where the tensor data starts, and each tensor's (begin, end) within the data; an
+    InvalidInput naming the file where the header does not describe it."""
+    def unreadable(why: str) -> InvalidInput:
+        return InvalidInput(f"--model file {path}: not a readable safetensors file ({why})")
+
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise unreadable("shorter than the 8 bytes giving its header's length")
+    header_size = int.from_bytes(raw, "little")
+    if header_size > min(size - 8, 100 << 20):  # safetensors' own limit is 100 MB
+        raise unreadable(f"its header length {header_size} exceeds the file or 100 MB")
+    header = f.read(header_size)
+    try:
+        parsed = json.loads(header)
+    except ValueError as exc:
+        raise unreadable(f"its header is not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise unreadable("its header is not a JSON object")
+    data_size = size - 8 - header_size
+    spans = []
+    for key, tensor in parsed.items():
         if key == "__metadata__":
             continue
-        begin, end = (int(x) for x in tensor["data_offsets"])
-        wanted += [(begin, min(end, begin + _TENSOR_END)), (max(begin, end - _TENSOR_END), end)]
-    merged: list[list[int]] = []
-    for begin, end in sorted(wanted):
-        if merged and begin <= merged[-1][1] + (64 << 10):
-            merged[-1][1] = max(merged[-1][1], end)
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise unreadable(f"tensor {key!r}: data_offsets {offsets!r} are not within its {data_size} data bytes")
+        spans.append((offsets[0], offsets[1]))
+    return header, 8 + header_size, spans
+
+
+def _tensor_end_reads(spans: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Reads covering each tensor's first and last 4 KiB, in file order, as (begin, end, the ends within it); ends
+    less than 64 KiB apart are read as one (a quantized MoE file holds thousands of small scale tensors side by
+    side)."""
+    ends = sorted({window for begin, end in spans
+                   for window in ((begin, min(end, begin + _TENSOR_END)), (max(begin, end - _TENSOR_END), end))})
+    reads: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for begin, end in ends:
+        if reads and begin <= reads[-1][1] + (64 << 10):
+            read_begin, read_end, pieces = reads[-1]
+            reads[-1] = (read_begin, max(read_end, end), pieces + [(begin, end)])
         else:
-            merged.append([begin, end])
-    return [(begin, end) for begin, end in merged]
+            reads.append((begin, end, [(begin, end)]))
+    return reads
 
 
 def model_checksums(model_path: str, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Each model file's size and sha256 (`hashed` says of what). `recorded`: a directory's record of them, whose
-    methods are used again for files of the same size (a record made with HASHED_ENDS stays comparable)."""
+    """Each model file's size and sha256 (`hashed` says of what). `recorded`: the record of a directory that holds
+    files made with them; a large file of the recorded size that it hashed the earlier way (HASHED_ENDS) is hashed
+    that way again, so the directory's files (stamped with those checksums) stay comparable."""
     out: dict[str, Any] = {}
     if not os.path.isdir(model_path):
         return {"note": "not a local directory; no checksums"}
@@ -307,15 +340,17 @@ def model_checksums(model_path: str, recorded: dict[str, Any] | None = None) -> 
         method = (HASHED_FULL if size <= FULL_HASH_LIMIT
                   else HASHED_TENSORS if name.endswith(".safetensors") else HASHED_SPREAD)
         before = (recorded or {}).get(name)
-        if isinstance(before, dict) and before.get("size") == size and before.get("hashed") in (
-                HASHED_FULL, HASHED_ENDS, HASHED_TENSORS, HASHED_SPREAD):
-            method = before["hashed"]
-        try:
-            digest = file_sha256(path) if method == HASHED_FULL else _large_file_sha256(path, method)
-        except (ValueError, KeyError, TypeError) as exc:  # a .safetensors whose header does not parse
-            raise InvalidInput(f"--model file {path}: cannot read its safetensors header ({exc})") from None
+        if method != HASHED_FULL and isinstance(before, dict) and before.get("size") == size \
+                and before.get("hashed") == HASHED_ENDS:
+            method = HASHED_ENDS
+        digest = file_sha256(path) if method == HASHED_FULL else _large_file_sha256(path, method)
         out[name] = {"size": size, "sha256": digest, "hashed": method}
     return out
+
+
+def hashed_the_earlier_way(checksums: dict[str, Any]) -> list[str]:
+    """The files of a record hashed by size and first and last MiB (records of earlier releases)."""
+    return [name for name, entry in checksums.items() if isinstance(entry, dict) and entry.get("hashed") == HASHED_ENDS]
 
 
 class SampleFacts:
