@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import socket
 
 import pytest
@@ -50,15 +51,23 @@ def first_start_handed_a_taken_port(monkeypatch, in_process=False):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("in_process", [False, True], ids=["spawned", "in_process"])
+@pytest.mark.parametrize("in_process, ranks", [(False, 1), (True, 1), (False, 2)],
+                         ids=["spawned", "in_process", "spawned-tp2"])
 def test_generator_start_that_lost_the_port_race_starts_again_and_matches_hf(tiny_llama, monkeypatch, caplog,
-                                                                            in_process):
+                                                                            in_process, ranks):
+    """With two ranks, rank 0 fails to bind and rank 1 waits on the held port (a client of no store) until vLLM
+    ends the failed start's workers."""
     needs_a_port()
+    if ranks > 1:
+        if len(os.sched_getaffinity(0)) < ranks:
+            pytest.skip("tensor parallel 2 on CPU needs two cores")
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     layer_ids = [0, 2, 5]
     with first_start_handed_a_taken_port(monkeypatch, in_process) as (taken, handed):
         with caplog.at_level(logging.WARNING, logger="eagle_compat"):
             gen = VllmHiddenStatesGenerator(tiny_llama, layer_ids=layer_ids, max_model_len=256,
-                                            gpu_memory_utilization=0.3, dtype="float32", in_process=in_process)
+                                            gpu_memory_utilization=0.3, dtype="float32", in_process=in_process,
+                                            tensor_parallel_size=ranks)
     with gen:
         assert handed[0] == taken and len(handed) == 2 and handed[1] != taken
         assert "lost the race for its torch.distributed port" in caplog.text
