@@ -368,6 +368,52 @@ def test_a_reply_the_template_trims_is_still_in_the_mask(model, tmp_path):
     assert tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["w3", "w5", "w6"]
 
 
+# Templates whose rendered turn differs from their generation prompt: the reply's search used to start before the
+# header, where a short reply matched the header's own letters (R1's "<｜Assistant｜>" holds "A", Qwen3's "<think>"
+# holds "hi"); the header token was masked and the reply was not.
+R1_LIKE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
+           "{% else %}<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|> <think> {% endif %}")
+QWEN3_LIKE = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+              "<|assistant|> <think> </think> {{ m['content'] }} </s> "
+              "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.mark.parametrize("template, reply", [(R1_LIKE, "ant"), (QWEN3_LIKE, "hi")], ids=["r1_like", "qwen3_like"])
+def test_a_short_reply_is_masked_where_the_template_put_it_not_in_its_header(model, tmp_path, template, reply):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_with_template(model, tmp_path / "m", template))
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": reply}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    where = text.rindex(f"{reply} </s>")
+    assert text.index(reply) < where  # the header holds the reply's letters first
+    assert inputs.assistant_spans(tok, messages, text) == [(where, where + len(reply))]
+    ids, mask = inputs.tokenize_conversation(tok, messages, 512)
+    offsets = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    assert [offsets[j] for j, m in enumerate(mask) if m] == [(where, where + len(reply))]
+
+
+def test_validate_refuses_a_reply_masked_on_a_header_token_that_holds_its_letters(model, tmp_path, monkeypatch):
+    """A reply located inside the template's header decodes as part of it ("ant" in "<|assistant|>"), so spelling
+    alone does not notice; the header is a special token the reply does not hold."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_with_template(model, tmp_path / "m", R1_LIKE))
+    tok.add_special_tokens({"additional_special_tokens": ["<|assistant|>", "<|user|>"]})
+    tok.add_tokens(["ant"])
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "ant"}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    header = text.index("<|assistant|>")
+    monkeypatch.setattr(inputs, "assistant_spans", lambda *a: [(header + 8, header + 11)])  # where the old search went
+    with pytest.raises(InvalidInput, match=r"its masked tokens hold '<\|assistant\|>', a special token that the reply"):
+        inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
+    monkeypatch.undo()
+    ids, mask = inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
+    assert tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["ant"]
+
+
 def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
     from transformers import AutoTokenizer
 

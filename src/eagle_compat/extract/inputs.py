@@ -70,23 +70,74 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> st
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+def _placeholder(k: int) -> str:
+    return f"EagleCompatReply{k}Placeholder7f3a"
+
+
+def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
+                      replies: list[int] | None = None) -> list[tuple[int, int]] | None:
+    """Where the template put the assistant replies (the messages `replies`, else every one) in `text`, from one more
+    rendering with a placeholder in each one's place: `text` must be that rendering with each placeholder replaced
+    by its reply (as it is, or trimmed). None where the template renders the rest around them differently."""
+    if replies is None:
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    placed = _render(tokenizer, [{**m, "content": _placeholder(replies.index(i))} if i in replies else m
+                                 for i, m in enumerate(messages)], False)
+    cuts = []
+    for k in range(len(replies)):
+        if placed.count(_placeholder(k)) != 1:
+            return None
+        cuts.append(placed.index(_placeholder(k)))
+    if cuts != sorted(cuts):
+        return None
+    ends = [c + len(_placeholder(k)) for k, c in enumerate(cuts)]
+    around = [placed[b:e] for b, e in zip([0, *ends], [*cuts, len(placed)])]  # the template's text between replies
+    spans, at = [], 0
+    for k, i in enumerate(replies):
+        if not text.startswith(around[k], at):
+            return None
+        at += len(around[k])
+        content = messages[i]["content"]
+        fits = [c for c in dict.fromkeys((content, content.strip()))
+                if text.startswith(c, at) and text.startswith(around[k + 1], at + len(c))]
+        if not fits:
+            return None
+        if fits[0]:
+            spans.append((at, at + len(fits[0])))
+        at += len(fits[0])
+    return spans if text[at:] == around[-1] else None
+
+
 def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
     """Character spans of every assistant message's content in `text`, the templated conversation.
 
-    Messages are looked up in order (an assistant reply is never matched inside an earlier message). Where the
-    template renders the prefix up to an assistant turn as the full text starts, the search starts after that
-    prefix's generation header (short replies never match the header itself). A reply that is not in the text
-    (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises UncoveredConversation.
+    Replies are looked for where the template put them: rendered again with a placeholder in each reply's place,
+    the conversation must be `text` around the replies. Short replies are so never matched inside the template's
+    own header text (R1's "<｜Assistant｜>" holds "A", Qwen3's "<think>" holds "hi"). Where the template renders the
+    rest differently around placeholders (it moves reasoning out of earlier replies, say), each reply is looked up in
+    order (never inside an earlier message): where a placeholder for it alone renders the rest as `text`, there;
+    else after the generation header, where the prefix up to it renders as the text starts. A reply that is not in
+    the text (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises
+    UncoveredConversation.
     """
+    in_place = _replies_in_place(tokenizer, messages, text)
+    if in_place is not None:
+        return in_place
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, m in enumerate(messages):
         content = m["content"]
         start = cursor
-        if m["role"] == "assistant" and i:
-            before = _render(tokenizer, messages[:i], True)
-            if text.startswith(before):
-                start = max(cursor, len(before))
+        if m["role"] == "assistant":
+            alone = _replies_in_place(tokenizer, messages, text, [i])
+            if alone is not None and all(begin >= cursor for begin, _ in alone):
+                spans += alone
+                cursor = alone[0][1] if alone else cursor
+                continue
+            if i:
+                before = _render(tokenizer, messages[:i], True)
+                if text.startswith(before):
+                    start = max(cursor, len(before))
         pos, found = -1, content
         for candidate in (content, content.strip()):  # templates often trim message content
             if candidate:
@@ -138,6 +189,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
             cut.replies_cut_wholly += bool(covering) and kept == 0
             cut.replies_cut_partly += 0 < kept < len(covering)
     kept_end = offsets[-1][1] if offsets else 0
+    template_tokens = _special_ids(tokenizer) if check_decoded else set()
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
@@ -151,7 +203,19 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
             if want not in got:
                 raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
                                             f"{_preview(got)}, not to the reply {_preview(want)}")
+            # a reply found inside the template's own header decodes as part of it: a special token it does not hold
+            for token in tokenizer.convert_ids_to_tokens([ids[j] for j in covering if ids[j] in template_tokens]):
+                if token not in text[s:e]:
+                    raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a "
+                                                f"special token that the reply {_preview(text[s:e])} does not hold")
     return ids, mask
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The ids of special and added tokens (a template's headers), but for the unknown-word token."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids |= set((tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}).values())
+    return ids - {getattr(tokenizer, "unk_token_id", None)}
 
 
 def _decoded(tokenizer: Any, ids: list[int]) -> str:
