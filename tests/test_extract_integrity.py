@@ -605,6 +605,27 @@ def test_each_file_says_what_made_its_states_and_a_file_made_otherwise_is_named(
     states = [h.to(torch.bfloat16) for h in states]
     assert why("s1", states) is None and why(None, states) is None
     assert "hidden size 4, the model 8" in why(None, [h[:, :4] for h in states])
+    want.stamped = True  # a set begun by a stamping release: a file without a stamp was made elsewhere
+    assert "it carries no stamp of the settings that made its states" in why(None, states)
+
+
+def test_a_file_without_a_stamp_is_refused_in_a_set_whose_files_carry_one(model, dataset, tmp_path, fake_engine):
+    """Shard 1 of --layers 2,5 made by an earlier release (no stamps; layer count, hidden size and dtype agree),
+    copied into a --layers 0,5 set begun by this release: the set must not complete with layer 2 under layer 0's
+    record. A set begun without stamps keeps taking files without one."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    job.run(_opts(model, dataset, a, shard=(0, 2)))
+    assert json.load(open(a / "manifest.json"))["stamped_files"] is True
+    job.run(_opts(model, dataset, b, shard=(1, 2), layers=[2, 5]))
+    for path in b.glob("data_*.pt"):  # as an earlier release wrote them
+        sample = torch.load(path, weights_only=True)
+        del sample[writer.STAMP_KEY]
+        torch.save(sample, path)
+    _merge(b, a)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"does not belong to this set: input line \d+: it carries "
+                                                             r"no stamp of the settings that made its states"):
+        job.run(_opts(model, dataset, a, shard=(0, 2), resume=True))
+    assert not (a / "data_config.json").exists()
 
 
 @pytest.mark.parametrize("fmt", ["pt", "arrow"])
@@ -1203,3 +1224,44 @@ def test_only_a_directory_holding_files_of_the_earlier_hash_keeps_it(model, data
     record = json.load(open(out / "manifest.json"))
     assert record["status"] == "complete"
     assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_TENSORS
+
+
+def test_what_the_input_gives_but_the_samples_do_not_use_is_said(model, tmp_path, fake_engine, capsys):
+    """Message keys other than role and content never reach the chat template (speculators' preprocessing drops
+    them too: reasoning_content, tool_calls, a per-turn weight), and input_ids without loss_mask train on every
+    token: both were silent."""
+    data = _write_lines(tmp_path / "d.jsonl", [
+        {"conversations": [{"role": "user", "content": "w1 w2"},
+                           {"role": "assistant", "content": "w3", "reasoning_content": "w9 w9"}]},
+        {"input_ids": [5, 6, 7]},
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
+    job.run(_opts(model, data, tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert "messages carry keys the chat template is not given ('reasoning_content' in 1 messages)" in err
+    assert "1 lines give input_ids without loss_mask: every token of them is in the loss mask" in err
+    notes = json.load(open(tmp_path / "out" / "manifest.json"))["input_notes"]
+    assert notes == {"message_keys_not_passed_to_the_template": {"reasoning_content": 1},
+                     "token_lines_without_loss_mask": 1}
+
+
+def test_the_record_describes_the_set_the_completing_run_read(model, tmp_path, fake_engine, monkeypatch):
+    """A conversation an earlier run left out (--skip-uncovered; an older transformers rendered it otherwise) is
+    covered now: the set completes with it, and the record's counts say so (they stayed the first run's, and
+    `convert` then refused the complete set as incomplete)."""
+    data = _write_lines(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]},
+                                               {"conversations": [{"role": "user", "content": "w1"},
+                                                                  {"role": "assistant", "content": "w2"}]}])
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        def uncovered(*args, **kwargs):
+            raise inputs.UncoveredConversation("assistant message 1 is not in the chat-templated text")
+        m.setattr(inputs, "tokenize_conversation", uncovered)
+        job.run(_opts(model, data, out, skip_uncovered=True, batch_size=1, shard=(0, 3)))
+    first = json.load(open(out / "manifest.json"))
+    assert first["num_samples"] == 2 and len(first["skipped_uncovered"]) == 1
+    for k in (1, 2):
+        job.run(_opts(model, data, out, skip_uncovered=True, batch_size=1, shard=(k, 3)))
+    record = json.load(open(out / "manifest.json"))
+    assert record["status"] == "complete" and record["num_samples"] == 3 and record["skipped_uncovered"] == []
+    from eagle_compat.extract import convert
+    convert.convert(str(out), str(tmp_path / "arrow"), "arrow")

@@ -159,7 +159,8 @@ def _source_states(p: dict) -> writer.StatesExpected:
     ours = "model_checksums" in settings  # not a record made up for speculators 0.3.0's own output
     return writer.StatesExpected(writer.states_stamp(settings) if ours else None, len(record["layer_ids"]),
                                  int((record.get("model_config") or {}).get("hidden_size") or 0),
-                                 record.get("states_dtype") or record.get("engine_dtype"))
+                                 record.get("states_dtype") or record.get("engine_dtype"),
+                                 stamped=bool(record.get("stamped_files")))
 
 
 def _dst_record(src: str, p: dict) -> dict:

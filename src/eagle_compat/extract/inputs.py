@@ -3,6 +3,7 @@ preprocessing does) or pre-tokenized ids. Every problem is an `InvalidInput` nam
 any engine starts."""
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,9 +46,14 @@ class Dataset:
     skipped: list[dict] = field(default_factory=list)
     # samples left out under --min-loss-tokens (too few tokens to train on): {"line", "index", "loss_tokens", "reason"}
     few_loss_tokens: list[dict] = field(default_factory=list)
+    # what the input gave that the samples do not use, said once: {note: count or {key: count}}
+    notes: dict = field(default_factory=dict)
 
 
-def _messages(record: dict, where: str) -> list[dict] | None:
+MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
+
+
+def _messages(record: dict, where: str, unused_keys: collections.Counter | None = None) -> list[dict] | None:
     conv = record.get("conversations", record.get("messages"))
     if conv is None:
         return None
@@ -63,6 +69,8 @@ def _messages(record: dict, where: str) -> list[dict] | None:
             raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content, "
                                f"got {m!r}")
         out.append({"role": role, "content": content})
+        if unused_keys is not None:
+            unused_keys.update(set(m) - MESSAGE_KEYS)
     return out
 
 
@@ -230,6 +238,8 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     samples: list[Sample] = []
     skipped: list[dict] = []
     few: list[dict] = []
+    unused_keys: collections.Counter = collections.Counter()
+    without_mask = 0
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
@@ -247,7 +257,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             if not isinstance(record, dict):
                 raise InvalidInput(f"{where}: a JSON {type(record).__name__}; each line is one JSON object: "
                                    f"{LINE_FORMS}")
-            messages = _messages(record, where)
+            messages = _messages(record, where, unused_keys)
             cut = Cut()
             if messages is not None:
                 if tokenizer is None:
@@ -279,6 +289,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                             f"line {len(given)} {given[:6]}... with {sum(given_mask)}); keep one form in each line: "
                             f"{LINE_FORMS}")
             elif "input_ids" in record:
+                without_mask += "loss_mask" not in record
                 ids, mask = _token_record(record, where)
                 cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])
                 ids, mask = ids[:max_len], mask[:max_len]
@@ -303,7 +314,27 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
         left = [f"{len(skipped)} skipped as uncovered"] * bool(skipped) + \
             [f"{len(few)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * bool(few)
         raise InvalidInput(f"{path}: no samples" + (f" ({'; '.join(left)})" if left else ""))
-    return Dataset(samples, skipped, few)
+    notes: dict = {}
+    if unused_keys:  # speculators 0.3.0 keeps role and content only, too: said, never silent
+        notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
+    if without_mask:
+        notes["token_lines_without_loss_mask"] = without_mask
+    return Dataset(samples, skipped, few, notes)
+
+
+def describe_notes(notes: dict) -> list[str]:
+    """One line per note of `Dataset.notes`, for the run's output."""
+    lines = []
+    keys = notes.get("message_keys_not_passed_to_the_template")
+    if keys:
+        lines.append("messages carry keys the chat template is not given ("
+                     + ", ".join(f"{k!r} in {n}" for k, n in keys.items()) + " messages): only role and content "
+                     "are (as in speculators' own preprocessing); put what the model should see (reasoning, tool "
+                     "calls) into content")
+    if notes.get("token_lines_without_loss_mask"):
+        lines.append(f"{notes['token_lines_without_loss_mask']} lines give input_ids without loss_mask: every token "
+                     "of them is in the loss mask")
+    return lines
 
 
 def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:

@@ -298,6 +298,8 @@ def run(opts: ExtractOptions) -> dict:
                                skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                                min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error)
     samples = data.samples
+    for note in inputs.describe_notes(data.notes):
+        print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
     # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
     placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
               for row, s in enumerate(samples)]
@@ -345,14 +347,19 @@ def run(opts: ExtractOptions) -> dict:
         # (a set converted from fp8 holds bfloat16 whatever its engine ran: `states_dtype`)
         recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
         dtype_from = "the directory's engine ran"
-        if not recorded_dtype and kept:  # an earlier release's record: its files say the set's precision, known
-            try:                         # before this run's engine starts (and is refused if it differs)
-                recorded_dtype = writer.read_facts(path_of(kept[0][0])).dtype
-                dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
+        # a set begun by a stamping release (its record says so; an earlier record: its first kept file has a stamp)
+        stamped = record is None or bool(record.get("stamped_files"))
+        if kept and (not recorded_dtype or not stamped):  # an earlier release's record: its files say the set's
+            try:                                          # precision, known before this run's engine starts
+                first = writer.read_facts(path_of(kept[0][0]))
+                stamped = stamped or first.stamp is not None
+                if not recorded_dtype:
+                    recorded_dtype = first.dtype
+                    dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
             except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
-                recorded_dtype = None
+                pass
         states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
-                                       dtype_from)
+                                       dtype_from, stamped=stamped)
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
                                        for b in kept for s in b], states)
         if wrong and wrong.states:
@@ -378,17 +385,23 @@ def run(opts: ExtractOptions) -> dict:
             "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
             "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
+            "versions": versions, "runs": []}
+        # this run's reading of the input, which every kept file was checked against (a newer transformers may
+        # cover a conversation an earlier run skipped): the record describes the set this run completes
+        manifest.update({
             "num_samples_in_data": len(samples) + len(data.skipped) + len(data.few_loss_tokens),
             "num_samples": len(samples), "skipped_uncovered": data.skipped,
-            "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens],
-            "versions": versions, "runs": []}
+            "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
         if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
             manifest["engine_dtype"] = recorded_dtype  # read from the kept files (see above)
+        if stamped:
+            manifest["stamped_files"] = True  # files without a stamp are foreign to this set from now on
         if replaced is not None:
             manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
                                                          "runs": replaced.get("runs", [])}
         left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
         manifest["report"] = report.of_samples(samples, max_len, left_out)  # the directory's: the whole input
+        manifest["input_notes"] = data.notes  # this run's reading of the input
         manifest.setdefault("layers", layers.record(layer_ids, num_layers))
         for key, note in fmt.manifest_notes.items():
             manifest.setdefault(key, note)

@@ -397,16 +397,21 @@ def token_ids_in(path: str) -> tuple[list[int], list[int] | None]:
 class StatesExpected:
     """What every file of a directory must hold besides its sample's tokens: the run's stamp (None: a set another
     tool wrote, whose record is not ours), layer count, hidden size (0: unknown) and engine dtype (None: no engine
-    has run for it yet)."""
+    has run for it yet). `stamped`: every file of the set carries a stamp (a set begun by a stamping release), so a
+    file without one was made elsewhere."""
 
     def __init__(self, stamp: str | None, layers: int, hidden: int, dtype: str | None,
-                 dtype_from: str = "the directory's engine ran"):
+                 dtype_from: str = "the directory's engine ran", stamped: bool = False):
         self.stamp, self.layers, self.hidden, self.dtype, self.dtype_from = stamp, layers, hidden, dtype, dtype_from
+        self.stamped = stamped
 
     def mismatch(self, facts: SampleFacts) -> str | None:
         if facts.stamp is not None and self.stamp is not None and facts.stamp != self.stamp:
             return ("its states were made with other settings (another model, --layers or --dtype: the file's "
                     f"stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in from another directory")
+        if facts.stamp is None and self.stamp is not None and self.stamped:
+            return ("it carries no stamp of the settings that made its states, in a set whose files all do (it was "
+                    "written by an earlier release or another tool), e.g. copied in from another directory")
         if facts.layers != self.layers:
             return f"it holds {facts.layers} layers of states, this run {self.layers}"
         if self.hidden and facts.hidden != self.hidden:
