@@ -407,7 +407,8 @@ def test_validate_refuses_a_reply_masked_on_a_header_token_that_holds_its_letter
     text = tok.apply_chat_template(messages, tokenize=False)
     header = text.index("<|assistant|>")
     monkeypatch.setattr(inputs, "assistant_spans", lambda *a: [(header + 8, header + 11)])  # where the old search went
-    with pytest.raises(InvalidInput, match=r"its masked tokens hold '<\|assistant\|>', a special token that the reply"):
+    with pytest.raises(InvalidInput, match=r"its masked tokens hold '<\|assistant\|>', a special token reaching "
+                                              r"outside the reply \"ant\""):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
     monkeypatch.undo()
     ids, mask = inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
@@ -1231,16 +1232,17 @@ def test_what_the_input_gives_but_the_samples_do_not_use_is_said(model, tmp_path
     them too: reasoning_content, tool_calls, a per-turn weight), and input_ids without loss_mask train on every
     token: both were silent."""
     data = _write_lines(tmp_path / "d.jsonl", [
-        {"conversations": [{"role": "user", "content": "w1 w2"},
-                           {"role": "assistant", "content": "w3", "reasoning_content": "w9 w9"}]},
+        {"conversations": [{"role": "user", "content": "w1 w2", "weight": None},
+                           {"role": "assistant", "content": "w3", "reasoning_content": "w9 w9", "weight": 0}]},
         {"input_ids": [5, 6, 7]},
         {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
     job.run(_opts(model, data, tmp_path / "out"))
     err = capsys.readouterr().err
-    assert "messages carry keys the chat template is not given ('reasoning_content' in 1 messages)" in err
+    assert "conversations carry keys the chat template is not given ('reasoning_content' in 1)" in err
+    assert "1 messages carry a 'weight', which is not applied" in err  # the null one says nothing
     assert "1 lines give input_ids without loss_mask: every token of them is in the loss mask" in err
     notes = json.load(open(tmp_path / "out" / "manifest.json"))["input_notes"]
-    assert notes == {"message_keys_not_passed_to_the_template": {"reasoning_content": 1},
+    assert notes == {"message_keys_not_passed_to_the_template": {"reasoning_content": 1, "weight": 1},
                      "token_lines_without_loss_mask": 1}
 
 

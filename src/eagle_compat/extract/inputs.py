@@ -4,6 +4,7 @@ any engine starts."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +70,10 @@ def _messages(record: dict, where: str, unused_keys: collections.Counter | None 
             raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content, "
                                f"got {m!r}")
         out.append({"role": role, "content": content})
-        if unused_keys is not None:
-            unused_keys.update(set(m) - MESSAGE_KEYS)
+        if unused_keys is not None:  # null or empty values (OpenHermes' "weight": null on every message) say nothing
+            unused_keys.update(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, "", [], {}))
+    if unused_keys is not None:
+        unused_keys.update(f"top-level {k}" for k in ("system", "tools") if record.get(k))
     return out
 
 
@@ -197,7 +200,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
             cut.replies_cut_wholly += bool(covering) and kept == 0
             cut.replies_cut_partly += 0 < kept < len(covering)
     kept_end = offsets[-1][1] if offsets else 0
-    template_tokens = _special_ids(tokenizer) if check_decoded else set()
+    template_tokens = _special_ids(tokenizer) if check_decoded else frozenset()
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
@@ -211,19 +214,23 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
             if want not in got:
                 raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
                                             f"{_preview(got)}, not to the reply {_preview(want)}")
-            # a reply found inside the template's own header decodes as part of it: a special token it does not hold
-            for token in tokenizer.convert_ids_to_tokens([ids[j] for j in covering if ids[j] in template_tokens]):
-                if token not in text[s:e]:
-                    raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a "
-                                                f"special token that the reply {_preview(text[s:e])} does not hold")
+            # a reply found inside the template's own header decodes as part of it: a special or added token that
+            # reaches outside the reply's characters is the template's (by position: tokens are spelled otherwise)
+            outside = [j for j in covering
+                       if ids[j] in template_tokens and not s <= offsets[j][0] <= offsets[j][1] <= e]
+            if outside:
+                token = tokenizer.convert_ids_to_tokens(ids[outside[0]])
+                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a special "
+                                            f"token reaching outside the reply {_preview(text[s:e])}")
     return ids, mask
 
 
-def _special_ids(tokenizer: Any) -> set[int]:
+@functools.lru_cache(maxsize=4)
+def _special_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of special and added tokens (a template's headers), but for the unknown-word token."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     ids |= set((tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}).values())
-    return ids - {getattr(tokenizer, "unk_token_id", None)}
+    return frozenset(ids - {getattr(tokenizer, "unk_token_id", None)})
 
 
 def _decoded(tokenizer: Any, ids: list[int]) -> str:
@@ -325,12 +332,16 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
 def describe_notes(notes: dict) -> list[str]:
     """One line per note of `Dataset.notes`, for the run's output."""
     lines = []
-    keys = notes.get("message_keys_not_passed_to_the_template")
+    keys = dict(notes.get("message_keys_not_passed_to_the_template") or {})
+    weighted = keys.pop("weight", 0)
     if keys:
-        lines.append("messages carry keys the chat template is not given ("
-                     + ", ".join(f"{k!r} in {n}" for k, n in keys.items()) + " messages): only role and content "
-                     "are (as in speculators' own preprocessing); put what the model should see (reasoning, tool "
-                     "calls) into content")
+        lines.append("conversations carry keys the chat template is not given ("
+                     + ", ".join(f"{k!r} in {n}" for k, n in keys.items()) + "): only each message's role and "
+                     "content are (as in speculators' own preprocessing); put what the model should see (a system "
+                     "prompt, reasoning, tool calls) into messages' content")
+    if weighted:
+        lines.append(f"{weighted} messages carry a 'weight', which is not applied: every assistant reply is in the "
+                     "loss mask (for a mask of your own, give input_ids with loss_mask)")
     if notes.get("token_lines_without_loss_mask"):
         lines.append(f"{notes['token_lines_without_loss_mask']} lines give input_ids without loss_mask: every token "
                      "of them is in the loss mask")

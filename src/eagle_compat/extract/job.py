@@ -347,17 +347,15 @@ def run(opts: ExtractOptions) -> dict:
         # (a set converted from fp8 holds bfloat16 whatever its engine ran: `states_dtype`)
         recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
         dtype_from = "the directory's engine ran"
-        # a set begun by a stamping release (its record says so; an earlier record: its first kept file has a stamp)
+        # every file of a set begun by this release carries a stamp (an earlier record cannot say: a set begun
+        # before stamps and resumed since holds both kinds)
         stamped = record is None or bool(record.get("stamped_files"))
-        if kept and (not recorded_dtype or not stamped):  # an earlier release's record: its files say the set's
-            try:                                          # precision, known before this run's engine starts
-                first = writer.read_facts(path_of(kept[0][0]))
-                stamped = stamped or first.stamp is not None
-                if not recorded_dtype:
-                    recorded_dtype = first.dtype
-                    dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
+        if not recorded_dtype and kept:  # an earlier release's record: its files say the set's precision, known
+            try:                         # before this run's engine starts (and is refused if it differs)
+                recorded_dtype = writer.read_facts(path_of(kept[0][0])).dtype
+                dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
             except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
-                pass
+                recorded_dtype = None
         states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
                                        dtype_from, stamped=stamped)
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
