@@ -4,7 +4,6 @@ any engine starts."""
 from __future__ import annotations
 
 import collections
-import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,12 +224,21 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
     return ids, mask
 
 
-@functools.lru_cache(maxsize=4)
+_SPECIAL_IDS: dict[int, tuple[Any, frozenset[int]]] = {}  # id(tokenizer) -> (it, its ids): one tokenizer a run
+
+
 def _special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of special and added tokens (a template's headers), but for the unknown-word token."""
+    """The ids of special and added tokens (a template's headers), but for the unknown-word token (computed once:
+    Gemma 3 has thousands of added tokens; a tokenizer class need not be hashable)."""
+    cached = _SPECIAL_IDS.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     ids |= set((tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}).values())
-    return frozenset(ids - {getattr(tokenizer, "unk_token_id", None)})
+    found = frozenset(ids - {getattr(tokenizer, "unk_token_id", None)})
+    _SPECIAL_IDS.clear()
+    _SPECIAL_IDS[id(tokenizer)] = (tokenizer, found)
+    return found
 
 
 def _decoded(tokenizer: Any, ids: list[int]) -> str:
