@@ -1121,6 +1121,15 @@ def _train_one_middle_tensor(model_dir) -> str:
     return name
 
 
+def _as_earlier_releases(current):
+    """model_checksums as releases before session 28 made them: large files by size and first and last MiB."""
+    def hashed(model_path, recorded=None):
+        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
+                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
+                for name, entry in current(model_path).items()}
+    return hashed
+
+
 def test_a_fine_tune_of_a_large_weight_file_is_not_taken_for_its_base(model, dataset, tmp_path, fake_engine,
                                                                       monkeypatch):
     """Weights over the full-hash limit (1 GiB; 1 KiB here) are hashed by their header and each tensor's ends. The
@@ -1147,16 +1156,10 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
     """A directory whose record hashed the weights by size and first and last MiB (earlier releases) is continued:
     its files' stamps depend on those checksums, so the run hashes the files the way the record says."""
     monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
-    current = writer.model_checksums
-
-    def as_earlier_releases(model_path, recorded=None):
-        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
-                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
-                for name, entry in current(model_path).items()}
 
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(writer, "model_checksums", as_earlier_releases)
+        m.setattr(writer, "model_checksums", _as_earlier_releases(writer.model_checksums))
         job.run(_opts(model, dataset, out, shard=(0, 2)))
     capsys.readouterr()
     job.run(_opts(model, dataset, out, shard=(1, 2)))
@@ -1208,16 +1211,10 @@ def test_only_a_directory_holding_files_of_the_earlier_hash_keeps_it(model, data
     small = {"config.json": {"size": os.path.getsize(os.path.join(model, "config.json")), "sha256": "x",
                              "hashed": writer.HASHED_ENDS}}
     assert writer.model_checksums(model, small)["config.json"]["hashed"] == writer.HASHED_FULL
-    current = writer.model_checksums
-
-    def as_earlier_releases(model_path, recorded=None):
-        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
-                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
-                for name, entry in current(model_path).items()}
 
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(writer, "model_checksums", as_earlier_releases)
+        m.setattr(writer, "model_checksums", _as_earlier_releases(writer.model_checksums))
         job.run(_opts(model, dataset, out, shard=(0, 2)))
     for name in writer.sample_files(str(out)):
         os.unlink(out / name)
