@@ -1156,7 +1156,6 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
     """A directory whose record hashed the weights by size and first and last MiB (earlier releases) is continued:
     its files' stamps depend on those checksums, so the run hashes the files the way the record says."""
     monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
-
     out = tmp_path / "out"
     with monkeypatch.context() as m:
         m.setattr(writer, "model_checksums", _as_earlier_releases(writer.model_checksums))
