@@ -87,6 +87,24 @@ def test_a_real_model_is_what_the_tokenizer_and_template_say(model, batch):
                                                                                              ["LlamaForCausalLM"])
 
 
+def test_a_real_template_and_tokenizer_mask_exactly_the_replies(model):
+    """The model's own ChatML template and BPE tokenizer: every reply, short ones too ("I", "im", "a" sit in its
+    headers), is masked on its own tokens only, and --validate agrees."""
+    from transformers import AutoTokenizer
+
+    from eagle_compat.extract import inputs
+    tok = AutoTokenizer.from_pretrained(model)
+    replies = ["I", "im", "a", " Paris. ", "assistant"]
+    messages = [m for reply in replies
+                for m in ({"role": "user", "content": "Say it."}, {"role": "assistant", "content": reply})]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = inputs.assistant_spans(tok, messages, text)
+    assert [text[s:e] for s, e in spans] == replies and all(text[e:].startswith("<|im_end|>") for _, e in spans)
+    ids, mask = inputs.tokenize_conversation(tok, messages, 4096, check_decoded=True)
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert masked.replace(" ", "") == "".join(replies).replace(" ", "")
+
+
 def test_correct_bf16_states_pass_at_depth(bf16_states, references):
     ref, low = references
     layers = check.compare(_as_results(bf16_states, LAYERS), ref, LAYERS, "bf16", low)
