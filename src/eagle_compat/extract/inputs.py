@@ -173,13 +173,16 @@ def _preview(text: str, n: int = 40) -> str:
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *, check_decoded: bool = False,
-                          cut: Cut | None = None) -> tuple[list[int], list[int]]:
+                          cut: Cut | None = None,
+                          template_tokens: frozenset[int] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask that is 1 on assistant-content tokens.
 
     Every assistant message must be located (UncoveredConversation otherwise); spans past `max_len` tokens are
     truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each reply and
     checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
-    tokenizer's character offsets. `cut` is filled with what `max_len` took away (tokens, loss tokens, replies).
+    tokenizer's character offsets, and that no special token among them reaches outside the reply (`template_tokens`:
+    `special_ids(tokenizer)`, given by a caller that tokenizes many). `cut` is filled with what `max_len` took away
+    (tokens, loss tokens, replies).
     """
     text = _render(tokenizer, messages, False)
     spans = assistant_spans(tokenizer, messages, text)
@@ -199,7 +202,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
             cut.replies_cut_wholly += bool(covering) and kept == 0
             cut.replies_cut_partly += 0 < kept < len(covering)
     kept_end = offsets[-1][1] if offsets else 0
-    template_tokens = _special_ids(tokenizer) if check_decoded else frozenset()
+    if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
+        template_tokens = special_ids(tokenizer)
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
@@ -224,21 +228,12 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
     return ids, mask
 
 
-_SPECIAL_IDS: dict[int, tuple[Any, frozenset[int]]] = {}  # id(tokenizer) -> (it, its ids): one tokenizer a run
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of special and added tokens (a template's headers), but for the unknown-word token (computed once:
-    Gemma 3 has thousands of added tokens; a tokenizer class need not be hashable)."""
-    cached = _SPECIAL_IDS.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of special and added tokens (a template's headers), but for the unknown-word token. Read once per
+    input file (Gemma 3 has thousands of added tokens)."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     ids |= set((tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}).values())
-    found = frozenset(ids - {getattr(tokenizer, "unk_token_id", None)})
-    _SPECIAL_IDS.clear()
-    _SPECIAL_IDS[id(tokenizer)] = (tokenizer, found)
-    return found
+    return frozenset(ids - {getattr(tokenizer, "unk_token_id", None)})
 
 
 def _decoded(tokenizer: Any, ids: list[int]) -> str:
@@ -255,6 +250,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     few: list[dict] = []
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
+    template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
@@ -279,8 +275,10 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                     raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load"
                                        + (f" ({tokenizer_error})" if tokenizer_error else ""))
                 try:
+                    if check_decoded and template_tokens is None:
+                        template_tokens = special_ids(tokenizer)
                     ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded,
-                                                      cut=cut)
+                                                      cut=cut, template_tokens=template_tokens)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(

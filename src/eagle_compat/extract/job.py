@@ -127,9 +127,10 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
         earlier = {}
     recorded = (earlier.get("settings") or {}).get("model_checksums")
     checksums = writer.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None)
-    if writer.hashed_the_earlier_way(checksums):
+    earlier_way = writer.hashed_the_earlier_way(checksums)
+    if earlier_way:
         print(f"extract: NOTE: {opts.out} was made by an earlier release, which hashed large weight files by size and "
-              f"first and last MiB ({', '.join(writer.hashed_the_earlier_way(checksums))}); it is continued that way, "
+              f"first and last MiB ({', '.join(earlier_way)}); it is continued that way, "
               "so a fine-tune that left both ends of each file as they were is not told from its base here. A new "
               "--out hashes each tensor's ends", file=sys.stderr, flush=True)
     return {"model": os.path.abspath(opts.model), "model_checksums": checksums,
@@ -383,7 +384,8 @@ def run(opts: ExtractOptions) -> dict:
             "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
             "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
-            "versions": versions, "runs": []}
+            # every file of a set begun now carries a stamp: one without is foreign to it
+            "stamped_files": True, "versions": versions, "runs": []}
         # this run's reading of the input, which every kept file was checked against (a newer transformers may
         # cover a conversation an earlier run skipped): the record describes the set this run completes
         manifest.update({
@@ -392,8 +394,6 @@ def run(opts: ExtractOptions) -> dict:
             "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
         if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
             manifest["engine_dtype"] = recorded_dtype  # read from the kept files (see above)
-        if stamped:
-            manifest["stamped_files"] = True  # files without a stamp are foreign to this set from now on
         if replaced is not None:
             manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
                                                          "runs": replaced.get("runs", [])}
