@@ -8,8 +8,9 @@ files lie where they were just written, one after another.
 usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--samples 64 --tokens 1024
        --layers 4 --hidden 4096] [--formats pt,safetensors,arrow] [--pool 8]
 No vLLM: the files hold random bf16 states of the given shape. --pool N also times the same per-file check N files
-at a time from threads (a trial: extract reads one at a time; on the CPU machine of session 27 threads gained
-nothing: docs/performance.md, "The completion check")."""
+at a time from threads (a trial: extract reads one at a time; on the 2-core CPU machine threads gained nothing:
+benchmarks/results/cpu-completion-check-8b-shape-thread-pool-tried.json; docs/performance.md, "The completion
+check")."""
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,10 @@
 """What checking the model's weight files costs at each run's start (extract hashes them before the engine starts).
 
-Weight files over 1 GiB are hashed by their header and each tensor's first and last 4 KiB (`writer.HASHED_TENSORS`,
-session 28); earlier releases hashed their size and first and last MiB (`HASHED_ENDS`), which took a fine-tune of a
-middle layer for its base. This writes two synthetic safetensors files with real checkpoints' tensor layouts and
-times both methods (median of --repeats) and a full hash (once), cold (the file's pages dropped with posix_fadvise
-first) and warm, in one run:
+Weight files over 1 GiB are hashed by their header and each tensor's first and last 4 KiB (`writer.HASHED_TENSORS`;
+benchmarks/results/cpu-model-checksum-cost.json); earlier releases hashed their size and first and last MiB
+(`HASHED_ENDS`), which took a fine-tune of a middle layer for its base. This writes two synthetic safetensors files
+with real checkpoints' tensor layouts and times both methods (median of --repeats) and a full hash (once), cold (the
+file's pages dropped with posix_fadvise first) and warm, in one run:
 
 * `llama8b`: --llama-layers decoder layers of Llama-3-8B (bf16, 9 tensors a layer; a real shard holds about 8);
 * `kimi_int4`: one MoE layer of Kimi-K2.5's INT4 checkpoint (384 experts x 3 projections x packed weight, group

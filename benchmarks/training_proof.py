@@ -1,4 +1,4 @@
-"""The training proof (issue 25): a drafter trained on eagle_compat's files is accepted at inference.
+"""The training proof (docs/training-proof.md): a drafter trained on eagle_compat's files is accepted at inference.
 
 One pipeline, stage by stage, each stage resumable in one work directory (a stage whose output is complete is
 skipped, so a run cut by a time limit continues where it stopped):
@@ -194,9 +194,10 @@ def summarize_groups(values: list[float]) -> dict:
 
 
 def verdict(result: dict) -> dict:
-    """Issue 25's done criteria, read from a report. The noise is the seed-to-seed difference (two trainings of ours
-    that differ only in seed: the training noise) plus two paired standard errors over the held-out groups (the
-    sampling noise); ours and HF's must be closer than that, and the off-by-one control lower than ours by more."""
+    """The training proof's done criteria (docs/training-proof.md), read from a report. The noise is the
+    seed-to-seed difference (two trainings of ours that differ only in seed: the training noise) plus two paired
+    standard errors over the held-out groups (the sampling noise); ours and HF's must be closer than that, and the
+    off-by-one control lower than ours by more."""
     c, serving = result["comparisons"], result["serving"]
     seed_noise = abs(c["ours_minus_ours_seed2"]["mean"])
     drafted = [row for name, row in serving.items() if name != "none"]
