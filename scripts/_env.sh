@@ -4,7 +4,8 @@ venvs=${EAGLE_COMPAT_VENVS:-$HOME/.cache/eagle-compat/venvs}
 # Bytecode, once: machines of this kind set PYTHONDONTWRITEBYTECODE=1, so every process compiled vLLM's and torch's
 # sources again on each import (vLLM's CPU worker module: 18 s from source, 9 s from cached bytecode; one tiny extract
 # run: 46 s, 26 s). Every process our scripts start (tests, vLLM's workers, the demo) caches bytecode here instead,
-# outside the source trees (a prefix of yours is kept). docs/decisions.md, session 23.
+# outside the source trees (a prefix of yours is kept). Why: docs/adr/; measured in
+# benchmarks/results/cpu-test-pass-workers.md (the run at 00ff211).
 EAGLE_COMPAT_OWN_PYCACHE=
 if [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
   PYTHONPYCACHEPREFIX=$venvs/pycache

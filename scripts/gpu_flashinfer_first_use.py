@@ -1,4 +1,4 @@
-"""On the lent H200 (device tool), after scripts/gpu_setup.sh: how long the first use of FlashInfer's top-k/top-p
+"""On an H200 machine, after scripts/gpu_setup.sh: how long the first use of FlashInfer's top-k/top-p
 sampling kernels takes on a fresh machine. vLLM 0.21+ routes its sampler to FlashInfer when FlashInfer is installed
 (VLLM_USE_FLASHINFER_SAMPLER defaults on) and warms it up at every engine start with top_k/top_p set
 (gpu_model_runner._dummy_sampler_run); without prebuilt kernels FlashInfer compiles them with the image's nvcc.

@@ -1,7 +1,7 @@
-"""Whether each CUDA vLLM release's requirements can be carried to the lent H200 (issue 24): for every requirement
-a release's wheel adds over vLLM 0.20.0's (whose bundle is measured, scripts/gpu_bundle.sh), and for the torch its
-wheel pins where that is not the image's 2.11.0, ask this machine's package registry for a wheel that fits the
-image (CPython 3.12, manylinux x86_64) and note its size. Appends a markdown section per release to OUT.md and a JSON
+"""Whether each CUDA vLLM release's requirements can be carried to the H200 machine (it reaches no package
+registry; docs/gpu-parity.md): for every requirement a release's wheel adds over vLLM 0.20.0's (whose bundle is
+measured, scripts/gpu_bundle.sh), and for the torch its wheel pins where that is not the image's 2.11.0, ask this
+machine's package registry for a wheel that fits the image (CPython 3.12, manylinux x86_64) and note its size. Appends a markdown section per release to OUT.md and a JSON
 line to OUT.jsonl (read by compat_matrix/render.py for the GPU table of docs/compatibility.md).
 
   python scripts/gpu_requirements_probe.py compat_matrix/results/gpu/carry-probe 0.21.0 0.22.1 ... 0.27.1
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-# every manylinux tag the image's glibc takes, none skipped: the session-8 list lacked 2_18 and 2_31, the only tags
+# every manylinux tag the image's glibc takes, none skipped: an earlier list lacked 2_18 and 2_31, the only tags
 # of the NCCL and llguidance wheels, and called both "not served"
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
             *[a for minor in range(35, 16, -1) for a in ("--platform", f"manylinux_2_{minor}_x86_64")],

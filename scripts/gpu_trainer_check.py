@@ -1,4 +1,4 @@
-"""On the lent H200: speculators 0.3.0's `scripts/train.py` (vendored, unmodified) trains for real (CUDA, its
+"""On an H200: speculators 0.3.0's `scripts/train.py` (vendored, unmodified) trains for real (CUDA, its
 torch.compile'd forward with FlexAttention, backward, checkpoint) under `python -m eagle_compat`, with the units its
 trainer needs here (speculators_config_init, speculators_trainer_target_norm), on synthetic files of a tiny random
 Llama verifier. A check of the units under the trainer's own compile and backward, before a long run depends on them.
