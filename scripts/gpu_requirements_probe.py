@@ -1,8 +1,9 @@
 """Whether each CUDA vLLM release's requirements can be carried to the H200 machine (it reaches no package
 registry; docs/gpu-parity.md): for every requirement a release's wheel adds over vLLM 0.20.0's (whose bundle is
 measured, scripts/gpu_bundle.sh), and for the torch its wheel pins where that is not the image's 2.11.0, ask this
-machine's package registry for a wheel that fits the image (CPython 3.12, manylinux x86_64) and note its size. Appends a markdown section per release to OUT.md and a JSON
-line to OUT.jsonl (read by compat_matrix/render.py for the GPU table of docs/compatibility.md).
+machine's package registry for a wheel that fits the image (CPython 3.12, manylinux x86_64) and note its size.
+Appends a markdown section per release to OUT.md and a JSON line to OUT.jsonl (read by
+compat_matrix/render.py for the GPU table of docs/compatibility.md).
 
   python scripts/gpu_requirements_probe.py compat_matrix/results/gpu/carry-probe 0.21.0 0.22.1 ... 0.27.1
 
