@@ -143,7 +143,7 @@ def render(results: list[dict]) -> str:
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu")
 BENCH_RESULTS = os.path.join(os.path.dirname(HERE), "benchmarks", "results")
-# the issue-24 throughput run of each release: benchmarks/throughput.py's JSON from scripts/gpu_throughput.sh
+# each release's throughput run: benchmarks/throughput.py's JSON from scripts/gpu_throughput.sh
 THROUGHPUT_RUN = re.compile(r"h200-llama8b-256x1024-vllm-(\d+\.\d+\.\d+)(-[\w-]+)?\.json$")
 
 
@@ -151,41 +151,87 @@ def _release_key(release: str) -> tuple:
     return tuple(int(x) for x in release.split(".") if x.isdigit())
 
 
-def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
-    """The GPU columns: every CUDA release's cells on the lent H200 (`results/gpu/*.jsonl`), and for a release that
-    has none, why, from the measured carry probe (`results/gpu/carry-probe.jsonl`)."""
-    cells: dict[str, dict[str, list[dict]]] = {}
+# what each GPU check is, for its table's heading (a check not named here is headed by its name alone)
+GPU_CHECKS = {"generator": "`eagle_compat.VllmHiddenStatesGenerator`",
+              "shim": "unmodified speculators 0.3.0 under `eagle_compat.install()`",
+              "batch_order": "each prompt's states equal alone and batched, pipelined and not, on vLLM's V2 model "
+                             "runner"}
+
+
+def _gpu_kind(cell: dict) -> str:
+    """The GPU's model as the cell recorded it, short ("NVIDIA H200" -> "H200")."""
+    name = cell.get("gpu") or ""
+    match = re.search(r"\b([A-Z]+\d+[A-Za-z]*)\b", name)
+    return match.group(1) if match else (name or "GPU not recorded")
+
+
+def load_gpu_cells(directory: str = GPU_RESULTS) -> dict[str, dict[str, dict[str, list[dict]]]]:
+    """Every GPU cell of `results/gpu/*.jsonl`: check -> family -> vLLM release -> its runs (a cell run again, in
+    another file, is one more run)."""
+    cells: dict[str, dict[str, dict[str, list[dict]]]] = {}
     for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
         if os.path.basename(path).startswith("carry-probe"):
             continue
         with open(path) as f:
             for line in filter(str.strip, f):
                 cell = json.loads(line)
-                column = f"{cell['check']}/{cell['family']}"
-                cells.setdefault(cell["versions"]["vllm"], {}).setdefault(column, []).append(cell)
+                cells.setdefault(cell["check"], {}).setdefault(cell["family"], {}) \
+                    .setdefault(cell["versions"]["vllm"], []).append(cell)
+    return cells
+
+
+def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
+    """The GPU section: one table per check (a row per family, a column per CUDA release that ran, each cell the
+    verdict), then a row per release: that it ran, or why it has no cells, from the measured carry probe
+    (`results/gpu/carry-probe.jsonl`) and the bundles built (`results/gpu/bundle-builds.md`)."""
+    cells = load_gpu_cells(directory)
+    by_release: dict[str, list[dict]] = {}
+    for families in cells.values():
+        for runs_by_release in families.values():
+            for release, runs in runs_by_release.items():
+                by_release.setdefault(release, []).extend(runs)
+    kinds = {release: sorted({_gpu_kind(c) for c in runs}) for release, runs in by_release.items()}
+    releases = sorted(by_release, key=_release_key)
     probes = {}
     probe_path = os.path.join(directory, "carry-probe.jsonl")
     if os.path.exists(probe_path):
         with open(probe_path) as f:
             probes = {p["release"]: p for p in map(json.loads, filter(str.strip, f))}
     builds = bundle_builds(os.path.join(directory, "bundle-builds.md"))
-    cols = sorted({c for r in cells.values() for c in r}, key=lambda c: (c.split("/")[0] != "generator", c))
-    lines = ["", "## GPU (NVIDIA H200, CUDA vLLM)", "",
-             "From `compat_matrix/results/gpu/` (runs of `scripts/gpu_parity.sh` on the lent H200; every run's "
-             "machine and errors per layer: docs/gpu-parity.md). Engine bf16 against HF fp32 on the same GPU; pass = "
-             "the criterion the cell ran with (docs/gpu-parity.md). `batch_order` = each prompt's states equal "
-             "alone and batched, pipelined and not, on vLLM's V2 model runner. A release with no cell says why: "
-             "what `scripts/gpu_requirements_probe.py` measured of carrying it (its wheel and every requirement "
-             "it adds over 0.20.0's, or its torch's, asked of this machine's package registry; the lent machine has "
-             "none; `results/gpu/carry-probe.md`).", "",
-             "| vLLM | status | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    for release in sorted(set(cells) | set(probes), key=_release_key):
-        row = cells.get(release, {})
-        tries = glob.glob(os.path.join(directory, "attempts", f"h200-vllm-{release}-*.machine.txt"))
-        if row:
+    lines = ["", "## GPU (CUDA vLLM)", "",
+             "From `compat_matrix/results/gpu/` (runs of `scripts/gpu_parity.sh`; every run's machine and errors per "
+             "layer: docs/gpu-parity.md). Engine bf16 against HF fp32 on the same GPU; pass = the criterion the cell "
+             "ran with (docs/gpu-parity.md). One table per check: a row per model family, a column per vLLM release "
+             "that ran; the GPU the cells ran on is in the column's heading where all of that release's cells ran on "
+             "one kind, else in the cell. A cell run more than once (in several results files) shows how many runs "
+             "failed. `[a]`: kernel settings the cell ran with instead of vLLM's default (listed under the tables); "
+             "`default`: a run of the same cell with none."]
+    settings: list[str] = []
+    heads = [f"{r} ({kinds[r][0]})" if len(kinds[r]) == 1 else r for r in releases]
+    for check in sorted(cells, key=lambda c: (c not in GPU_CHECKS, list(GPU_CHECKS).index(c) if c in GPU_CHECKS
+                                              else 0, c)):
+        families = cells[check]
+        what = GPU_CHECKS.get(check)
+        lines += ["", f"### `{check}`" + (f": {what}" if what else ""), "",
+                  "| family | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+        for family in _family_order(families):
+            row = [_gpu_cell(families[family].get(r), settings, len(kinds[r]) > 1) for r in releases]
+            lines.append(f"| {family} | " + " | ".join(row) + " |")
+    if settings:
+        lines += ["", "Kernel settings:", ""] + [f"- [{_label(i)}] {s}" for i, s in enumerate(settings)]
+    lines += ["", "### Each CUDA release", "",
+              "A release with no cell says why: what `scripts/gpu_requirements_probe.py` measured of carrying it (its "
+              "wheel and every requirement it adds over 0.20.0's, or its torch's, asked of this machine's package "
+              "registry; the GPU machine has none; `results/gpu/carry-probe.md`).", "",
+              "| vLLM | GPU | status |", "|---|---|---|"]
+    for release in sorted(set(by_release) | set(probes), key=_release_key):
+        tries = sorted(glob.glob(os.path.join(directory, "attempts", f"*-vllm-{release}-*.machine.txt")))
+        tried_on = sorted({os.path.basename(t).split("-vllm-")[0].upper() for t in tries})
+        if release in by_release:
             status = "ran"
-            if tries:  # runs that gave no result (a kernel's first-use build, the budget): each note says why
-                status += f"; {len(tries)} run(s) without a result: `results/gpu/attempts/h200-vllm-{release}-*`"
+            if tries:  # runs that gave no result (a kernel's first-use build, the time limit): each note says why
+                status += f"; {len(tries)} run(s) without a result: `results/gpu/attempts/*-vllm-{release}-*`"
+            gpu = ", ".join(kinds[release])
         else:
             p = probes[release]
             if not p.get("wheel_served", True):
@@ -199,14 +245,38 @@ def gpu_table(directory: str = GPU_RESULTS) -> list[str]:
             if release in builds:  # what carrying it costs with the bundle actually built (a delta is far smaller)
                 status += f"; bundle built: {builds[release]} (`results/gpu/bundle-builds.md`)"
             if tries:  # carried and started, but no cell gave a result: each attempt's note says why
-                status += f"; carried to the H200 {len(tries)}x, no cell result yet (why: `results/gpu/attempts/`)"
-        lines.append(f"| {release} | {status} | " + " | ".join(_gpu_cell(row.get(c)) for c in cols) + " |")
+                status += (f"; carried to the {', '.join(tried_on)} {len(tries)}x, no cell result yet "
+                           "(why: `results/gpu/attempts/`)")
+            gpu = "none"
+        lines.append(f"| {release} | {gpu} | {status} |")
     return lines
+
+
+def _family_order(families) -> list[str]:
+    """The GPU tables' rows: each family in the matrix's order (`matrix.CHECKS`), its variants (quantized checkpoints,
+    other head dims: `llama_fp8`, `deepseek_v3_v128`) right under it."""
+    from matrix import CHECKS
+    known: list[str] = []
+    for _, family in CHECKS:
+        if family not in known:
+            known.append(family)
+
+    def base(family: str) -> str:  # the longest other family this one's name extends
+        bases = [f for f in set(known) | set(families) if family.startswith(f + "_")]
+        return max(bases, key=len) if bases else family
+
+    def rank(family: str) -> int:
+        return known.index(family) if family in known else len(known)
+    return sorted(families, key=lambda f: (rank(base(f)), base(f), f != base(f), rank(f), f))
+
+
+def _label(i: int) -> str:
+    return "abcdefghijklmnopqrstuvwxyz"[i] if i < 26 else f"s{i + 1}"
 
 
 def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
     """Each CUDA release's 8B-shaped throughput runs (256 prompts x 1024 tokens): every phase as a ratio to plain
-    vLLM prefill in the same run, the only comparison a shared, loaned machine allows."""
+    vLLM prefill in the same run, the only comparison a shared machine, another one each time, allows."""
     runs = []
     for path in glob.glob(os.path.join(directory, "h200-llama8b-256x1024-vllm-*.json")):
         match = THROUGHPUT_RUN.search(os.path.basename(path))
@@ -223,8 +293,8 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
              "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
              "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files "
              "(its connector leaves them in the page cache); native + fsync = native with the fsync of its files "
-             "after the phase counted, the durability `written` has (timed since session 19); disk alone = the "
-             "same writer writing the same files with no engine (since session 21): below 1, this machine's disk "
+             "after the phase counted, the durability `written` has (timed since 2026-12-04); disk alone = the "
+             "same writer writing the same files with no engine (since 2026-12-04): below 1, this machine's disk "
              "alone could not keep up with plain prefill. "
              "A phase without a figure shows why: its error, skipped (vLLM's path could not run), cut off (asked, "
              "and the call's time ended first), not run (not asked).", "",
@@ -233,12 +303,12 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for _, release, name, run in sorted(runs):
         phases = run.get("phases", {})
-        # which phases the run asked for: recorded since session 20; before, a complete run asked for all it shows
+        # which phases the run asked for: recorded since 2026-12-04; before, a complete run asked for all it shows
         asked = run.get("phases_asked") or (list(phases) if run.get("complete") else None)
         plain = (phases.get("plain") or {}).get("tokens_per_s")
         cells = [_throughput_cell(p, phases.get(p), plain, asked) for p in ("plain", "delivered", "written", "native")]
         cells.append(_native_fsynced_cell(phases.get("native"), plain, cells[-1]))
-        # a run that recorded no phases_asked predates the disk phase (session 21): it never asked for it
+        # a run that recorded no phases_asked predates the disk phase: it never asked for it
         cells.append(_throughput_cell("disk", phases.get("disk"), plain, run.get("phases_asked") or list(phases)))
         lines.append(f"| {release} | `{name}` | " + " | ".join(cells) + " |")
     return lines
@@ -265,7 +335,7 @@ def _native_fsynced_cell(native: dict | None, plain: float | None, native_cell: 
     if native.get("skipped") or native.get("error"):
         return "as native"
     if native.get("fsync_after_seconds") is None:
-        return "not timed"  # runs before the fsync was timed (session 19)
+        return "not timed"  # runs before the fsync was timed (2026-12-04)
     tokens_per_s = native["tokens"] / (native["seconds"] + native["fsync_after_seconds"])
     return f"{tokens_per_s / plain:.2f}" if plain else f"{tokens_per_s:,.0f} tok/s (no plain)"
 
@@ -295,15 +365,31 @@ def bundle_builds(path: str) -> dict[str, str]:
     return out
 
 
-def _gpu_cell(runs: list[dict] | None) -> str:
+def _gpu_cell(runs: list[dict] | None, settings: list[str], show_kind: bool = False) -> str:
+    """A check's verdict for one family on one release: pass, or how many of its runs did not; the kernel settings
+    each run chose (a kernel chosen by a setting, not vLLM's default, is part of what passed); the GPU where the
+    column's heading cannot say it."""
     if not runs:
         return "not run"
-    if any(r.get("status") != "pass" for r in runs):
-        return "FAIL"
-    worst = [e["max_rel_to_layer_max"] for r in runs for e in (r.get("errors") or {}).values()]
-    # a kernel chosen by a setting, not vLLM's default, is part of what passed
-    settings = sorted({f"{k}={v}" for r in runs for k, v in (r.get("env") or {}).items()})
-    return (f"pass (rel {max(worst):.0e})" if worst else "pass") + "".join(f"; {s}" for s in settings)
+    bad = [r for r in runs if r.get("status") != "pass"]
+    if not bad:
+        text = "pass"
+    else:
+        marks = sorted({MARK.get(r.get("status"), str(r.get("status"))) for r in bad})
+        text = "/".join(marks) + (f" ({len(bad)} of {len(runs)} runs)" if len(bad) < len(runs) else "")
+    labels = []
+    for r in runs:
+        combo = "; ".join(sorted(f"`{k}={v}`" for k, v in (r.get("env") or {}).items()))
+        if combo and combo not in settings:
+            settings.append(combo)
+        label = _label(settings.index(combo)) if combo else "default"
+        if label not in labels:
+            labels.append(label)
+    if labels != ["default"]:
+        text += " [" + ", ".join(labels) + "]"
+    if show_kind:
+        text += f" ({', '.join(sorted({_gpu_kind(r) for r in runs}))})"
+    return text
 
 
 def summary(releases: list[str] | None = None, directory: str = os.path.join(HERE, "results")) -> str:
