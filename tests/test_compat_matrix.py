@@ -35,6 +35,7 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
 
     import render
     cell = {"check": "generator", "family": "llama", "status": "pass", "versions": {"vllm": "0.20.0"},
+            "gpu": "NVIDIA H100 80GB HBM3",
             "errors": {"0": {"max_rel_to_layer_max": 0.012}, "3": {"max_rel_to_layer_max": 0.03}}}
     failed = {**cell, "family": "qwen3_moe", "status": "fail", "errors": {}}
     (tmp_path / "h200-vllm-0.20.0.jsonl").write_text(json.dumps(cell) + "\n" + json.dumps(failed) + "\n")
@@ -49,13 +50,17 @@ def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code
                                                "| 0.27.1 | 26 | 1544 | " + "a" * 32 + " | 2026-12-03 |\n"
                                                "| 0.28.0 (delta over " + "a" * 32 + ") | 3 | 178 | " + "b" * 32 +
                                                " | 2026-12-04 |\n")
-    rows = {line.split(" | ")[0][2:]: line for line in render.gpu_table(str(tmp_path)) if line.startswith("| 0.")}
+    lines = render.gpu_table(str(tmp_path))
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| 0.")}
     assert list(rows) == ["0.20.0", "0.21.0", "0.27.1", "0.28.0"]
     assert "bundle built: 3 parts, 178 MB, a delta over 0.27.1's bundle" in rows["0.28.0"]
     assert "bundle built: 26 parts, 1544 MB (" in rows["0.27.1"]
-    assert "| ran | pass (rel 3e-02) | FAIL |" in rows["0.20.0"]
+    assert rows["0.20.0"] == "| 0.20.0 | H100 | ran |"
+    # one table per check: a row per family, a column per release that ran, its GPU in the heading
+    assert "| family | 0.20.0 (H100) |" in lines and "| llama | pass |" in lines and "| qwen3_moe | FAIL |" in lines
     assert "not run yet: every requirement served (257 MB" in rows["0.21.0"]
-    assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"] and "| not run | not run |" in rows["0.27.1"]
+    assert "not served here: nvidia-nccl-cu13==2.29.7" in rows["0.27.1"]
+    assert rows["0.27.1"].startswith("| 0.27.1 | none |")
 
 
 def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(matrix_code, tmp_path):

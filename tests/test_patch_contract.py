@@ -570,13 +570,14 @@ def test_vllm_cpu_worker_demanding_preloaded_libraries_is_refused_with_the_fix(m
 
 def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_not(monkeypatch):
     """vLLM 0.25-0.26: sliding-window layers carry their own block size and unify cannot merge them (gpt-oss on CPU).
-    Checked with this vLLM's own spec classes and its own unify; on releases that promote by themselves too."""
+    Checked with this vLLM's own spec classes and its own unify; on releases that promote by themselves too. Where
+    the hybrid KV-cache manager is off (chunked local attention), the plan is speculators' unify, with that fix."""
     import torch
     from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     from eagle_compat import engine
-    from eagle_compat.patches import sliding_window_block_size
+    from eagle_compat.patches import kv_cache_groups_as_vllm
 
     def specs():
         common = dict(num_kv_heads=2, head_size=64, dtype=torch.float32)
@@ -586,7 +587,6 @@ def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_no
     detect.feature.cache_clear()
     monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
         True if name == "sliding_window_block_size_not_unified" else real(name)))
-    assert sliding_window_block_size.UNIT.needed()
     unified = specs()
     engine.unify_kv_cache_specs(unified, unify_hybrid_kv_cache_specs)
     assert {type(s) for s in unified.values()} == {FullAttentionSpec}
@@ -596,17 +596,19 @@ def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_no
     engine.unify_kv_cache_specs(specs(), seen.append)  # what vLLM's unify receives
     assert seen[0]["layers.0.attn"].block_size == 128 and type(seen[0]["layers.0.attn"]) is SlidingWindowSpec
 
-    # at speculators' call site, reverted exactly
+    # at speculators' call site (no executor known: speculators' plan), reverted exactly
     eagle_compat.install()  # speculators may need the transformers units to import at all
     gen, _ = _import_speculators()
     eagle_compat.uninstall()
-    original = gen.unify_hybrid_kv_cache_specs
-    patcher = Patcher(sliding_window_block_size.UNIT.name)
-    sliding_window_block_size.UNIT.apply(patcher, gen)
+    originals = gen.unify_hybrid_kv_cache_specs, gen._get_kv_cache_groups_uniform_spec
+    patcher = Patcher(kv_cache_groups_as_vllm.UNIT.name)
+    kv_cache_groups_as_vllm.UNIT.apply(patcher, gen)
     through_speculators = specs()
     gen.unify_hybrid_kv_cache_specs(through_speculators)
-    assert {s.block_size for s in through_speculators.values()} == {128}
-    assert patcher.revert() == [] and gen.unify_hybrid_kv_cache_specs is original
+    groups = gen._get_kv_cache_groups_uniform_spec(through_speculators)
+    assert len(groups) == 1 and {s.block_size for s in through_speculators.values()} == {128}
+    assert patcher.revert() == []
+    assert (gen.unify_hybrid_kv_cache_specs, gen._get_kv_cache_groups_uniform_spec) == originals
 
 
 @pytest.mark.parametrize("workaround", __import__("eagle_compat.workarounds").workarounds.WORKAROUNDS,

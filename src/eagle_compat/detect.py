@@ -445,6 +445,21 @@ def _feature_sliding_window_block_size_not_unified() -> bool:
         "_promote_local_kv_cache_specs" in unify or "full_attention_block_size" in unify)
 
 
+def _feature_kv_cache_groups_differ_from_one_group() -> bool:
+    # speculators' one unified KV-cache group is not vLLM's plan where VllmConfig turns the hybrid KV-cache manager
+    # on by default on this platform (sliding-window layers in their own groups), nor where unify cannot promote
+    # sliding-window layers of their own block size (0.25-0.26)
+    if _feature_sliding_window_block_size_not_unified():
+        return True
+    import dataclasses
+
+    from vllm.config import SchedulerConfig
+    from vllm.platforms import current_platform
+    has_switch = any(f.name == "disable_hybrid_kv_cache_manager" for f in dataclasses.fields(SchedulerConfig))
+    supported = getattr(current_platform, "support_hybrid_kv_cache", None)
+    return has_switch and supported is not None and bool(supported())
+
+
 def _feature_workers_meet_at_released_port() -> bool:
     # up to 0.27 the executors' workers (multiprocess and one-rank alike) meet at tcp://<host>:<port>, a port
     # get_open_port() found free and released before the worker binds it: engines starting at once on one host can be
@@ -507,7 +522,7 @@ def _feature_transformers_lacks_attn_mask_utils() -> bool:
 
 def _feature_speculators_target_skips_final_norm() -> bool:
     # speculators 0.3.0 (models/eagle3/core.py): `targets = self.verifier_lm_head(verifier_last_hidden_states)` on
-    # a pre-norm state; #313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
+    # a pre-norm state; speculators#313 (after 0.3.0) adds `self.verifier_norm(...)` around it.
     # Fails closed: the correction applies unless the trainer applies the verifier's norm itself.
     return "verifier_norm" not in (package_module_source("speculators.models.eagle3.core") or "")
 
@@ -563,7 +578,7 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "cpu_only": (lambda: not feature("cuda_available"), "no CUDA device is visible: vLLM runs on the CPU"),
     "speculators_target_skips_final_norm": (
         _feature_speculators_target_skips_final_norm, "speculators' EAGLE-3 trainer takes its target logits without "
-                                                      "the verifier's final norm (0.3.0; fixed in #313)"),
+                                                      "the verifier's final norm (0.3.0; fixed in speculators#313)"),
     "transformers_config_annotates_unimported_torch": (
         _feature_transformers_config_annotates_unimported_torch, "transformers' config classes annotate a field with "
                                                                  "a torch imported for type checking only (5.x)"),
@@ -584,6 +599,9 @@ FEATURE_PROBES: dict[str, tuple[Callable[[], bool], str]] = {
     "workers_meet_at_released_port": (
         _feature_workers_meet_at_released_port, "vLLM's workers meet at a TCP port it found free and released "
                                                 "(up to 0.27; 0.28 meets at a file store)"),
+    "kv_cache_groups_differ_from_one_group": (
+        _feature_kv_cache_groups_differ_from_one_group, "vLLM plans models mixing sliding-window and full layers "
+                                                        "with its hybrid KV-cache manager, not one unified group"),
     "sliding_window_block_size_not_unified": (
         _feature_sliding_window_block_size_not_unified, "sliding-window layers have their own block size, which "
                                                         "unify_hybrid_kv_cache_specs keeps (0.25-0.26)"),

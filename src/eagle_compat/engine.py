@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from . import detect, startup
-from .errors import IncompatibleEnvironment
+from .errors import IncompatibleEnvironment, UnsupportedModel
 
 VLLM_BLOCK_SIZE = 16
 MAX_NUM_SEQS = 32
@@ -313,21 +313,115 @@ def scheduler_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, 
     return bs, bs
 
 
+def give_local_layers_full_block_size(kv_cache_spec: dict[str, Any]) -> None:
+    """Give sliding-window layers the full-attention layers' block size where this vLLM does not when it unifies
+    (0.25-0.26: gpt-oss and Gemma-2 failed with "failed to convert the KV cache specs to one unified type"). 0.27+
+    does the same promotion itself. The block size only decides how the cache is paged; the full layers' kernels
+    already run at it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    full = {s.block_size for s in kv_cache_spec.values() if isinstance(s, FullAttentionSpec)}
+    if len(full) == 1:
+        block_size = next(iter(full))
+        for name, s in kv_cache_spec.items():
+            if (type(s) is SlidingWindowSpec and s.block_size != block_size  # not the MLA variant: vLLM does it
+                    and s.page_size_padded is None):  # padded pages (skip-quant layers) keep their own size
+                kv_cache_spec[name] = dataclasses.replace(s, block_size=block_size)
+
+
+# What a promotion to full attention chooses itself: every other field a local-attention spec shares with the full
+# spec it becomes describes the layer (shape, dtype) or its backend (KV stride order), and must come through
+PROMOTION_CHOOSES = frozenset({"block_size", "page_size_padded"})
+
+
+def keep_fields_through_promotion(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """vLLM's `unify_hybrid_kv_cache_specs` turns sliding-window and chunked-local specs into full-attention ones by
+    naming the fields to copy (0.26: block size, heads, dtype, window); a field the GPU model runner sets on every
+    layer's spec afterwards (0.26: `indexes_kv_by_block_stride`, from the backend's KV stride order) comes back at
+    its default on the promoted layers only, and one group of them fails vLLM's merge ("All attention layers in the
+    same KV cache group must have the same attention spec"). Restores those fields on the promoted layers, in place.
+    CPU backends leave them at their defaults, so only CUDA shows it (tests/test_kv_promotion.py)."""
+    for name, promoted in after.items():
+        original = before.get(name)
+        if original is None or type(promoted) is type(original) or not dataclasses.is_dataclass(promoted):
+            continue
+        shared = ({f.name for f in dataclasses.fields(promoted) if f.init}
+                  & {f.name for f in dataclasses.fields(original) if f.init}) - PROMOTION_CHOOSES
+        lost = {k: getattr(original, k) for k in shared if getattr(promoted, k) != getattr(original, k)}
+        if lost:
+            after[name] = dataclasses.replace(promoted, **lost)
+
+
 def unify_kv_cache_specs(kv_cache_spec: dict[str, Any], unify: Callable[[dict[str, Any]], Any]) -> Any:
-    """vLLM's `unify_hybrid_kv_cache_specs` (one KV-cache type for every layer, as speculators wants), after giving
-    sliding-window layers the full-attention layers' block size where this vLLM does not (0.25-0.26: gpt-oss and
-    Gemma-2 failed with "failed to convert the KV cache specs to one unified type"). 0.27+ does the same promotion
-    itself. The block size only decides how the cache is paged; the full layers' kernels already run at it."""
+    """vLLM's `unify_hybrid_kv_cache_specs` (one KV-cache type for every layer, as speculators wants), with what
+    this release's promotion leaves out: the full layers' block size (0.25-0.26), the fields the backend set."""
     if detect.feature("sliding_window_block_size_not_unified"):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-        full = {s.block_size for s in kv_cache_spec.values() if isinstance(s, FullAttentionSpec)}
-        if len(full) == 1:
-            block_size = next(iter(full))
-            for name, s in kv_cache_spec.items():
-                if (type(s) is SlidingWindowSpec and s.block_size != block_size  # not the MLA variant: vLLM does it
-                        and s.page_size_padded is None):  # padded pages (skip-quant layers) keep their own size
-                    kv_cache_spec[name] = dataclasses.replace(s, block_size=block_size)
-    return unify(kv_cache_spec)
+        give_local_layers_full_block_size(kv_cache_spec)
+    before = dict(kv_cache_spec)
+    result = unify(kv_cache_spec)
+    keep_fields_through_promotion(before, kv_cache_spec)
+    return result
+
+
+def kv_groups_refused(exc: BaseException, vllm_config: Any, kv_cache_spec: dict[str, Any]) -> UnsupportedModel:
+    """What vLLM's KV planning raised when the layers' specs could not be made one group, said with the model, the
+    release, which layers differ in what, and the way out (never a bare AssertionError from vLLM's merge)."""
+    import vllm
+
+    kinds: dict[str, list[str]] = {}
+    for name, s in kv_cache_spec.items():
+        kinds.setdefault(type(s).__name__, []).append(name)
+    first = next(iter(kv_cache_spec.values()), None)
+    differ = sorted({f.name for s in kv_cache_spec.values() if dataclasses.is_dataclass(s) and first is not None
+                     and type(s) is type(first) for f in dataclasses.fields(s)
+                     if f.init and getattr(s, f.name) != getattr(first, f.name)})
+    archs = ",".join(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or ["the model"])
+    return UnsupportedModel(
+        f"{archs} on vLLM {vllm.__version__}: vLLM's KV-cache planning refused this model's layers as the "
+        f"extraction engine (speculators 0.3.0's, and eagle_compat's) plans them. Layers by KV-cache kind: "
+        + "; ".join(f"{k} x{len(v)} ({v[0]}...)" for k, v in kinds.items())
+        + (f"; fields that differ: {', '.join(differ)}" if differ else "")
+        + f" (vLLM: {type(exc).__name__}: {exc}). `eagle-compat check --model DIR --preflight` shows this in seconds; "
+        "docs/compatibility.md lists the vLLM releases each family ran on")
+
+
+def hybrid_kv_cache_manager_on(vllm_config: Any) -> bool:
+    """Whether vLLM's own engine would plan this config's KV cache with its hybrid manager (sliding-window and
+    full-attention layers in their own groups): VllmConfig decides it (False where the platform lacks it, a KV
+    connector refuses it, or chunked local attention runs), as for `vllm serve`."""
+    return getattr(getattr(vllm_config, "scheduler_config", None), "disable_hybrid_kv_cache_manager", True) is False
+
+
+def plan_kv_cache_groups(vllm_config: Any, kv_cache_spec: dict[str, Any]) -> list[Any]:
+    """The KV-cache groups for the layers' specs (mutated in place where unified), or UnsupportedModel saying why
+    there are none.
+
+    speculators 0.3.0 unifies the specs and makes one group. For a model mixing sliding-window and full layers
+    that is not what vLLM's own engine runs wherever its hybrid manager is on, and it is wrong there: on CUDA
+    0.24-0.27 the promotion loses a backend field and vLLM's merge fails (AssertionError), and FlashAttention
+    0.25-0.27 takes the attention window from the group's spec for every layer in it, so full-attention layers attend
+    within the window, with no error (tiny gpt-oss / Gemma on an H100 with 0.26.0: layer 1 off by 0.12-0.18 median).
+    There vLLM's own `get_kv_cache_groups` plans them (local layers in their own groups); elsewhere, and for models
+    whose layers are all of one kind, speculators' plan stands."""
+    kcu = detect.kv_planning_module()
+    try:
+        if hybrid_kv_cache_manager_on(vllm_config) and not kv_planning_function("is_kv_cache_spec_uniform")(
+                kv_cache_spec):
+            return kv_planning_function("get_kv_cache_groups")(vllm_config, kv_cache_spec)
+        unify_kv_cache_specs(kv_cache_spec, kcu.unify_hybrid_kv_cache_specs)
+        return kcu._get_kv_cache_groups_uniform_spec(kv_cache_spec)
+    except (AssertionError, ValueError, NotImplementedError) as exc:
+        raise kv_groups_refused(exc, vllm_config, kv_cache_spec) from exc
+
+
+def kv_planning_function(name: str) -> Callable[..., Any]:
+    """One of vLLM's KV-planning functions, where this release keeps it (kv_cache_planning from 0.33, else
+    kv_cache_utils)."""
+    import importlib
+    for module in (detect.kv_planning_module_name(), detect.KV_UTILS_MODULE):
+        function = getattr(importlib.import_module(module), name, None)
+        if function is not None:
+            return function
+    raise NotImplementedError(f"this vLLM has no {name}")
 
 
 def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int) -> Any:
@@ -338,8 +432,7 @@ def build_kv_cache_config(vllm_config: Any, executor: Any, available_memory: int
     specs = rpc_all(executor, "get_kv_cache_spec")
     publish_kv_cache_layout(vllm_config, executor, specs)
     spec = specs[0]
-    unify_kv_cache_specs(spec, kcu.unify_hybrid_kv_cache_specs)
-    groups = kcu._get_kv_cache_groups_uniform_spec(spec)
+    groups = plan_kv_cache_groups(vllm_config, spec)
     return kv_cache_config_from_groups(kcu.get_kv_cache_config_from_groups, executor=executor,
                                        vllm_config=vllm_config, kv_cache_groups=groups,
                                        available_memory=available_memory, kv_cache_specs=spec)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from . import (async_scheduling_off, chunked_prefill_off, cpu_int4_w4a16, cpu_kv_budget, cpu_mla_disable,
                cpu_tp_thread_binding, extensible_kv_cache_off, finished_requests_delivered, gpu_sampler_no_jit,
-               kv_cache_config_helpers, kv_cache_room_checked, kv_planning_helpers_moved, platform_block_size,
+               kv_cache_config_helpers, kv_cache_room_checked, kv_planning_helpers_moved, kv_cache_groups_as_vllm,
+               platform_block_size,
                prefix_caching_off, quiet_shutdown, request_eos_token_id, scheduler_block_size,
-               scheduler_config_encoder_decoder, sliding_window_block_size, speculators_config_init,
+               scheduler_config_encoder_decoder, speculators_config_init,
                speculators_trainer_target_norm, startup_port_race, step_deadline, text_only_model,
                transformers5_pydantic_torch, transformers_attn_mask_utils, two_phase_step, unique_reply_shape,
                unscheduled_requests_refused, warm_up_separate, worker_capture, worker_error_messages, worker_handshake)
@@ -31,7 +32,7 @@ REGISTRY: tuple[PatchUnit, ...] = (
     platform_block_size.UNIT,
     text_only_model.UNIT,
     kv_planning_helpers_moved.UNIT,
-    sliding_window_block_size.UNIT,
+    kv_cache_groups_as_vllm.UNIT,
     kv_cache_config_helpers.UNIT,
     scheduler_block_size.UNIT,
     kv_cache_room_checked.UNIT,

@@ -3,17 +3,17 @@
 Its drafter's training target is the verifier's `lm_head` over the verifier's last hidden state
 (`Eagle3DraftModel.forward`, core.py L328 at v0.3.0), and the states its data generation saves (and eagle_compat's,
 in the same convention) are taken *before* the final norm: the target skips the norm the verifier applies before its
-`lm_head`. speculators fixed it after 0.3.0 (commit a54a7283, #313: `verifier_lm_head(verifier_norm(h))`).
+`lm_head`. speculators fixed it after 0.3.0 (commit a54a7283, speculators#313: `verifier_lm_head(verifier_norm(h))`).
 Measured on SmolLM2-135M-Instruct: the unnormed target's top token is the verifier's own next token on 10% of loss
 tokens, and a drafter trained by 0.3.0's trainer on the H200 had 0.12 tokens accepted per draft
 (benchmarks/results/h200-training-proof-vllm-0.20.0-run1.json, docs/training-proof.md).
 
 Applied when `speculators.models.eagle3.core` is imported: after the drafter loads the verifier's `lm_head`, the
 verifier's final norm (its RMSNorm weight from the same checkpoint, the config's epsilon) is applied to the input of
-that `lm_head` by a forward pre-hook, as #313 does; the weight is a non-persistent buffer, so checkpoints are
+that `lm_head` by a forward pre-hook, as speculators#313 does; the weight is a non-persistent buffer, so checkpoints are
 unchanged. A verifier whose norm is not `weight * x / rms(x)` is refused by name rather than trained wrong.
 uninstall() restores speculators' method; a drafter built while installed keeps its hook (it is that training's).
-Like #313, the norm applies to the last state of every data format the trainer reads, v0's `target` included: v0
+Like speculators#313, the norm applies to the last state of every data format the trainer reads, v0's `target` included: v0
 files must hold the state before the final norm, as speculators' own generator and `extract` write it (HF's
 `output_hidden_states[-1]` is after it on Llama-style models: normed twice, a wrong target).
 """
@@ -77,10 +77,10 @@ UNIT = PatchUnit(
     name="speculators_trainer_target_norm",
     needs_vllm=False,
     broke="speculators 0.3.0's trainer computes its target logits without the verifier's final norm (fixed "
-          "upstream in #313): the drafter learns another distribution than the verifier's",
+          "upstream in speculators#313): the drafter learns another distribution than the verifier's",
     affects="",
     condition="speculators whose Eagle3DraftModel target skips the verifier's final norm (0.3.0); any vLLM",
-    delete_when="the speculators floor includes #313 (the trainer applies verifier_norm itself)",
+    delete_when="the speculators floor includes speculators#313 (the trainer applies verifier_norm itself)",
     target=TARGET,
     sides=("driver",),
     silent=True,
