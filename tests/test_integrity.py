@@ -35,7 +35,7 @@ def test_install_refuses_a_plugin_allow_list_that_keeps_workers_unpatched(monkey
 def _session(layer_ids):
     from eagle_compat.capture.worker import CaptureSession
     session = CaptureSession.__new__(CaptureSession)  # the delivery checks alone, no model
-    session.layer_ids, session.delivered = layer_ids, []
+    session.layer_ids, session.delivered, session.row_sink = layer_ids, [], None
     session.sink = session.delivered.append
     session.worker = type("Worker", (), {"model_runner": None})()
     return session
@@ -59,6 +59,22 @@ def test_a_broken_capture_invariant_is_a_failure_in_the_matrix_never_unsupported
                          "execute_model")
     assert classify(f"{type(remote).__name__}: {remote}") == "fail"
     assert classify(f"{type(remote).__name__}: {remote} (not supported; Unsupported)") == "fail"
+
+
+@pytest.mark.parametrize("lengths", [(4, 4, 4), (2, 3, 4)])
+def test_a_batch_whose_order_cannot_be_read_is_refused_never_guessed(lengths):
+    """A vLLM whose model runner keeps its batch where runner_batch_order() does not look: three requests run in
+    reverse order, their rows carry their own index. Equal lengths (inputs cut to --max-len) were taken in the
+    scheduler's order before, silently returning request 2's states for request 0."""
+    from eagle_compat.errors import UnsupportedModel
+    scheduled = {f"r{i}": n for i, n in enumerate(lengths)}
+    rows = torch.cat([torch.full((n, 4), float(i)) for i, n in reversed(list(enumerate(lengths)))])
+    step = {0: [rows], 1: [rows]}
+    with pytest.raises(UnsupportedModel, match=r"cannot tell in which order .* 3 requests"):
+        _session([0, 1])._deliver(step, scheduled, None)
+    one = _session([0, 1])  # a single request has one order
+    one._deliver({0: [rows[:4]], 1: [rows[:4]]}, {"r0": 4}, None)
+    assert len(one.delivered) == 1
 
 
 @pytest.mark.engine

@@ -161,9 +161,14 @@ class CaptureSession:
             if sorted(runner_order) != sorted(wanted):
                 raise CaptureInvariantError(
                     f"model runner batch {runner_order} does not match the scheduled {wanted}")
-        elif runner_order is None and len(set(scheduled.values())) > 1:
+        elif runner_order is None and len(scheduled) > 1:
+            # equal lengths are common (inputs cut to --max-len): assuming the scheduler's order would swap whole
+            # samples with no later check able to see it
             raise UnsupportedModel(
-                f"cannot tell the batch order of {type(self.worker.model_runner).__name__}; refusing to guess")
+                f"cannot tell in which order {type(self.worker.model_runner).__name__} laid out the {len(scheduled)} "
+                "requests of this step (this vLLM keeps its batch elsewhere than eagle_compat reads it); refusing to "
+                "guess, which could swap samples' states. One request per step (extract: --batch-size 1; the "
+                "generator: one prompt per generate() call) runs on it")
         layout = runner_order if runner_order is not None else wanted
         if self.row_sink is not None:
             self.row_sink(per_layer, row_spans(layout, scheduled), wanted)
