@@ -35,6 +35,9 @@ def _apply(patcher, module) -> None:
         spec = args[0] if args else kwargs["kv_cache_specs"]
         executor = executors.last()
         config = getattr(executor, "vllm_config", None)
+        if executor is not None and config is not None:
+            # 0.29+: vLLM's planning reads the KV layout, which speculators has the helpers publish only after it
+            engine.publish_kv_cache_layout(config, executor, [spec])
         return engine.plan_kv_cache_groups(config, spec)
 
     patcher.wrap(module, "unify_hybrid_kv_cache_specs", unify)
