@@ -21,7 +21,8 @@ def _generator_class():
     return VllmHiddenStatesGenerator
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3", "kimi_k25"])
+# gemma3: sliding-window and full layers, its KV cache planned as vLLM's engine plans it (kv_cache_groups_as_vllm)
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3", "kimi_k25", "gemma3"])
 def shim(request):
     path, reference_path, num_layers = tiny_models.build_family(request.param)
     layer_ids = [0, (num_layers - 1) // 2, num_layers - 2, num_layers - 1]  # first, middle, N-2, N-1

@@ -215,6 +215,8 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         raise InvalidInput("SRC and DST are the same directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise InvalidInput(f"DST {dst!r} is a file")
+    if os.path.isdir(dst):
+        writer.refuse_others_folder(dst, "DST")
     fresh = _dst_record(src, p)
     existing = _check_destination(dst, p, resume)
     os.makedirs(dst, exist_ok=True)

@@ -90,6 +90,8 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--model {opts.model!r}: no such directory")
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
+    if os.path.isdir(opts.out):
+        writer.refuse_others_folder(opts.out)
     if os.path.realpath(opts.out) == os.path.realpath(opts.model):  # its manifest would change the model's checksums
         raise InvalidInput(f"--out {opts.out!r} is the model's directory; give a directory of its own (the run's "
                            "records there would change the model's checksums, and no --resume would be accepted)")
@@ -330,6 +332,9 @@ def run(opts: ExtractOptions) -> dict:
         os.makedirs(opts.out, exist_ok=True)
     except OSError as exc:
         raise writer.OutputWriteError(f"--out {opts.out!r} cannot be made: {exc.strerror or exc}") from None
+    writer.refuse_others_folder(opts.out)  # again: made by another user between the checks and here
+    if opts.shard[1] > 1 and (note := writer.lock_scope_note(opts.out)):
+        print(f"NOTE: {note}", file=sys.stderr)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     versions = detect.installed_versions().as_dict()
     with writer.DirectoryLock(opts.out):

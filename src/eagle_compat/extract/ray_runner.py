@@ -34,7 +34,25 @@ MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops 
 MAX_UNAVAILABLE = 10  # ActorUnavailableError replies for one batch before the run stops
 WAIT_POLL_S = 30.0  # how often the driver looks for hung actors while no batch finishes
 LOAD_DEADLINE_S, LOAD_DEADLINE_ENV = 3600.0, "EAGLE_COMPAT_LOAD_DEADLINE_S"  # an actor's engine start
-CORE_LOCKS = "/tmp/eagle-compat-cpu-cores"  # node-local: which cores an actor's engine binds its threads to
+# node-local: which cores an actor's engine binds its threads to; one folder per user (another user's would refuse
+# our lock files, and a folder of links planted in a shared /tmp would be followed)
+CORE_LOCKS = "/tmp/eagle-compat-cpu-cores-{uid}"
+
+
+def core_locks_dir() -> str:
+    """This user's folder of core locks: made private (0700), and refused where it is a link or another user's."""
+    import stat
+    path = CORE_LOCKS.format(uid=os.geteuid())
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise writer.OutputDirectoryConflict(
+            f"{path} (this user's CPU core locks for --ray) is not a folder of yours (a link, a file or another "
+            "user's): another user of this host may have made it. Remove it and run again")
+    return path
 # where this eagle_compat is imported from (src/eagle_compat): the actors are given its parent first on PYTHONPATH
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,12 +111,12 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
     """On CPU, `count` cores of this node that no other actor's engine uses: flock'ed lock files (one per core,
     released by the kernel when the actor dies). Returns vLLM's VLLM_CPU_OMP_THREADS_BIND for `tp` ranks, the cores,
     and the open lock fds (kept for the actor's life)."""
-    os.makedirs(CORE_LOCKS, exist_ok=True)
+    locks = core_locks_dir()
     got, fds = [], []
     for core in sorted(os.sched_getaffinity(0)):
         if len(got) == count:
             break
-        fd = writer.try_flock(os.path.join(CORE_LOCKS, f"core-{core}.lock"), 0o666, read_only_ok=True)
+        fd = writer.try_flock(os.path.join(locks, f"core-{core}.lock"), 0o600)
         if fd is None:  # another actor's engine runs there
             continue
         got.append(core)

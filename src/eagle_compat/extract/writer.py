@@ -139,6 +139,8 @@ def atomic_write_file(path: str, write: Any) -> None:
     # no dot from the host name: torch.save names its archive after the file name up to the last dot, and a file
     # must be the same bytes whichever host wrote it
     tmp = f"{path}.tmp-{socket.gethostname().replace('.', '-')}-{os.getpid()}-{os.urandom(4).hex()}"
+    # made new here, never through a link another user planted under that name; `write` then reopens our own file
+    os.close(open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     try:
         try:
             write(tmp)
@@ -521,8 +523,9 @@ WRITERS_WAIT_ENV = "EAGLE_COMPAT_WRITERS_WAIT_S"
 def hold_as_writer(out_dir: str) -> int:
     """A descriptor holding the directory's writers lock shared (kept for the writer's life; the kernel releases it
     when the process dies)."""
-    fd = os.open(os.path.join(out_dir, WRITERS_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    path = os.path.join(out_dir, WRITERS_LOCK)
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+    flock_or_explain(fd, fcntl.LOCK_SH, path)
     return fd
 
 
@@ -536,17 +539,18 @@ def wait_for_other_writers(out_dir: str, timeout: float | None = None, on_wait: 
     if not os.path.exists(path):
         return 0.0
     try:  # for writing: on NFS flock is emulated with POSIX locks, whose exclusive lock needs it
-        fd = os.open(path, os.O_RDWR)
+        fd = open_no_follow(path, os.O_RDWR)
     except PermissionError:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_no_follow(path, os.O_RDONLY)
     start = time.monotonic()
     try:
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flock_or_explain(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
                 return time.monotonic() - start
             except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if isinstance(exc, OutputWriteError) or exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN,
+                                                                          errno.EACCES):
                     raise OutputWriteError(f"cannot lock {path} to check for writers of an earlier run: "
                                            f"{exc.strerror or exc}") from exc
                 waited = time.monotonic() - start
@@ -587,19 +591,114 @@ def try_flock(path: str, mode: int = 0o644, read_only_ok: bool = False) -> int |
     it. The kernel releases the lock when its holder dies. `read_only_ok`: a file another user made is locked through
     a read-only descriptor (flock allows it)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT, mode)
     except PermissionError:
         if not read_only_ok:
             raise
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_no_follow(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        flock_or_explain(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
     except OSError as exc:
         os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        if isinstance(exc, OutputWriteError) or exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         return None
     return fd
+
+
+class SymlinkRefused(OutputDirectoryConflict):
+    """A lock or temporary file of the run is a symbolic link (planted by another user on a shared host)."""
+
+
+def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
+    """os.open that never follows a symbolic link at `path` itself: on a shared host another user who can create
+    files there (a shared scratch folder) could point a lock or temporary file of this run at a file of yours."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or exc.errno == errno.EEXIST and os.path.islink(path):
+            raise SymlinkRefused(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}); refusing to follow it: on a shared host it "
+                "can make this run write over another file. Remove the link, or choose a folder of your own") from None
+        raise
+
+
+# errno values a filesystem without flock answers with (Lustre mounted without -o flock: ENOSYS; NFS without a lock
+# manager: ENOLCK)
+NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def mount_of(path: str) -> tuple[str, str, str]:
+    """(mount point, filesystem type, options) of the mount holding `path`, from /proc/mounts ("?" where unknown):
+    the longest mount point that contains it."""
+    best, best_point = ("?", "?", "?"), ""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = point == "/" or real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best_point):
+                    best, best_point = (point, parts[2], parts[3]), point
+    except OSError:
+        pass
+    return best
+
+
+def flock_or_explain(fd: int, operation: int, path: str) -> None:
+    """fcntl.flock, with a filesystem that has no flock named (mount, type) and the way out, instead of a raw
+    OSError: every guarantee about one writer per folder rests on it."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as exc:
+        if exc.errno not in NO_FLOCK:
+            raise
+        point, fstype, options = mount_of(path)
+        raise OutputWriteError(
+            f"cannot lock {path}: the filesystem has no flock ({fstype} mounted at {point}, options {options}; "
+            f"{exc.strerror or exc}). eagle_compat's one-writer-per-folder guarantee needs it: mount with flock "
+            "support (Lustre: -o flock), or write --out to a filesystem that has it (a local disk) and copy the "
+            "finished folder") from None
+
+
+# filesystems whose flock, as mounted, holds on one machine only: two machines can each take it
+LOCAL_ONLY_LOCKS = {"beegfs": "BeeGFS takes flock per client unless tuneUseGlobalFileLocks is set",
+                    "lustre:localflock": "Lustre mounted with localflock takes flock per client"}
+
+
+def lock_scope_note(path: str) -> str | None:
+    """Where locks on `path` hold on this machine only, what that means for --shard across machines (else None)."""
+    _, fstype, options = mount_of(path)
+    why = LOCAL_ONLY_LOCKS.get(fstype) or (
+        LOCAL_ONLY_LOCKS["lustre:localflock"] if fstype == "lustre" and "localflock" in options.split(",") else None)
+    if why is None:
+        return None
+    return (f"{path} is on {fstype} ({why}): the one-writer lock does not hold across machines, so run each --shard "
+            "of one folder on one machine, or give each machine its own --out and merge them (README)")
+
+
+def refuse_others_folder(path: str, what: str = "--out") -> None:
+    """A folder this run writes must be the user's own: not another user's (who could plant links or files there),
+    not writable by every user unless sticky (where anyone could replace its files)."""
+    import stat
+    st = os.stat(path)
+    me = os.geteuid()
+    if st.st_uid != me:
+        try:
+            import pwd
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except (KeyError, ImportError):
+            owner = str(st.st_uid)
+        raise OutputDirectoryConflict(
+            f"{what} {path!r} belongs to another user ({owner}, uid {st.st_uid}; you are uid {me}): they could "
+            "plant links or files there that this run would write through or train on. Choose a folder of your own")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise OutputDirectoryConflict(
+            f"{what} {path!r} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}) without the sticky bit: "
+            f"anyone could replace its files. chmod o-w {path}, or choose another folder")
 
 
 class DirectoryLock:

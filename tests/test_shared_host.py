@@ -1,0 +1,119 @@
+"""A shared host: another user's planted links and folders, a filesystem without flock, per-user core locks.
+
+On a cluster's shared scratch space another user can create the folder a victim will name as --out, or files in it.
+Each test plants what such a user could, then runs what the victim runs; nothing of the victim's may be written
+through a link, and the refusal names what was found. docs/reliability.md has a row for each.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from eagle_compat.extract import writer
+
+OTHER_UID = 4242  # a user id that is not the test's (the tests run as any user; chown needs root)
+
+
+def victims_file(tmp_path):
+    victim = tmp_path / "victim" / "notes.txt"
+    victim.parent.mkdir()
+    victim.write_text("the victim's own file\n")
+    return victim
+
+
+@pytest.mark.parametrize("lock", [writer.LOCK_FILE, writer.WRITERS_LOCK])
+def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, lock):
+    victim = victims_file(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / lock).symlink_to(victim)
+    with pytest.raises(writer.SymlinkRefused, match=r"is a symbolic link .*refusing to follow it"):
+        if lock == writer.LOCK_FILE:
+            with writer.DirectoryLock(str(out)):
+                pass
+        else:
+            writer.hold_as_writer(str(out))
+    assert victim.read_text() == "the victim's own file\n"
+
+
+def test_a_temporary_file_is_never_opened_through_a_link(tmp_path, monkeypatch):
+    # the temporary name made predictable, a link planted under it: the write is refused, the target untouched
+    victim = victims_file(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(writer.os, "urandom", lambda n: b"\0" * n)
+    monkeypatch.setattr(writer.socket, "gethostname", lambda: "host")
+    target = out / "data_0.pt"
+    planted = out / f"data_0.pt.tmp-host-{os.getpid()}-00000000"
+    planted.symlink_to(victim)
+    with pytest.raises(writer.SymlinkRefused):
+        writer.atomic_write_file(str(target), lambda tmp: open(tmp, "w").write("states"))
+    assert victim.read_text() == "the victim's own file\n" and not target.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root (chown)")
+def test_an_out_folder_of_another_user_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, OTHER_UID, -1)
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"belongs to another user .*uid {OTHER_UID}"):
+        writer.refuse_others_folder(str(out))
+
+
+def test_an_out_folder_everyone_may_write_is_refused_unless_sticky(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"writable by every user \(mode 777\)"):
+        writer.refuse_others_folder(str(out))
+    out.chmod(0o777 | stat.S_ISVTX)  # /tmp's mode: others cannot replace the files this run makes
+    writer.refuse_others_folder(str(out))
+    out.chmod(0o755)
+    writer.refuse_others_folder(str(out))
+
+
+def test_extract_refuses_a_planted_out_folder_before_anything_is_written(tmp_path, no_engine):
+    from eagle_compat.extract import job
+    from eagle_compat import tiny_models
+
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    opts = job.ExtractOptions(model=tiny_models.build_tiny_model("llama"), data=str(data), out=str(out),
+                              layers=[0, 1], batch_size=1, max_len=16)
+    with pytest.raises(writer.OutputDirectoryConflict, match="writable by every user"):
+        job.run(opts)
+    assert os.listdir(out) == []
+
+
+def test_a_filesystem_without_flock_is_named_with_the_way_out(tmp_path, monkeypatch):
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(writer.fcntl, "flock", no_flock)
+    with pytest.raises(writer.OutputWriteError, match=r"the filesystem has no flock \(\w+ mounted at /.*Lustre: -o flock"):
+        with writer.DirectoryLock(str(tmp_path)):
+            pass
+
+
+def test_locks_that_hold_per_machine_only_are_said_for_shards(monkeypatch):
+    monkeypatch.setattr(writer, "mount_of", lambda path: ("/scratch", "lustre", "rw,localflock"))
+    assert "does not hold across machines" in writer.lock_scope_note("/scratch/out")
+    monkeypatch.setattr(writer, "mount_of", lambda path: ("/scratch", "lustre", "rw,flock"))
+    assert writer.lock_scope_note("/scratch/out") is None
+
+
+def test_core_locks_are_per_user_and_a_planted_folder_is_refused(tmp_path, monkeypatch):
+    from eagle_compat.extract import ray_runner
+    monkeypatch.setattr(ray_runner, "CORE_LOCKS", str(tmp_path / "cores-{uid}"))
+    path = ray_runner.core_locks_dir()
+    assert path.endswith(f"cores-{os.geteuid()}") and stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    os.rmdir(path)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", path)  # another user's link where this user's folder goes
+    with pytest.raises(writer.OutputDirectoryConflict, match="not a folder of yours"):
+        ray_runner.core_locks_dir()
