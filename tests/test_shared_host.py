@@ -117,3 +117,32 @@ def test_core_locks_are_per_user_and_a_planted_folder_is_refused(tmp_path, monke
     os.symlink(tmp_path / "elsewhere", path)  # another user's link where this user's folder goes
     with pytest.raises(writer.OutputDirectoryConflict, match="not a folder of yours"):
         ray_runner.core_locks_dir()
+
+
+def test_ray_without_an_address_starts_its_own_cluster(monkeypatch):
+    """Ray's default address joins the cluster recorded in /tmp/ray/ray_current_cluster (another user's, or a
+    stale one); --ray without an address must start a local one, as the help says."""
+    import types
+    from eagle_compat.extract import ray_runner
+
+    calls = []
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: False, init=lambda address=None, **kw: calls.append(address),
+        get_runtime_context=lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    monkeypatch.setattr(ray_runner, "require_ray", lambda: fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _, what = ray_runner.connect(None)
+    assert calls == ["local"] and "started by this run" in what
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # never contacted: the stand-in records the call only
+    ray_runner.connect(None)
+    ray_runner.connect("auto")
+    assert calls[1:] == [None, "auto"]
+
+
+def test_actors_of_an_installed_eagle_compat_keep_their_nodes_packages(monkeypatch):
+    from eagle_compat.extract import ray_runner
+    monkeypatch.setattr(ray_runner, "PACKAGE_DIR", "/usr/lib/python3/site-packages/eagle_compat")
+    assert ray_runner.actor_runtime_env() == {}
+    monkeypatch.setattr(ray_runner, "PACKAGE_DIR", "/shared/checkout/src/eagle_compat")
+    monkeypatch.setenv("PYTHONPATH", "/opt/x")
+    assert ray_runner.actor_runtime_env() == {"env_vars": {"PYTHONPATH": "/shared/checkout/src" + os.pathsep + "/opt/x"}}

@@ -53,6 +53,8 @@ def core_locks_dir() -> str:
             f"{path} (this user's CPU core locks for --ray) is not a folder of yours (a link, a file or another "
             "user's): another user of this host may have made it. Remove it and run again")
     return path
+
+
 # where this eagle_compat is imported from (src/eagle_compat): the actors are given its parent first on PYTHONPATH
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,23 +85,36 @@ def check_options(opts: Any) -> None:
             raise InvalidInput(f"--{name.replace('_', '-')} {value}; must be >= 1")
 
 
+def actor_runtime_env() -> dict:
+    """The actors import eagle_compat where the driver does: a source checkout's `src` first on their PYTHONPATH (a
+    shared checkout). An installed eagle_compat sits in site-packages, which must not be put before each node's own
+    packages: there the actors import the node's install."""
+    src = os.path.dirname(PACKAGE_DIR)
+    if os.path.basename(src) in ("site-packages", "dist-packages"):
+        return {}
+    pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"PYTHONPATH": pythonpath}}
+
+
 def connect(address: str | None) -> tuple[Any, str]:
-    """`address` None: Ray's default (RAY_ADDRESS if set, else a new local cluster); 'auto': a running cluster on
-    this node; 'host:port' / 'ray://…': that cluster. Returns (ray, what was connected to)."""
+    """`address` None: RAY_ADDRESS if set, else a new local cluster, always (Ray's own default joins whatever cluster
+    this host last recorded in /tmp/ray, another user's or a stale one); 'auto': a running cluster on this node;
+    'host:port' / 'ray://…': that cluster. Returns (ray, what was connected to)."""
     global _connected
     ray = require_ray()
     if ray.is_initialized():
         return ray, _connected or ray.get_runtime_context().gcs_address
     kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
-    if address is None and not os.environ.get("RAY_ADDRESS"):
+    local = address is None and not os.environ.get("RAY_ADDRESS")
+    if local:
         kwargs["include_dashboard"] = False
     try:
-        ray.init(address=address, **kwargs)
+        ray.init(address="local" if local else address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"--ray {address or ''}: could not connect to a Ray cluster: {exc}".replace("  ", " ")
                            ) from None
     _connected = ray.get_runtime_context().gcs_address
-    if address is None and not os.environ.get("RAY_ADDRESS"):
+    if local:
         _connected += " (a local cluster started by this run)"
     return ray, _connected
 
@@ -329,11 +344,9 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                      trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
                      stamp=writer.stamp_of(manifest))
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
-    src = os.path.dirname(PACKAGE_DIR)
-    pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
     remote = ray.remote(ExtractActor).options(
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        runtime_env=actor_runtime_env())
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
     stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
               "deaths": 0, "died_errors": 0, "restarts_seen": 0,
