@@ -528,7 +528,24 @@ def _resume_hint(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is not None:  # called from Python: processes it shares with its caller are the caller's
+        return _main(argv)
+    # the command line: end whatever this command started and left behind (a hung vLLM worker keeps its GPU memory)
+    from . import leftovers
+    before = leftovers.descendants()
+    try:
+        return _main(sys.argv[1:])
+    finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+            ray.shutdown()  # a local cluster this run started ends the way Ray ends it, before anything is counted
+        ended = leftovers.end_new_descendants(before)
+        if ended:
+            print(f"eagle-compat: ended {len(ended)} process(es) this command started and left running: "
+                  + "; ".join(ended), file=sys.stderr)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
         from . import launcher
         return launcher.main(argv[1:])
