@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds a bundle that puts a CUDA vLLM release and the Python packages it needs onto the lent H200 machine (no
+# Builds a bundle that puts a CUDA vLLM release and the Python packages it needs onto an offline H200 machine (no
 # network there), in parts small enough to carry (64 MiB a call). Parameterized by release; the package pins are
-# the ones measured for vLLM 0.20.0 on that image (torch 2.11.0+cu130, transformers 5.17: shared/notes/
-# gpu-vllm-recipe.md). A release whose wheel asks for other requirements than 0.20.0's is refused, naming each
+# the ones measured for vLLM 0.20.0 on that image (torch 2.11.0+cu130, transformers 5.17: docs/adr/0037-gpu-bundles.md,
+# docs/gpu-parity.md). A release whose wheel asks for other requirements than 0.20.0's is refused, naming each
 # difference (measured from the wheel's own metadata): its pins must be measured before it can be carried.
 # usage: [BASE=DIR] bash scripts/gpu_bundle.sh RELEASE OUTDIR      (OUTDIR ignored by git, e.g. .gpu)
 # BASE=DIR builds a delta over bundle DIR (a release on the same torch): only what DIR lacks, set up on a machine where
@@ -69,7 +69,7 @@ case "$release" in
   # 0.27.x pins torch 2.13.0 (the image has 2.11.0): torch, torchvision, triton, cuDNN and NCCL are carried and shadow
   # the image's (/tmp/site is first on the path). cuDNN 9.20: torch refuses a runtime cuDNN minor older than its
   # build's (torch/backends/cudnn; the image's is 9.19). NCCL 2.29.7: torch 2.13's libtorch_cuda.so needs 8 symbols
-  # the image's 2.28.9 lacks (ncclCommSuspend, ncclSignal, ...; nm -D of both, session 13), and loads it at import.
+  # the image's 2.28.9 lacks (ncclCommSuspend, ncclSignal, ...; nm -D of both), and loads it at import.
   # cuSPARSELt 0.8.0 and cuBLAS 13.1.0 (the image's, via cuda-toolkit 13.0.2) define every symbol torch 2.13 takes
   # from them (nm -D): they stay the image's. quack-kernels: 0.27 pins it exactly. Ran: results/gpu/h200-vllm-0.27.1*.
   # 0.28.0-0.32.0 pin the same torch 2.13.0 (each wheel's metadata): one set, and each release's own pins beside it;
@@ -83,7 +83,7 @@ case "$release" in
     # when its kernels run), nccl4py (flashinfer's comm module), tokenspeed-mla (its own MLA backends), mcp (the API
     # server). 0.29+ asks instanttensor (a load format) and 0.31+ oss-harmony (gpt-oss), carried, being small; 0.32
     # asks tokenizers>=0.23.2: 0.23.3, which the image's transformers 5.17 takes (<0.24). 0.28.0 ran:
-    # results/gpu/h200-vllm-0.28.0* and 0.29.0-0.32.0 (session 18).
+    # results/gpu/h200-vllm-0.28.0* to h200-vllm-0.32.0*.
     hub="huggingface_hub==1.33.0"
     case "$release" in
       0.27.1) overrides="$overrides xgrammar==0.2.9 flashinfer_python==0.6.16.post3 humming_kernels==0.1.10 \
@@ -103,7 +103,7 @@ case "$release" in
   # (cuDNN 9.24, NCCL 2.30.7, Triton 3.8, cuSPARSELt 0.8.1, carried rather than checked against the image's 0.8.0)
   # and 0.33.0's own (flashinfer 0.7.2.post1, humming 0.1.19, xgrammar 0.2.8; its protobuf==7.36.1 is for s390x
   # only, so the image's protobuf stays). torch 2.14 asks cuBLAS 13.1.1.3 (cuda-toolkit 13.0.3): the image's 13.1.0.3
-  # defines every cublas* symbol libtorch_cuda.so (71) and libtorch_cuda_linalg.so (135) take (nm -D, session 18), so
+  # defines every cublas* symbol libtorch_cuda.so (71) and libtorch_cuda_linalg.so (135) take (nm -D of both), so
   # it stays the image's. Built (35 parts, 2,073 MB: bundle-builds.md), not yet run.
   0.33.0)
     overrides="torch==2.14.0 torchvision==0.29.0 triton==3.8.0 nvidia_cudnn_cu13==9.24.0.43 nvidia_nccl_cu13==2.30.7 \

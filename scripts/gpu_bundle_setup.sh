@@ -1,5 +1,5 @@
 # The body of a bundle's setup.sh (scripts/gpu_bundle.sh writes `parts="..."`, and for a delta `base="MD5"`, above
-# it), run on the lent H200 by scripts/gpu_setup.sh's gpu_setup: joins the carried parts, checks them, and installs
+# it), run on the H200 machine by scripts/gpu_setup.sh's gpu_setup: joins the carried parts, checks them, and installs
 # vLLM and the bundle's wheels into $GPU_SITE, which goes first on PYTHONPATH. It builds in $GPU_SITE.new and moves
 # that into place last, so a call cut off half-way leaves no half-made set-up. A delta links its base's set-up in
 # from $GPU_SITES/BASE_MD5 (kept there by gpu_setup) and replaces what it carries. GPU_PARTS, GPU_SITE and GPU_SITES
@@ -11,7 +11,8 @@ site=${GPU_SITE:-/tmp/site}
 sites=${GPU_SITES:-/tmp/sites}
 new=$site.new
 # each part from the bundle's own folder, where its carry call left it, else from $g: the last part then needs no
-# copy (session 21 lost two calls to that), and a same-named part of another release's bundle in $g is not taken
+# copy (set-ups that looked in $g alone stopped at "cat: part03: No such file or directory": tests/test_gpu_bundle.py),
+# and a same-named part of another release's bundle in $g is not taken
 mkdir -p "$g" && cd "$g"
 for part in $parts; do
   if [ -f "$here/$part" ]; then cat "$here/$part"; elif [ -f "$part" ]; then cat "$part"; else

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool), in the call that carries a bundle's last part or after it (scripts/gpu_bundle.sh,
-# shared/notes/gpu-vllm-recipe.md): sets the bundle's vLLM up once per machine (another bundle replaces it), then
+# On the offline H200 machine, in the call that carries a bundle's last part or after it (scripts/gpu_bundle.sh,
+# docs/adr/0037-gpu-bundles.md): sets the bundle's vLLM up once per machine (another bundle replaces it), then
 # runs the project's end-to-end parity cells (compat_matrix/cell.py) on the GPU, engine in bf16 (dtype auto), against
 # HF transformers fp32 on the same GPU.
 #   CELLS="generator:llama shim:llama ..."   which cells (CHECK:MODEL; MODEL a tiny, real or quantized model); default
@@ -23,8 +23,9 @@ export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
 # each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
-# the running cell got (vLLM 0.21.0's first cell, session 10, came back with nothing from /tmp)
-# default: the cells issue 24 asks of every release (each family, ours and speculators' under install()). vLLM 0.26+
+# the running cell got (vLLM 0.21.0's first cell came back with nothing from /tmp:
+# results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt2.machine.txt)
+# default: the cells every release is checked with (each family, ours and speculators' under install()). vLLM 0.26+
 # on Hopper refuses the CPU-sized tiny MLA models' head dims at engine start (results/gpu/attempts/
 # h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_matrix)
 release=$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)

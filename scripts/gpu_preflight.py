@@ -1,6 +1,7 @@
-"""Time `--preflight` (issue 26, item 4) on checkpoints of real size, config only (no weights exist here), and on the
-tiny quantized checkpoints, each as a fresh command timed from outside (what a user waits for), with the default
-in-process worker and, for the ratio in the same run, a spawned one. One JSON line per run to OUT/preflight.jsonl.
+"""Time `--preflight` (docs/adr/0032-preflight.md) on checkpoints of real size, config only (no weights exist here),
+and on the tiny quantized checkpoints, each as a fresh command timed from outside (what a user waits for), with the
+default in-process worker and, for the ratio in the same run, a spawned one. One JSON line per run to
+OUT/preflight.jsonl.
 
   python scripts/gpu_preflight.py [--device cuda|cpu] [--only NAME,...]
 

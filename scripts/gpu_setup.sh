@@ -1,5 +1,5 @@
-# Sourced by the scripts that run on the lent H200 (device tool): sets the carried vLLM bundle up once per machine
-# (shared/notes/gpu-vllm-recipe.md; built by scripts/gpu_bundle.sh RELEASE .gpu), installs .gpu/extra/*.whl (the
+# Sourced by the scripts that run on the offline H200 machine: sets the carried vLLM bundle up once per machine
+# (docs/adr/0037-gpu-bundles.md; built by scripts/gpu_bundle.sh RELEASE .gpu), installs .gpu/extra/*.whl (the
 # wheels the image lacks: wrapt for eagle_compat; speculators 0.3.0 and what it imports), and makes eagle_compat an
 # installed distribution, so vLLM's workers load its vllm.general_plugins entry point.
 # Needs: $out (a folder for setup.log). Exports PYTHONPATH=$GPU_SITE:$PWD/src (GPU_SITE: /tmp/site; tests move it).
@@ -51,7 +51,7 @@ gpu_setup() {
 }
 
 # Kills what still holds the GPU before the next engine starts: a step cut off by `timeout` kills its python, but
-# vLLM's engine-core process can outlive it and keep its memory (session 16, 0.27.1: the throughput run's native
+# vLLM's engine-core process can outlive it and keep its memory (0.27.1: the throughput run's native
 # engine, killed at the call's 280 s, left 120 GiB held, and the three cells after it failed at start-up for "Free
 # memory ... less than desired GPU memory utilization": results/gpu/attempts/h200-vllm-0.27.1-leftover-engine.*).
 free_gpu() {

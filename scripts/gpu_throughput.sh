@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool), in the call that carries the bundle's last part or after it (shared/notes/
-# gpu-vllm-recipe.md): sets the bundle's vLLM up (once per machine, scripts/gpu_setup.sh), then runs the issue-12
-# measurements, each writing to $OUT as it ends:
+# On the offline H200 machine, in the call that carries the bundle's last part or after it
+# (docs/adr/0037-gpu-bundles.md): sets the bundle's vLLM up (once per machine, scripts/gpu_setup.sh), then runs the
+# throughput measurements (docs/adr/0038-throughput-reporting.md), each writing to $OUT as it ends:
 #   llama8b-256x1024   benchmarks/throughput.py, 8B-shaped Llama (dummy weights), 256 x 1024, 8 prompts per batch
 #                      (extract's default batch size): plain, disk (the same writer with no engine: what this
 #                      machine's disk takes; no GPU, seconds, so second: a cut-off run keeps it), delivered,

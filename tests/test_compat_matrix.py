@@ -84,7 +84,8 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
                                                  "ImportError: sys.meta_path is None"}}}
     no_plain = {**shape, "complete": True, "phases_asked": ["plain", "delivered"],
                 "phases": {"plain": {"error": "Traceback\nException: no LLM"}, "delivered": phase(41000.0)}}
-    before_phases_asked = {**shape, "complete": False, "phases": {"plain": phase(40000.0)}}  # before session 20
+    # written before results recorded phases_asked
+    before_phases_asked = {**shape, "complete": False, "phases": {"plain": phase(40000.0)}}
     no_plain_no_disk = {**shape, "complete": True, "phases_asked": ["plain", "disk", "native"], "phases": {
         "plain": {"error": "Traceback\nException: no LLM"},
         "disk": {"error": "Traceback\nOSError: [Errno 28] No space left on device"},
@@ -241,8 +242,8 @@ def test_recorded_matrix_cell_reproduces_on_this_release(check, family, recorded
 
 
 def test_each_row_names_the_cpu_its_cells_ran_on(matrix_code):
-    """docs/compatibility.md says which CPU each row ran on (issue 28): cells recorded on two machines show both;
-    cells recorded before machines were show 'not recorded'."""
+    """docs/compatibility.md says which CPU each row ran on: cells recorded on two machines show both; cells recorded
+    before machines were show 'not recorded'."""
     import render
     epyc = {"cpu_model": "AMD EPYC", "architecture": "x86_64", "flags": {"avx2": True, "avx512f": False}}
     spr = {"cpu_model": "Intel Xeon", "architecture": "x86_64", "flags": {"avx2": True, "avx512f": True}}
@@ -301,8 +302,9 @@ def test_cell_refuses_moe_settings_that_are_not_key_value_pairs(capsys):
 
 
 def test_the_carry_probe_asks_for_every_manylinux_tag_the_image_takes(monkeypatch):
-    """The session-8 probe skipped manylinux_2_18 and 2_31, the only tags of NCCL's and llguidance's wheels, and
-    reported both "not served": the ladder must have no gap, in the probe and in the bundle builder alike."""
+    """The first carry probe (compat_matrix/results/gpu/carry-probe.md, since measured again) skipped manylinux_2_18 and
+    2_31, the only tags of NCCL's and llguidance's wheels, and reported both "not served": the ladder must have no gap,
+    in the probe and in the bundle builder alike."""
     import re
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import gpu_requirements_probe

@@ -1,7 +1,6 @@
-"""What depends on the CPU (issue 28): the facts read off /proc/cpuinfo, which of vLLM's extension builds vLLM loads,
-the matrix's kernel probe and its verdicts, the AMX workaround. Each choice is tested for both kinds of CPU our
-machines come with (Intel with AVX-512/AMX, AMD EPYC with AVX2 only) by simulation; the probe also runs for real
-on the CPU at hand."""
+"""What depends on the CPU: the facts read off /proc/cpuinfo, which of vLLM's extension builds vLLM loads, the matrix's
+kernel probe and its verdicts, the AMX workaround. Each choice is tested for both kinds of CPU our machines come with
+(Intel with AVX-512/AMX, AMD EPYC with AVX2 only) by simulation; the probe also runs for real on the CPU at hand."""
 from __future__ import annotations
 
 import sys

@@ -3,7 +3,7 @@ HF's own bf16 forward stands in for a correct engine, and a capture whose last t
 the neighbouring layer stands in for the subtlest wrong one. A MoE model with a random router loosens the limits
 (HF's own bf16 forward picks other experts than fp32 for some tokens), so tiny MoE checkpoints fix their routers'
 choice (tiny_models: DeepSeek's noaux_tc bias, gpt-oss's router bias; Qwen3-MoE's routes every token to all its
-experts); without that, this capture passed on gpt-oss (session 25's audit). No engine: HF references only."""
+experts); without that, this capture passed on gpt-oss. No engine: HF references only."""
 from __future__ import annotations
 
 import pytest
@@ -63,8 +63,8 @@ def test_the_tiny_models_sliding_windows_change_the_states_of_the_family_prompts
 
 @pytest.mark.parametrize("family", [f for f in ("gemma2", "gemma3", "gpt_oss") if f in TINY])
 def test_the_tiny_models_global_layers_are_judged_too(family, tmp_path):
-    """Each tiny checkpoint of a sliding-window family mixes windowed and global layers (the tiny Gemma 3 had four
-    windowed ones until session 27, so no release's global Gemma 3 layer was ever compared): HF's own forward with
+    """Each tiny checkpoint of a sliding-window family mixes windowed and global layers (an earlier tiny Gemma 3 had
+    four windowed ones only, so no release's global Gemma 3 layer was compared with it): HF's own forward with
     every layer windowed passes the fp32 criterion before the first global layer (the control: the copy changed
     nothing else) and fails it from there on. (In Gemma 3 a layer's kind also picks its RoPE base, as in vLLM's
     gemma3.py, so an engine mistaking a global layer for a windowed one gets both wrong.)"""

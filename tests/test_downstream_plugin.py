@@ -1,6 +1,6 @@
-"""Issue 18: a downstream repo's CI. A scratch repository (a pyproject depending on eagle-compat, one test file)
-gets our fixtures through the `pytest11` entry point alone: its check passes on this vLLM, and fails naming the layer,
-sequence, token and error when the capture is deliberately broken in the workers."""
+"""A downstream repo's CI (docs/adr/0036-downstream-ci.md). A scratch repository (a pyproject depending on eagle-compat,
+one test file) gets our fixtures through the `pytest11` entry point alone: its check passes on this vLLM, and fails
+naming the layer, sequence, token and error when the capture is deliberately broken in the workers."""
 from __future__ import annotations
 
 import os

@@ -77,8 +77,8 @@ def test_the_workers_hear_that_each_of_speculators_batches_finished(shim):
 
 
 def test_speculators_steps_run_with_eagle_compats_step_deadline(monkeypatch):
-    """vLLM's 300 s step deadline ended a real run of speculators' generator on a busy 2-core machine (issue 26):
-    under install() its steps get the stable generator's deadline, where the user set none."""
+    """vLLM's 300 s step deadline ended a real run of speculators' generator on a busy 2-core machine: under install()
+    its steps get the stable generator's deadline, where the user set none."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from eagle_compat import engine

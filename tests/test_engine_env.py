@@ -1,6 +1,6 @@
 """The variables eagle_compat sets for vLLM (step deadline, MLA off, thread binding) are held per user: vLLM reads
-them at every call, so two generators in one process must not unset each other's (issue 22, item 8: A.close() used
-to unset VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS while B ran: B's queued steps then had vLLM's 300 s deadline)."""
+them at every call, so two generators in one process must not unset each other's (A.close() used to unset
+VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS while B ran: B's queued steps then had vLLM's 300 s deadline)."""
 from __future__ import annotations
 
 import os

@@ -145,8 +145,8 @@ def test_a_killed_driver_leaves_no_worker_behind_and_resume_equals_a_clean_run(f
     """SIGKILL to the driver alone (an OOM kill): its vLLM workers must exit, not spin on the cores. With more calls
     queued than vLLM's message rings hold, an orphaned worker blocked writing a reply spun at 100% CPU for good (seen
     here); the driver keeps fewer in flight, so the worker's own parent-death check ends it. Then --resume completes
-    the run to the bytes of an uninterrupted one. (One test for both since session 16: each engine start costs CI
-    time, and a kill of the whole process group leaves the same files as this one.)"""
+    the run to the bytes of an uninterrupted one. (One test for both: each engine start costs CI time, and a kill of the
+    whole process group leaves the same files as this one.)"""
     import psutil
     out = tmp_path / "driver-killed"
     proc = _start_until(model, dataset, out)

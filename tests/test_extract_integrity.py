@@ -566,8 +566,8 @@ def test_a_shard_merged_in_from_a_run_of_other_layers_is_refused_naming_the_file
                                                                                 fake_engine, fmt):
     """The README's merge: shards run into their own directories, files copied into one, then --resume there. Kept
     files were checked by their token ids only, so shard 1 of --layers 2,5 merged into shard 0's --layers 0,5
-    directory completed as one set (the files of layer 2 under a record of layer 0, audit of session 26). Each file
-    now carries the stamp of the settings that made its states; the merge and the completion check it."""
+    directory completed as one set (the files of layer 2 under a record of layer 0). Each file now carries the stamp of
+    the settings that made its states; the merge and the completion check it."""
     a, b = tmp_path / "a", tmp_path / "b"
     job.run(_opts(model, dataset, a, shard=(0, 2), format=fmt))
     job.run(_opts(model, dataset, b, shard=(1, 2), format=fmt, layers=[2, 5]))
@@ -658,7 +658,7 @@ def test_the_run_completing_a_set_checks_the_other_shards_files_and_refuses_stra
 
 def test_temporary_names_carry_no_dot_of_the_host_so_every_host_writes_the_same_bytes(tmp_path, monkeypatch):
     """torch.save names its archive after the file's name up to the last dot: a host `node1.cluster` wrote other
-    bytes than `node2` for the same sample (review of session 26)."""
+    bytes than `node2` for the same sample."""
     import socket
     sample = {"input_ids": torch.arange(4), "hidden_states": [torch.ones(4, 8)], "loss_mask": torch.ones(4)}
     written = []
@@ -731,7 +731,7 @@ def test_validate_is_part_of_the_settings_record(model, dataset, tmp_path, fake_
 def test_a_second_ctrl_c_ends_the_run_at_once():
     """The first Ctrl-C stops the run cleanly (tested with a real engine in test_extract.py); a second one while the
     engine closes (a hung worker, a slow shutdown) used to be ignored. Now it ends the process at once, exit 130,
-    saying that every file is complete (issue 22, item 3)."""
+    saying that every file is complete."""
     import sys
     code = ("import os, signal\n"
             "from eagle_compat.extract import job\n"
@@ -749,8 +749,8 @@ def test_a_second_ctrl_c_ends_the_run_at_once():
 
 @pytest.mark.parametrize("fmt", ["pt", "arrow"])
 def test_one_extract_run_enters_the_job_module_once(model, dataset, tmp_path, fake_engine, fmt):
-    """The house's one direction (issue 23): `job.run` plans, keeps the record and calls down (inputs, writer, the
-    runner, the format); nothing below calls back into extract/job.py, on any thread."""
+    """The house's one direction (docs/adr/0039-import-floors.md): `job.run` plans, keeps the record and calls down
+    (inputs, writer, the runner, the format); nothing below calls back into extract/job.py, on any thread."""
     import sys
     import threading
     job_file = job.__file__
@@ -1030,8 +1030,8 @@ def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, data
 def test_ctrl_c_while_the_whole_set_is_checked_leaves_it_incomplete_and_resume_finishes(model, dataset, tmp_path,
                                                                                         fake_engine, monkeypatch, fmt):
     """Checking a large set and writing its Arrow dataset take minutes, after the run restored Ctrl-C's handler: an
-    interrupt there left the manifest "running" for ever (audit of session 26). Now "incomplete", the run's entry
-    says where it stopped, and --resume finishes the set."""
+    interrupt there left the manifest "running" for ever. Now "incomplete", the run's entry says where it stopped, and
+    --resume finishes the set."""
     from eagle_compat.extract import formats
     out = tmp_path / "out"
     real = formats.get(fmt).check_whole_set
@@ -1122,7 +1122,7 @@ def _train_one_middle_tensor(model_dir) -> str:
 
 
 def _as_earlier_releases(current):
-    """model_checksums as releases before session 28 made them: large files by size and first and last MiB."""
+    """model_checksums as earlier releases made them: large files by size and first and last MiB."""
     def hashed(model_path, recorded=None):
         return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
                        "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry

@@ -1,7 +1,7 @@
-"""A reply left unread keeps the generator one reply behind (issue 22, item 4): a KeyboardInterrupt inside a blocking
-call (a notebook), a deadline missed by 0.11.x's blocking steps. Any failure that is not the worker's own reply closes
-the generator, on every path; a worker's own failure reply keeps it open (the stream of replies is still in step).
-No engine: the generator's executor is a stand-in and vLLM's calls are replaced where eagle_compat makes them."""
+"""A reply left unread keeps the generator one reply behind (docs/adr/0018-queued-calls.md): a KeyboardInterrupt inside
+a blocking call (a notebook), a deadline missed by 0.11.x's blocking steps. Any failure that is not the worker's own
+reply closes the generator, on every path; a worker's own failure reply keeps it open (the stream of replies is still in
+step). No engine: the generator's executor is a stand-in and vLLM's calls are replaced where eagle_compat makes them."""
 from __future__ import annotations
 
 import collections

@@ -1,6 +1,6 @@
-"""How a carried GPU bundle is set up on the lent machine, run on CPU with fake bundles (a vllm.tgz and small wheels):
-scripts/gpu_bundle_setup.sh (the body of every bundle's setup.sh) for a full bundle and a delta (gpu_bundle.sh BASE=),
-and scripts/gpu_setup.sh's gpu_setup, which keeps each set-up when another bundle is set up in its place."""
+"""How a carried GPU bundle is set up on the offline GPU machine, run on CPU with fake bundles (a vllm.tgz and small
+wheels): scripts/gpu_bundle_setup.sh (the body of every bundle's setup.sh) for a full bundle and a delta (gpu_bundle.sh
+BASE=), and scripts/gpu_setup.sh's gpu_setup, which keeps each set-up when another bundle is set up in its place."""
 import base64
 import hashlib
 import io
@@ -165,7 +165,8 @@ def test_a_delta_whose_base_has_every_wheel_installs_vllm_only(tmp_path):
 def test_parts_are_taken_from_the_bundle_s_own_folder_before_the_shared_parts_folder(tmp_path):
     """On the device each carried part stays in its bundle's folder; the shared parts folder may hold another
     release's part of the same name (every full bundle names its parts part00...), and the last part's carry call
-    copied nothing there (session 21's first set-ups stopped at "cat: part03: No such file or directory")."""
+    copied nothing there (the first set-ups that expected it there stopped at "cat: part03: No such file or
+    directory")."""
     out = bundle(tmp_path, "b27", "0.27.1", [("humming_kernels", "0.1.10", "humming")])
     os.rename(tmp_path / "g" / "part00", os.path.join(out, "part00"))  # carried, not copied to the parts folder
     last = sorted(p.name for p in (tmp_path / "g").iterdir())[-1]

@@ -1,6 +1,6 @@
-"""The house has one direction (issue 23): no import circle among eagle_compat's modules, counting the imports made
-inside functions (a circle hidden by a local import is still a circle). Read from the source with `ast`, so it sees
-every import, whichever code path runs."""
+"""The house has one direction (docs/adr/0039-import-floors.md): no import circle among eagle_compat's modules, counting
+the imports made inside functions (a circle hidden by a local import is still a circle). Read from the source with
+`ast`, so it sees every import, whichever code path runs."""
 from __future__ import annotations
 
 import ast
@@ -92,7 +92,7 @@ def test_the_graph_reader_sees_local_and_relative_imports(tmp_path):
     assert [g for g in _strongly_connected(cyclic) if len(g) > 1] == [["a", "b", "c"]]
 
 
-# The house's floors, lowest first: a module imports only from its own floor or below (issue 23). `x.*` is every
+# The house's floors, lowest first: a module imports only from its own floor or below. `x.*` is every
 # module under package x. A new module must be given a floor here.
 FLOORS = [
     ("leaves: no import of the package's own, or only of each other",

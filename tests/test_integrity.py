@@ -1,5 +1,5 @@
-"""Integrity under misuse and faults (issue 13), the parts outside the extract job: unpatched workers refused by
-a handshake, capture bugs never classified as known limits, environment traps named with their fix."""
+"""Integrity under misuse and faults, the parts outside the extract job: unpatched workers refused by a handshake,
+capture bugs never classified as known limits, environment traps named with their fix."""
 from __future__ import annotations
 
 import os
@@ -34,11 +34,11 @@ def test_install_refuses_a_plugin_allow_list_that_keeps_workers_unpatched(monkey
 
 def _session(layer_ids):
     from eagle_compat.capture.worker import CaptureSession
-    session = CaptureSession.__new__(CaptureSession)  # the delivery checks alone, no model
-    session.layer_ids, session.delivered, session.row_sink = layer_ids, [], None
-    session.sink = session.delivered.append
-    session.worker = type("Worker", (), {"model_runner": None})()
-    return session
+    capture = CaptureSession.__new__(CaptureSession)  # the delivery checks alone, no model
+    capture.layer_ids, capture.delivered, capture.row_sink = layer_ids, [], None
+    capture.sink = capture.delivered.append
+    capture.worker = type("Worker", (), {"model_runner": None})()
+    return capture
 
 
 @pytest.mark.parametrize("step,scheduled,order,message", [
@@ -94,7 +94,7 @@ def test_a_worker_without_the_plugin_is_refused_before_any_capture(monkeypatch):
 def test_speculators_refuses_a_kv_cache_smaller_than_one_max_model_len_prompt(monkeypatch):
     """speculators sizes its KV cache itself, unchecked. Here it gets three blocks (two usable): a prompt needing
     more is never scheduled, and without the check generate() returned empty states for it and every later prompt
-    of its batch, with no error (docs/decisions.md, session 24). Refused where speculators builds its Scheduler."""
+    of its batch, with no error (docs/adr/0020-kv-cache-checked.md). Refused where speculators builds its Scheduler."""
     from eagle_compat import engine
     from eagle_compat.errors import InvalidInput
 
@@ -116,7 +116,7 @@ def test_speculators_refuses_a_kv_cache_smaller_than_one_max_model_len_prompt(mo
 def test_speculators_never_returns_states_for_prompts_the_scheduler_did_not_run(monkeypatch):
     """The second line of defence, whatever leaves a prompt unscheduled: here the same three-block cache with the
     KV room check left out. Without either unit, prompts of 20, 400 and 20 tokens came back with 20, 0 and 0 rows and
-    no error (docs/decisions.md, session 24); now the call is refused before speculators reads the rows."""
+    no error (docs/adr/0020-kv-cache-checked.md); now the call is refused before speculators reads the rows."""
     import random
 
     from eagle_compat import engine

@@ -1,6 +1,6 @@
-"""The launcher (issue 11): a speculators-shaped script, unmodified, through `eagle-compat run` and
-`python -m eagle_compat`, on a real CPU vLLM whose workers are spawned, equal to HF; the start-up hook acts only in
-processes of a run (the variable set) and only with the import-time patch units."""
+"""The launcher (docs/adr/0007-per-run-start-up-hook.md): a speculators-shaped script, unmodified, through
+`eagle-compat run` and `python -m eagle_compat`, on a real CPU vLLM whose workers are spawned, equal to HF; the start-up
+hook acts only in processes of a run (the variable set) and only with the import-time patch units."""
 from __future__ import annotations
 
 import json
@@ -70,8 +70,8 @@ def test_startup_hook_applies_only_import_time_units_in_a_spawned_child_of_a_run
 
 
 def test_other_processes_started_from_a_run_are_left_alone_and_so_are_their_children(hook_dir, tmp_path):
-    """Issue 22, item 10: pip, an eval script or a vLLM server started from the run is not patched, and the run's
-    variable and directory are gone from its environment (its own children never see them)."""
+    """pip, an eval script or a vLLM server started from the run is not patched, and the run's variable and directory
+    are gone from its environment (its own children never see them)."""
     other = str(tmp_path / "user-path")
     env = _env(PYTHONPATH=os.pathsep.join([hook_dir, other]), **{INSTALLED_ENV: RUN_VALUE})
     seen = _probe(env)  # no --multiprocessing-fork: not a spawned child of the run

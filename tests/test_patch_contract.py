@@ -720,8 +720,8 @@ def test_doctor_names_what_is_changed_on_any_release_from_the_contracts_alone(ca
 
 
 def test_units_named_in_eagle_compat_disable_are_left_off_and_a_wrong_name_is_refused(monkeypatch):
-    """EAGLE_COMPAT_DISABLE=unit,... (issue 23): a unit's name, or its base name for all its sides, stays off; an
-    unknown name is refused before anything is patched, naming it and the units there are."""
+    """EAGLE_COMPAT_DISABLE=unit,...: a unit's name, or its base name for all its sides, stays off; an unknown name is
+    refused before anything is patched, naming it and the units there are."""
     from eagle_compat.errors import InvalidInput
     monkeypatch.setenv(installer.DISABLE_ENV, "quiet_shutdown, worker_error_messages")
     eagle_compat.install()
@@ -840,8 +840,8 @@ def test_a_units_named_probe_exists_and_decides_its_need(monkeypatch):
 
 
 def test_every_workarounds_where_names_code_that_exists():
-    """A workaround's `where` names the file and the function that act (issue 23: not free text); each must exist,
-    so a rename cannot leave docs/patches.md and `doctor` pointing at nothing."""
+    """A workaround's `where` names the file and the function that act (not free text); each must exist, so a rename
+    cannot leave docs/patches.md and `doctor` pointing at nothing."""
     import re
 
     from eagle_compat import workarounds

@@ -1,5 +1,5 @@
-"""`--preflight` (issue 26): whether a checkpoint will run, in seconds, without its weights: its config cut to a few
-layers, dummy weights, the decoder contract resolved as for the real run and one short capture."""
+"""`--preflight` (docs/adr/0032-preflight.md): whether a checkpoint will run, in seconds, without its weights: its
+config cut to a few layers, dummy weights, the decoder contract resolved as for the real run and one short capture."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
-"""Quantized checkpoints (issue 26, item 3): the formats written by hand agree with their libraries, the W8A8 reference
-rounds what the engine rounds, and on CPU every quantized model either equals HF on its dequantized weights (the
-precision-calibrated criterion) or is refused with its known cause. The GPU results: docs/gpu-parity.md."""
+"""Quantized checkpoints: the formats written by hand agree with their libraries, the W8A8 reference rounds what the
+engine rounds, and on CPU every quantized model either equals HF on its dequantized weights (the precision-calibrated
+criterion) or is refused with its known cause. The GPU results: docs/gpu-parity.md."""
 from __future__ import annotations
 
 import importlib

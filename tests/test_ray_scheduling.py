@@ -1,13 +1,12 @@
 """The `--ray` driver's scheduling decisions against a scripted stand-in for Ray (no cluster, no engine): which
 failure counts as a death, where a batch goes after each kind of failure. Runs in every environment.
 
-Found on an AVX2-only AMD EPYC (issue 28): one SIGKILLed actor was reported as `deaths: 2`. There Ray 2.60 answered
-the killed actor's batch with `ActorUnavailableError` ("Socket closed"), and the batch handed straight back to the
-restarting actor again ("The actor is restarting"); the driver counted each as a death (the error subclasses
-`RayActorError`) and a failed try. On Intel machines the same kill gave one `ActorDiedError`. Ray's own words for
-`ActorUnavailableError`: "the task may or may not have been executed on the actor": handing the batch to *another*
-actor could leave two writers of the same files (issue 22, item 6). Deaths are now counted once per restarted
-incarnation, however Ray reports them."""
+Found on an AVX2-only AMD EPYC: one SIGKILLed actor was reported as `deaths: 2`. There Ray 2.60 answered the killed
+actor's batch with `ActorUnavailableError` ("Socket closed"), and the batch handed straight back to the restarting actor
+again ("The actor is restarting"); the driver counted each as a death (the error subclasses `RayActorError`) and a
+failed try. On Intel machines the same kill gave one `ActorDiedError`. Ray's own words for `ActorUnavailableError`: "the
+task may or may not have been executed on the actor": handing the batch to *another* actor could leave two writers of
+the same files. Deaths are now counted once per restarted incarnation, however Ray reports them."""
 from __future__ import annotations
 
 import types
@@ -186,9 +185,9 @@ def test_a_dead_actors_batch_is_redone_once_whole(monkeypatch, tmp_path):
 
 
 def test_a_hung_actor_is_ended_past_its_deadline_and_its_batch_redone(monkeypatch, tmp_path):
-    """An actor that hangs without dying (stopped, deadlocked) used to stall `ray.wait` forever (issue 22, item 3).
-    The driver polls; a batch running past its deadline (the step deadline, plus the engine's start for an actor's
-    first batch) ends its actor, which Ray restarts, and the batch is redone."""
+    """An actor that hangs without dying (stopped, deadlocked) used to stall `ray.wait` forever. The driver polls; a
+    batch running past its deadline (the step deadline, plus the engine's start for an actor's first batch) ends its
+    actor, which Ray restarts, and the batch is redone."""
     monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
     monkeypatch.setenv(ray_runner.LOAD_DEADLINE_ENV, "120")
     fake, per_actor, done = _run(monkeypatch, tmp_path, {0: ["hang"], 1: []})

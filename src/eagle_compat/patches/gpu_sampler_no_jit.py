@@ -1,7 +1,7 @@
 """CUDA vLLM 0.21+ samples with FlashInfer by default (`VLLM_USE_FLASHINFER_SAMPLER`, before: off unless set), and
 every engine start warms the sampler up with top-k/top-p (`gpu_model_runner._dummy_sampler_run`), which FlashInfer
 compiles with nvcc on first use, for a token extraction never reads (speculators asks one greedy token per prompt).
-No wrong data, only the wait, paid by every fresh container. On the lent H200 (vLLM 0.21.0): the first engine with
+No wrong data, only the wait, paid by every fresh container. On an H200 (vLLM 0.21.0): the first engine with
 vLLM's default gave no result within 400 s (results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt2), with this unit
 its cells start in under a minute (results/gpu/h200-vllm-0.21.0.jsonl); the build alone is not timed yet
 (scripts/gpu_flashinfer_first_use.py).
