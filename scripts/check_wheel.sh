@@ -43,4 +43,18 @@ mkdir plugin-check && printf 'def test_fixture(eagle_compat_tiny_model):\n    as
   > plugin-check/test_plugin.py
 python -m pytest -q -p no:cacheprovider --fixtures plugin-check | grep -q eagle_compat_tiny_model \
   || { echo "wheel: pytest did not load eagle_compat's plugin"; exit 1; }
+# the stated floor (pyproject's requires-python, README): the package's own code compiles, imports and answers on
+# Python 3.10 (vLLM's and torch's own support of it is theirs; installing them there would download a CUDA torch)
+floor=$(python3 -c "import re; print(re.search(r'requires-python = \">=([0-9.]+)\"', open('$repo/pyproject.toml').read())[1])")
+py_floor=
+for candidate in "$(command -v "python$floor" || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$floor".*/bin/python"$floor"; do
+  if [ -x "$candidate" ] && "$candidate" -c "import venv" 2>/dev/null; then py_floor=$candidate; break; fi
+done
+[ -n "$py_floor" ] || { echo "wheel: no Python $floor on this machine to test the stated floor"; exit 1; }
+"$py_floor" -m venv "$work/floor"
+"$work/floor/bin/pip" install -q --no-deps "$wheel" packaging wrapt
+"$work/floor/bin/python" -m compileall -q "$("$work/floor/bin/python" -c 'import eagle_compat, os; print(os.path.dirname(eagle_compat.__file__))')" > /dev/null
+"$work/floor/bin/python" -c "import eagle_compat.cli, eagle_compat.extract.job, eagle_compat.generator, eagle_compat.engine"
+"$work/floor/bin/eagle-compat" --help > /dev/null
+echo "wheel on Python $floor ($("$py_floor" -V 2>&1)): compiles, imports, answers --help"
 echo "wheel install: ok ($(basename "$wheel"))"

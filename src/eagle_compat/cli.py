@@ -345,7 +345,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         # `is None`, not `or`: an explicit 0 must meet the (0, 1] refusal, not turn into the default
         gpu_memory_utilization=_default_gmu() if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress, skip_uncovered=args.skip_uncovered, ray=args.ray, ray_actors=args.ray_actors,
+        progress=not args.no_progress, skip_uncovered=args.skip_uncovered,
+        skip_non_finite=args.skip_non_finite, ray=args.ray, ray_actors=args.ray_actors,
         ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)
     if args.report_plot:
         data_report.check_plot_path(args.report_plot, "--report-plot")  # before anything reaches the engine
@@ -369,6 +370,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
         print(f"extract: skipped {len(summary['skipped'])} conversations whose assistant tokens could not all be "
               f"located (--skip-uncovered; lines {lines}{', ...' if len(summary['skipped']) > 20 else ''}; reasons "
               "in manifest.json)")
+    if left := summary.get("left_out_non_finite"):
+        lines = ", ".join(str(e["line"]) for e in left[:20])
+        print(f"extract: left out {len(left)} samples whose hidden states hold NaN or Inf (--skip-non-finite; lines "
+              f"{lines}{', ...' if len(left) > 20 else ''}; what was found in manifest.json's left_out_non_finite)")
     if not summary["complete"]:
         print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} samples "
               "are in the directory. data_config.json (--format arrow: the Arrow dataset) is written by the run that "
@@ -467,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-uncovered", action="store_true",
                    help="leave out (count, list) conversations whose assistant tokens cannot all be located, "
                         "instead of stopping")
+    p.add_argument("--skip-non-finite", action="store_true",
+                   help="leave out (list in manifest.json and the summary) samples whose hidden states hold NaN or "
+                        "Inf, instead of stopping; may be added on --resume to finish a set such a sample stopped "
+                        "(pt and safetensors formats)")
     p.add_argument("--format", default="pt", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
                    help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
                         "dataset + hidden_states/hs_{i}.safetensors; arrow-fp8: the same, states in hs-connectors' "

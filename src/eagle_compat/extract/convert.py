@@ -39,8 +39,8 @@ def _indices(record: dict) -> list[int]:
     """The sample indices of a complete set, ascending (Arrow row r is the r-th)."""
     if "sample_indices" in record:  # speculators 0.3.0's own output: the files present
         return list(record["sample_indices"])
-    left_out = {int(s["index"]) for key in ("skipped_uncovered", "left_out_few_loss_tokens")
-                for s in record.get(key) or []}  # no file: --skip-uncovered, --min-loss-tokens
+    left_out = {int(s["index"]) for key in ("skipped_uncovered", "left_out_few_loss_tokens", "left_out_non_finite")
+                for s in record.get(key) or []}  # no file: --skip-uncovered, --min-loss-tokens, --skip-non-finite
     total = int(record.get("num_samples_in_data", record.get("num_samples", 0)))
     return [i for i in range(total) if i not in left_out]
 

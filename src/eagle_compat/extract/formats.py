@@ -178,6 +178,11 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
 
 
+def left_out_entry(s: Placed, exc: BaseException) -> dict:
+    """The record of a sample --skip-non-finite left out: its index and input line, and what was found."""
+    return {"index": s.index, "line": s.line, "why": str(exc).split("; nothing of this sample")[0][:300]}
+
+
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {
     "pt": SampleFiles("pt"), "safetensors": SampleFiles("safetensors"),
     "arrow": ArrowLayout("arrow"), "arrow-fp8": ArrowLayout("arrow-fp8")}

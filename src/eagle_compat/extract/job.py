@@ -35,6 +35,9 @@ class ExtractOptions:
     batch_size: int = 8
     max_len: int | None = None  # None: min(DEFAULT_MAX_LEN, what the model takes)
     skip_uncovered: bool = False
+    # a sample whose states hold NaN/Inf is left out (listed in the record) instead of stopping the run; not a
+    # setting (it changes no state written): a --resume may add it to finish a set a non-finite sample stopped
+    skip_non_finite: bool = False
     min_loss_tokens: int = 1  # a sample with fewer loss tokens (after --max-len) is left out, counted and listed
     quiet: bool = False  # the CLI's default: no vLLM logs, warnings or load bar (cli.quiet_engine_output)
     resume: bool = False
@@ -79,6 +82,10 @@ def _check(opts: ExtractOptions) -> None:
     formats.get(opts.format)
     if opts.batch_size < 1:
         raise InvalidInput(f"--batch-size {opts.batch_size}; must be >= 1")
+    if opts.skip_non_finite and opts.format in ("arrow", "arrow-fp8"):
+        raise InvalidInput(f"--skip-non-finite with --format {opts.format}: Arrow rows are numbered before the run, "
+                           "and a row left out would shift every later one. Extract with --format pt (or "
+                           "safetensors) and --skip-non-finite, then `eagle-compat convert --to arrow`")
     if not isinstance(opts.min_loss_tokens, int) or opts.min_loss_tokens < 0:
         raise InvalidInput(f"--min-loss-tokens {opts.min_loss_tokens!r}; must be an int >= 0 (0 keeps every sample)")
     if opts.max_len is not None and opts.max_len < 1:
@@ -344,8 +351,10 @@ def run(opts: ExtractOptions) -> dict:
         refuse_without_resume()
         replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
         swept = writer.sweep_temp_files(opts.out)
+        # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
+        non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
         # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
-        todo = [b for b in mine if not all(os.path.exists(path_of(s)) for s in b)]
+        todo = [b for b in mine if not all(os.path.exists(path_of(s)) or s.index in non_finite for s in b)]
         # the files kept must be of these very samples (checked by content: their token ids)
         redo = {id(b) for b in todo}
         kept = [b for b in mine if id(b) not in redo]
@@ -356,16 +365,17 @@ def run(opts: ExtractOptions) -> dict:
         # every file of a set begun by this release carries a stamp (an earlier record cannot say: a set begun
         # before stamps and resumed since holds both kinds)
         stamped = record is None or bool(record.get("stamped_files"))
-        if not recorded_dtype and kept:  # an earlier release's record: its files say the set's precision, known
-            try:                         # before this run's engine starts (and is refused if it differs)
-                recorded_dtype = writer.read_facts(path_of(kept[0][0])).dtype
-                dtype_from = f"{os.path.basename(path_of(kept[0][0]))} (the record names none) holds"
+        kept_files = [path_of(s) for b in kept for s in b if s.index not in non_finite]
+        if not recorded_dtype and kept_files:  # an earlier release's record: its files say the set's precision,
+            try:                               # known before this run's engine starts (and refused if it differs)
+                recorded_dtype = writer.read_facts(kept_files[0]).dtype
+                dtype_from = f"{os.path.basename(kept_files[0])} (the record names none) holds"
             except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
                 recorded_dtype = None
         states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
                                        dtype_from, stamped=stamped)
         wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                       for b in kept for s in b], states)
+                                       for b in kept for s in b if s.index not in non_finite], states)
         if wrong and wrong.states:
             raise writer.OutputDirectoryConflict(
                 f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
@@ -419,7 +429,15 @@ def run(opts: ExtractOptions) -> dict:
                     "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
                     "versions": {**versions, "eagle_compat": __version__},
                     "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
-                    "waited_for_earlier_writers_s": round(waited, 1)}
+                    "waited_for_earlier_writers_s": round(waited, 1), "skip_non_finite": opts.skip_non_finite,
+                    "left_out_non_finite": []}  # filled by the runner under --skip-non-finite
+
+        def record_non_finite() -> None:
+            """The samples this run left out for non-finite states join the directory's list (kept across runs)."""
+            for entry in this_run["left_out_non_finite"]:
+                non_finite.setdefault(entry["index"], entry)
+            if non_finite:
+                manifest["left_out_non_finite"] = sorted(non_finite.values(), key=lambda e: e["index"])
         manifest.setdefault("runs", []).append(this_run)
         manifest["status"] = "running"
         _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
@@ -436,6 +454,7 @@ def run(opts: ExtractOptions) -> dict:
                 done_samples, done_tokens = local_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
                                                                  hidden_size, manifest, this_run)
         except KeyboardInterrupt:
+            record_non_finite()
             this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
             manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
             _best_effort_json(manifest_path, manifest)
@@ -444,6 +463,7 @@ def run(opts: ExtractOptions) -> dict:
                               f"{opts.out} (no partial file is left); rerun the same command with --resume to "
                               "continue") from None
         except BaseException as exc:
+            record_non_finite()
             this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
                             finished=datetime.now(timezone.utc).isoformat())
             manifest.update(status="incomplete", samples_present=sum(os.path.exists(path_of(s)) for s in placed))
@@ -452,13 +472,15 @@ def run(opts: ExtractOptions) -> dict:
         finally:
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
+        record_non_finite()
         elapsed = time.time() - started
         present, complete = None, False
+        whole = [s for s in placed if s.index not in non_finite]  # the set: every sample but those left out
         try:  # counting the files and, for a whole set, what a trainer needs of it, before the manifest says
             # "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
             # "incomplete", and --resume finishes it
-            present = sum(os.path.exists(path_of(s)) for s in placed)
-            complete = present == len(samples)
+            present = sum(os.path.exists(path_of(s)) for s in whole)
+            complete = present == len(whole)
             this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                             samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
                             report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
@@ -466,13 +488,14 @@ def run(opts: ExtractOptions) -> dict:
                 writer.fsync_renames(opts.out)
                 states.dtype = (manifest.get("states_dtype") or manifest.get("engine_dtype")  # this run's engine's
                                 or states.dtype)
-                # lists, not generators: nothing below resumes code of this module (one direction, issue 23); the
-                # files of this run's batches were checked (kept) or written by it: only the others are read
+                # lists, not generators: nothing below resumes code of this module (one direction:
+                # docs/adr/0039-import-floors.md); the files of this run's batches were checked (kept) or written by
+                # it: only the others are read
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
-                                               for s in placed], states,
+                                               for s in whole], states,
                                     known=frozenset(s.index for b in mine for s in b), left_out=left_out_lines)
-                fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in placed],
-                           data_description(opts, layer_ids, hidden_size, len(samples), versions, max_len))
+                fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in whole],
+                           data_description(opts, layer_ids, hidden_size, len(whole), versions, max_len))
                 writer.fsync_renames(opts.out)
         except writer.OutputDirectoryConflict as exc:
             manifest.update(status="incomplete", samples_present=present)
@@ -496,14 +519,16 @@ def run(opts: ExtractOptions) -> dict:
                                   f"sample file in {opts.out} is complete; rerun the same command with --resume "
                                   "to finish it") from None
             raise
-        manifest.update(status="complete" if complete else "incomplete", samples_present=present)
+        manifest.update(status="complete" if complete else "incomplete", samples_present=present,
+                        num_samples=len(whole))
         _write_json(manifest_path, manifest)
         if not complete and shard_n == 1:  # every batch was this run's, and each reported its files written
             raise writer.OutputWriteError(
-                f"{present} of {len(samples)} samples have their file in {opts.out} after a run that wrote every "
+                f"{present} of {len(whole)} samples have their file in {opts.out} after a run that wrote every "
                 "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
                 "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
     return {"samples": present, "samples_in_data": len(samples), "complete": complete,
+            "left_out_non_finite": sorted(non_finite.values(), key=lambda e: e["index"]),
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
             "pipeline": this_run.get("pipeline"),

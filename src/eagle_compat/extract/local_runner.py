@@ -44,6 +44,10 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         try:
             formats.write_sample(fmt, opts.out, s, r, layer_ids, data=opts.data, validate=opts.validate,
                                  vocab_size=vocab_size, hidden_size=hidden_size, stamp=stamp)
+        except writer.NonFiniteStates as exc:
+            if not getattr(opts, "skip_non_finite", False):
+                raise
+            this_run.setdefault("left_out_non_finite", []).append(formats.left_out_entry(s, exc))  # one step
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"could not write {fmt.path(opts.out, s.index, s.row)}: {exc.strerror or exc}. The {pool.done} files "
@@ -85,5 +89,6 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                                 "last_batch_to_last_file_s": round(ended - last_batch, 2),
                                 "writer_threads": pool.threads}
         progress.close()
-        done_samples = pool.done  # every submitted write finished (close() raised otherwise)
+        # every submitted write finished (close() raised otherwise); those --skip-non-finite left out wrote nothing
+        done_samples = pool.done - len(this_run.get("left_out_non_finite", ()))
     return done_samples, done_tokens

@@ -163,6 +163,7 @@ class ActorSpec:
     on_gpu: bool
     stamp: str | None = None  # writer.states_stamp of the directory's settings
     env: dict = field(default_factory=dict)
+    skip_non_finite: bool = False  # --skip-non-finite: such a sample is reported back, not written
 
 
 class ExtractActor:
@@ -251,18 +252,24 @@ class ExtractActor:
             raise
         forward = time.time() - t
         tokens = 0
+        left_out = []
         fmt = formats.get(spec.format)
         for s, r in zip(batch, results, strict=True):
             try:  # temp file + rename, as a local run writes it
                 formats.write_sample(fmt, spec.out, s, r, spec.layer_ids, data=spec.data, validate=spec.validate,
                                      vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, stamp=spec.stamp)
+            except writer.NonFiniteStates as exc:
+                if not spec.skip_non_finite:
+                    raise
+                left_out.append(formats.left_out_entry(s, exc))
             except OSError as exc:
                 raise writer.OutputWriteError(f"could not write {fmt.path(spec.out, s.index, s.row)} on "
                                               f"{socket.gethostname()}: {exc.strerror or exc}") from exc
             tokens += len(s.input_ids)
         import ray
 
-        return {"samples": len(batch), "tokens": tokens, "seconds": time.time() - started, "forward": forward,
+        return {"samples": len(batch) - len(left_out), "tokens": tokens, "left_out_non_finite": left_out,
+                "seconds": time.time() - started, "forward": forward,
                 "eagle_compat": PACKAGE_DIR, "engine_dtype": self.engine_dtype(),
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
                 "engine_seconds": self.engine_seconds,
@@ -342,7 +349,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                      gpu_memory_utilization=opts.gpu_memory_utilization,
                      kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
                      trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
-                     stamp=writer.stamp_of(manifest))
+                     stamp=writer.stamp_of(manifest), skip_non_finite=getattr(opts, "skip_non_finite", False))
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     remote = ray.remote(ExtractActor).options(
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
@@ -450,6 +457,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                     st["engine_may_start"], st["died_in_a_row"] = False, 0
                     st["samples"] += r["samples"]
                     st["tokens"] += r["tokens"]
+                    this_run.setdefault("left_out_non_finite", []).extend(r.get("left_out_non_finite") or [])
                     st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)
                     st["forward_s"] = round(st["forward_s"] + r["forward"], 3)
                     st["engine_start_s"] = round(r["engine_seconds"], 2)
@@ -467,7 +475,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                     done_samples += r["samples"]
                     done_tokens += r["tokens"]
                     elapsed = max(time.time() - t_work, 1e-9)
-                    progress.update(r["samples"], done_samples / elapsed, done_tokens / elapsed)
+                    progress.update(r["samples"] + len(r.get("left_out_non_finite") or []), done_samples / elapsed,
+                                    done_tokens / elapsed)
                     if not described:  # the engine's own description, as a local run records it
                         described = True
                         try:

@@ -79,7 +79,10 @@ def require_finite(index: int, hidden_states: Any, layer_ids: list[int] | None =
         which = f"layer id {layer_ids[k]}" if layer_ids and k < len(layer_ids) else f"hidden_states[{k}]"
         raise NonFiniteStates(f"sample {index}: {which} has {int((~finite).sum())} NaN/Inf values, at tokens "
                               f"{bad[:8]}{' ...' if len(bad) > 8 else ''}; nothing of this sample was written. The "
-                              "engine produced them (an overflow in the model's dtype: try --dtype float32)")
+                              "engine produced them (an overflow in the model's dtype: a new --out with --dtype "
+                              "float32 avoids it). To finish this set without such samples, rerun with "
+                              "--skip-non-finite (also with --resume): they are left out and listed in "
+                              "manifest.json and the summary")
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -1,0 +1,86 @@
+"""One sample whose states hold NaN must not end a job for good.
+
+Before: the message said to try `--dtype float32`, `--resume` refused other settings, and every resume redid the
+failing batch first and stopped on it again, so the set was never finished. Now `--skip-non-finite` (which changes no
+state written, so a `--resume` may add it) leaves such samples out, lists them in manifest.json and the summary, and
+completes the set; `convert` and speculators' readers see a set without them.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import eagle_compat.generator
+from eagle_compat import tiny_models
+from eagle_compat.extract import convert, job, writer
+
+from helpers import FakeEngine, prompts
+
+POISON = 11  # a token whose sequences come back with NaN states (an overflow in the engine's dtype)
+
+
+class NanEngine(FakeEngine):
+    def generate(self, token_ids):
+        out = super().generate(token_ids)
+        for ids, r in zip(token_ids, out):
+            if POISON in ids:
+                r["hidden_states"][0][ids.index(POISON)] = float("nan")
+        return out
+
+
+@pytest.fixture
+def nan_engine(monkeypatch):
+    FakeEngine.started, FakeEngine.block = 0, None
+    monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", NanEngine)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+def _data(tmp_path, poisoned=(3, 9)):
+    rows = [[t for t in ids if t != POISON] for ids in prompts(12, 10, 30, seed=3)]
+    for i in poisoned:
+        rows[i] = rows[i][:4] + [POISON] + rows[i][4:]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    return str(path)
+
+
+def _opts(model, data, out, **kw):
+    kw.setdefault("layers", [0, 5])
+    kw.setdefault("batch_size", 4)
+    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+
+
+def test_a_stopped_set_is_finished_by_a_resume_that_adds_skip_non_finite(tmp_path, model, nan_engine):
+    data, out = _data(tmp_path), tmp_path / "out"
+    with pytest.raises(writer.NonFiniteStates, match=r"data.jsonl:4: sample 3: .* --skip-non-finite"):
+        job.run(_opts(model, data, out))
+    with pytest.raises(writer.NonFiniteStates):  # the same command stops on it again: the dead end it was
+        job.run(_opts(model, data, out, resume=True))
+    summary = job.run(_opts(model, data, out, resume=True, skip_non_finite=True))
+    assert summary["complete"] and summary["samples"] == 10
+    assert [(e["index"], e["line"]) for e in summary["left_out_non_finite"]] == [(3, 4), (9, 10)]
+    assert "NaN/Inf" in summary["left_out_non_finite"][0]["why"]
+    record = writer.read_manifest(str(out))
+    assert record["status"] == "complete" and record["num_samples"] == 10
+    assert [e["index"] for e in record["left_out_non_finite"]] == [3, 9]
+    assert not os.path.exists(out / "data_3.pt") and not os.path.exists(out / "data_9.pt")
+    with open(out / "data_config.json") as f:
+        assert json.load(f)["data"]["num_samples"] == 10
+    # a later resume keeps them out without the flag (the record says so) and finds nothing to do
+    again = job.run(_opts(model, data, out, resume=True))
+    assert again["complete"] and again["written_this_run"] == 0
+    # and the set converts as a whole, without them
+    convert.convert(str(out), str(tmp_path / "arrow"), to="arrow")
+    assert writer.read_manifest(str(tmp_path / "arrow"))["status"] == "complete"
+
+
+def test_arrow_refuses_the_option_naming_the_way_that_works(tmp_path, model, no_engine):
+    with pytest.raises(job.InvalidInput, match=r"--skip-non-finite with --format arrow: .* --format pt .* convert"):
+        job.run(_opts(model, _data(tmp_path), tmp_path / "out", format="arrow", skip_non_finite=True))
+    assert not os.path.exists(tmp_path / "out")
