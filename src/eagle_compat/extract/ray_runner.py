@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import engine
+from .. import detect, engine
 from ..errors import EagleCompatError, InvalidInput
 from . import formats, pipeline, writer
 
@@ -83,6 +83,27 @@ def check_options(opts: Any) -> None:
         value = getattr(opts, name)
         if value is not None and value < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} {value}; must be >= 1")
+
+
+# what makes the states: an actor on a node with other releases of these would add states of another computation
+STATES_VERSIONS = ("vllm", "torch", "transformers", "eagle_compat")
+
+
+def states_versions() -> dict:
+    from .._version import __version__
+    return {**{k: v for k, v in detect.installed_versions().as_dict().items() if k in STATES_VERSIONS},
+            "eagle_compat": __version__}
+
+
+def versions_refusal(rank: int, host: str, actor: dict, driver: dict) -> str | None:
+    """Why an actor's node may not add to this run's set (None: it may): the releases that differ."""
+    differ = [f"{k} {actor.get(k)} (the driver: {driver.get(k)})" for k in STATES_VERSIONS
+              if actor.get(k) != driver.get(k)]
+    if not differ:
+        return None
+    return (f"actor {rank} on {host} runs " + ", ".join(differ) + ": its states would be computed by other code than "
+            "the rest of the set. Install the same releases on every node (or run where they are); its batch's "
+            "files were removed")
 
 
 def actor_runtime_env() -> dict:
@@ -269,6 +290,7 @@ class ExtractActor:
         import ray
 
         return {"samples": len(batch) - len(left_out), "tokens": tokens, "left_out_non_finite": left_out,
+                "versions": states_versions(),
                 "seconds": time.time() - started, "forward": forward,
                 "eagle_compat": PACKAGE_DIR, "engine_dtype": self.engine_dtype(),
                 "pid": os.getpid(), "host": socket.gethostname(), "binding": self.binding,
@@ -359,6 +381,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
               "deaths": 0, "died_errors": 0, "restarts_seen": 0,
               "unavailable": 0, "engine_may_start": True, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
              for r in range(actors_n)]
+    driver_versions = states_versions()
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
     total = sum(map(len, todo))
@@ -449,6 +472,14 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                         raise RayExtractError(writer.two_precisions(
                             f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], opts.dtype,
                             expected_dtype, opts.out) + " (its batch's files were removed)")
+                    refusal = (versions_refusal(rank, r["host"], r["versions"], driver_versions)
+                               if r.get("versions") else None)
+                    if refusal:
+                        fmt = formats.get(opts.format)
+                        for s in item.batch:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(fmt.path(opts.out, s.index, s.row))
+                        raise RayExtractError(refusal)
                     if progress is None:  # rates count from the first engine's first batch, as a local run's
                         progress = pipeline.Progress(total, opts.progress)
                         t_work = time.time() - r["forward"]
@@ -464,6 +495,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
                     st["binding"] = r["binding"]
                     st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
                     st["engine_dtype"] = r.get("engine_dtype")
+                    st["versions"] = r.get("versions")  # each node's, recorded (the run's own are the driver's)
                     if r["pid"] not in st["pids"]:
                         st["pids"].append(r["pid"])
                         # one death per restarted incarnation, however Ray reported it (ActorDiedError, or only
