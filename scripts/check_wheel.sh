@@ -41,8 +41,9 @@ eagle-compat demo --family llama --out "$work/demo" > demo.txt 2>&1 || { tail -4
 tail -3 demo.txt
 mkdir plugin-check && printf 'def test_fixture(eagle_compat_tiny_model):\n    assert eagle_compat_tiny_model\n' \
   > plugin-check/test_plugin.py
-python -m pytest -q -p no:cacheprovider --fixtures plugin-check | grep -q eagle_compat_tiny_model \
-  || { echo "wheel: pytest did not load eagle_compat's plugin"; exit 1; }
+python -m pytest -q -p no:cacheprovider --fixtures plugin-check > fixtures.txt 2>&1 || true
+grep -q eagle_compat_tiny_model fixtures.txt \
+  || { tail -20 fixtures.txt; echo "wheel: pytest did not load eagle_compat's plugin"; exit 1; }
 # the stated floor (pyproject's requires-python, README): the package's own code compiles, imports and answers on
 # Python 3.10 (vLLM's and torch's own support of it is theirs; installing them there would download a CUDA torch)
 floor=$(python3 -c "import re; print(re.search(r'requires-python = \">=([0-9.]+)\"', open('$repo/pyproject.toml').read())[1])")

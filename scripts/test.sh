@@ -67,8 +67,10 @@ for v in "${releases[@]}"; do
       builder=
     fi
     kv_log=$(mktemp)
-    ( ensure_env "$kv_release" && "$ENV_PY" -m pytest "$kv_tests" -p no:cacheprovider -q -rs \
-        --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" ) > "$kv_log" 2>&1 &
+    ( ensure_env "$kv_release" \
+        && { "$ENV_PY" -c "import pytest_timeout" 2>/dev/null || "$ENV_PY" -m pip install -q "pytest-timeout>=2.3"; } \
+        && "$ENV_PY" -m pytest "$kv_tests" -p no:cacheprovider -q -rs --timeout="${EAGLE_COMPAT_TEST_TIMEOUT_S:-900}" \
+      ) > "$kv_log" 2>&1 &
     kv_pass=$!
   fi
   if [ "$v" = "${releases[-1]}" ] && [ -n "${EAGLE_COMPAT_ALONGSIDE_LAST_PASS:-}" ]; then
