@@ -144,3 +144,14 @@ def test_layers_that_cannot_be_one_group_are_refused_with_names(vllm_config):
     assert "Gemma3ForCausalLM" in text and f"vLLM {vllm.__version__}" in text
     assert "head_size" in text and "--preflight" in text
     assert "AssertionError" in text or "ValueError" in text  # vLLM's own words kept, after ours
+
+
+def test_an_unmet_precondition_is_not_read_as_a_limit_of_the_model(vllm_config, monkeypatch):
+    # a planning step of ours that raises (here: vLLM's grouping called before its precondition holds) must surface
+    # as itself, never as the model's refusal (a capture bug must not read as a known limit)
+    def unresolved(*args, **kwargs):
+        raise ValueError("KV cache layout has not been resolved yet")
+    monkeypatch.setattr(engine, "kv_planning_function", lambda name: unresolved)
+    with pytest.raises(ValueError, match="has not been resolved") as err:
+        engine.plan_kv_cache_groups(with_hybrid_manager(vllm_config, True), cuda_specs())
+    assert not isinstance(err.value, UnsupportedModel)

@@ -410,7 +410,22 @@ def plan_kv_cache_groups(vllm_config: Any, kv_cache_spec: dict[str, Any]) -> lis
         unify_kv_cache_specs(kv_cache_spec, kcu.unify_hybrid_kv_cache_specs)
         return kcu._get_kv_cache_groups_uniform_spec(kv_cache_spec)
     except (AssertionError, ValueError, NotImplementedError) as exc:
+        if not raised_by_kv_planning(exc):  # an unmet precondition (e.g. an unpublished KV layout) is a bug of ours,
+            raise                           # never to be read as a limit of the model
         raise kv_groups_refused(exc, vllm_config, kv_cache_spec) from exc
+
+
+# where vLLM decides whether layers' KV specs can be planned (spec merge, unify, grouping)
+KV_PLANNING_SOURCES = ("/v1/core/kv_cache_", "/v1/kv_cache_interface")
+
+
+def raised_by_kv_planning(exc: BaseException) -> bool:
+    """Whether the innermost frame of `exc` is in vLLM's KV planning code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+    return any(part in filename for part in KV_PLANNING_SOURCES)
 
 
 def kv_planning_function(name: str) -> Callable[..., Any]:
