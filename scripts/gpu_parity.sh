@@ -7,6 +7,10 @@
 #                                            generator and shim for llama, qwen3_moe, deepseek_v3, kimi_k25
 #   PREFLIGHT="qwen3-8b kimi-k25 ..."        then time --preflight on these (scripts/gpu_preflight.py)
 #   CELL_TIMEOUT_S=400                       per cell; its log is $OUT/cell-CHECK-MODEL.log while it runs
+#   PARALLEL=4                               cells at once on the one GPU (default 1). Safe because a cell's engine
+#                                            takes its KV cache as a fraction of the memory free after its own load
+#                                            (engine.kv_budget) and never runs vLLM's memory profiling, which would
+#                                            count another cell's memory as its own
 #   KEEP_CELL_LOGS=1                         keep a passing cell's log too (the device returns few files: 8 logs at
 #                                            most came back, and then not gpu_parity.jsonl)
 #   MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0" settings for the MoE models' cells only (cell.py --moe-env; a cell
@@ -27,32 +31,48 @@ python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 't
 # results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt2.machine.txt)
 # default: the cells every release is checked with (each family, ours and speculators' under install()). vLLM 0.26+
 # on Hopper refuses the CPU-sized tiny MLA models' head dims at engine start (results/gpu/attempts/
-# h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_matrix)
+# h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_variant)
 release=$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)
 if [ -n "$release" ] && [ "$(printf '%s\n' 0.26 "$release" | sort -V | head -1)" = 0.26 ]; then
-  default_cells=$(python3 -c "from eagle_compat.capture.families import TINY
-print(' '.join(f'{c}:{m}' for c in ('generator', 'shim') for m in ('llama', 'qwen3_moe') + tuple(
-    n for n, (_, t) in TINY.items() if c in t.gpu_matrix)))")
+  # every model of the compatibility matrix, shim and generator, GPU-sized where it must be (families.gpu_matrix_checks)
+  default_cells=$(python3 -c "from eagle_compat.capture.families import gpu_matrix_checks
+print(' '.join(f'{c}:{m}' for c, m in gpu_matrix_checks()))")
 else
   default_cells=$(for check in generator shim; do
     for m in llama qwen3_moe deepseek_v3 kimi_k25; do echo "$check:$m"; done; done)
 fi
-for cell in ${CELLS-$default_cells}; do
-  free_gpu  # an earlier step's engine must not hold the memory this one needs
+parallel=${PARALLEL:-1}
+[ "$parallel" -le 1 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / parallel ))}
+run_cell() {
+  local cell=$1 start verdict log
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
   timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
     --moe-env "${MOE_ENV:-}" > "$log" 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' "$log"; then
-    grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"
+    # one writer at a time: a result line is longer than an atomic append
+    { flock 9; grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"; } \
+      9> "$out/.results.lock"
     verdict=$(grep '^EAGLE_COMPAT_CELL ' "$log" | grep -o '"status": "[a-z]*"' | tail -1)
     [ -n "${KEEP_CELL_LOGS:-}" ] || rm -f "$log"
   else
     verdict="no result (timeout ${CELL_TIMEOUT_S:-400} s)"  # this cell's own verdict, never an earlier cell's
-    { echo "== $cell (no result after $(( $(date +%s) - start )) s)"; tail -60 "$log"; } >> "$out/errors.log"
+    { flock 9; { echo "== $cell (no result after $(( $(date +%s) - start )) s)"; tail -60 "$log"; } >> "$out/errors.log"; } \
+      9> "$out/.results.lock"
   fi
   echo "$cell $(( $(date +%s) - start ))s $verdict"
+}
+for cell in ${CELLS-$default_cells}; do
+  if [ "$parallel" -le 1 ]; then
+    free_gpu  # an earlier step's engine must not hold the memory this one needs
+    run_cell "$cell"
+  else
+    while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n; done
+    run_cell "$cell" &
+  fi
 done
+wait
+rm -f "$out/.results.lock"
 if [ -n "${PREFLIGHT:-}" ]; then
   timeout 500 python3 scripts/gpu_preflight.py --device cuda --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
     > "$out/preflight.log" 2>&1

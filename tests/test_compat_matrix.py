@@ -133,6 +133,25 @@ def test_every_matrix_cell_is_a_known_check_and_family(matrix_code):
                 assert cell.get("error") and classify(cell["error"]) == cell["status"], (result["release"], key)
 
 
+def test_the_gpu_cells_run_every_matrix_model_both_ways_gpu_sized_where_needed():
+    from eagle_compat.capture.families import TINY, gpu_matrix_checks, matrix_checks
+    from eagle_compat.quantized_models import QUANTIZED
+    cells = gpu_matrix_checks()
+    models = {m for _, m in cells}
+    assert set(cells) == {(c, m) for c in ("shim", "generator") for m in models}
+    for _, model in matrix_checks():
+        variant = (TINY[model][1].gpu_variant if model in TINY else
+                   QUANTIZED[model].gpu_variant if model in QUANTIZED else "")
+        assert (variant or model) in models, model
+        assert not variant or model not in models, model  # the CPU-sized model is not run where Hopper refuses it
+    # the MLA variants keep what the GPU kernels need: v_head_dim 128, and 128-row FP8 blocks for the quantized ones
+    for name in ("deepseek_v3_v128", "kimi_k25_v128", "deepseek_v3_v128_b128", "kimi_k25_v128_b128"):
+        assert TINY[name][1].config["v_head_dim"] == 128, name
+    assert {QUANTIZED[q].base for q in ("deepseek_v3_fp8_v128", "kimi_k25_w4a16_v128")} == {
+        "deepseek_v3_v128_b128", "kimi_k25_v128_b128"}
+    assert TINY["deepseek_v3_v128_b128"][1].config["q_lora_rank"] % 128 == 0
+
+
 def test_known_cause_is_explained_next_to_the_error_on_the_page(matrix_code):
     import render
     cell = {"status": "unsupported", "error": "WorkerError: KeyError in a vLLM worker during 'worker start-up': "

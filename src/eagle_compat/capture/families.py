@@ -32,6 +32,8 @@ class Tiny:
     # checks the GPU cells run on a variant made for CUDA vLLM where the CPU-sized model cannot run there
     # (scripts/gpu_parity.sh); `eagle-compat check --family` takes these too
     gpu_matrix: tuple[str, ...] = ()
+    # the variant the GPU cells run in this model's place on CUDA vLLM 0.26+ (Hopper refuses its dims there)
+    gpu_variant: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -85,6 +87,8 @@ _DEEPSEEK_V3_B128 = dict(_DEEPSEEK_V3, q_lora_rank=128)
 # dims (64, 64, 128), (128, 64, 128) (DeepSeek-V3's, Kimi's) or (192, 64, 256), and refuses the CPU-sized (64, 64, 64)
 # at engine start ("No valid MLA prefill backend", results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*)
 _DEEPSEEK_V3_V128 = dict(_DEEPSEEK_V3, v_head_dim=128)
+# the quantized checkpoints' bases for the GPU cells: both constraints at once
+_DEEPSEEK_V3_V128_B128 = dict(_DEEPSEEK_V3_B128, v_head_dim=128)
 
 # Without rope scaling: CPU vLLM's C++ rotary kernel mishandles DeepSeek attention's strided q/k (silently wrong
 # states); the resolver's workaround (the rotary embedding's native implementation) must make it exact.
@@ -136,11 +140,11 @@ FAMILIES: tuple[Family, ...] = (
             "KimiVLForConditionalGeneration"),
            cpu_native_rotary=True, tiny=(
                Tiny("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3,
-                    matrix=("shim", "generator")),
+                    matrix=("shim", "generator"), gpu_variant="deepseek_v3_v128"),
                Tiny("deepseek_v3_plain_rope", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_PLAIN_ROPE,
                     matrix=()),
                Tiny("kimi_k25", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3, wraps="deepseek_v3",
-                    matrix=("shim", "generator")),
+                    matrix=("shim", "generator"), gpu_variant="kimi_k25_v128"),
                # GPU cells on vLLM 0.26+ (see _DEEPSEEK_V3_V128)
                Tiny("deepseek_v3_v128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_V128, matrix=(),
                     gpu_matrix=("shim", "generator")),
@@ -149,7 +153,12 @@ FAMILIES: tuple[Family, ...] = (
                # the bases of the quantized checkpoints (quantized_models.QUANTIZED)
                Tiny("deepseek_v3_b128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_B128, matrix=()),
                Tiny("kimi_k25_b128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_B128,
-                    wraps="deepseek_v3_b128", matrix=()))),
+                    wraps="deepseek_v3_b128", matrix=()),
+               # and their GPU-sized bases (CUDA vLLM 0.26+)
+               Tiny("deepseek_v3_v128_b128", "DeepseekV3ForCausalLM", "DeepseekV3Config", _DEEPSEEK_V3_V128_B128,
+                    matrix=()),
+               Tiny("kimi_k25_v128_b128", "KimiK25ForConditionalGeneration", config=_DEEPSEEK_V3_V128_B128,
+                    wraps="deepseek_v3_v128_b128", matrix=()))),
     # layer signature (hidden_states, positions, residual): hidden states first
     Family("gpt_oss", ("TransformerBlock",), ("GptOssForCausalLM",), tiny=(
         Tiny("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
@@ -241,6 +250,8 @@ class QuantizedTiny:
     note: str = ""
     # checks the compatibility matrix runs (engine dtype auto: bf16, as quantized checkpoints ship)
     matrix: tuple[str, ...] = ("shim", "generator")
+    gpu_variant: str = ""  # as Tiny.gpu_variant
+
 
 
 QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
@@ -248,9 +259,16 @@ QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
     QuantizedTiny("llama_fp8", "llama", "fp8_dynamic", ALL_PROJECTIONS,
                   note="dense FP8: per-channel weights, per-token dynamic activations"),
     QuantizedTiny("deepseek_v3_fp8", "deepseek_v3_b128", "fp8_block", ALL_PROJECTIONS,
-                  note="DeepSeek-V3/R1's FP8: 128x128 weight blocks, experts and attention included"),
+                  note="DeepSeek-V3/R1's FP8: 128x128 weight blocks, experts and attention included",
+                  gpu_variant="deepseek_v3_fp8_v128"),
     QuantizedTiny("kimi_k25_w4a16", "kimi_k25_b128", "w4a16", ROUTED_EXPERTS, ignore=EXPERTS_ONLY_IGNORE,
-                  note="Kimi-K2.5's shape: INT4 W4A16 routed experts (group 32, symmetric), the rest bf16"),
+                  note="Kimi-K2.5's shape: INT4 W4A16 routed experts (group 32, symmetric), the rest bf16",
+                  gpu_variant="kimi_k25_w4a16_v128"),
+    # their GPU-sized stand-ins (CUDA vLLM 0.26+ refuses the MLA dims of the bases above on Hopper)
+    QuantizedTiny("deepseek_v3_fp8_v128", "deepseek_v3_v128_b128", "fp8_block", ALL_PROJECTIONS, matrix=(),
+                  note="deepseek_v3_fp8 with v_head_dim 128 (GPU cells)"),
+    QuantizedTiny("kimi_k25_w4a16_v128", "kimi_k25_v128_b128", "w4a16", ROUTED_EXPERTS, ignore=EXPERTS_ONLY_IGNORE,
+                  matrix=(), note="kimi_k25_w4a16 with v_head_dim 128 (GPU cells)"),
 )}
 
 
@@ -261,3 +279,12 @@ def matrix_checks() -> list[tuple[str, str]]:
             if check in t.matrix] + [(check, name) for check in ("shim", "generator")
                                      for name, row in REAL_MODELS.items() if check in row[4]] + \
         [(check, q.name) for check in ("shim", "generator") for q in QUANTIZED.values() if check in q.matrix]
+
+
+def gpu_matrix_checks() -> list[tuple[str, str]]:
+    """(check, model) for the GPU cells on CUDA vLLM 0.26+ (scripts/gpu_parity.sh): speculators' shim and ours on
+    every model of the compatibility matrix, each replaced by its GPU-sized variant where it has one."""
+    variant = {t.name: t.gpu_variant for _, t in TINY.values() if t.gpu_variant}
+    variant.update((q.name, q.gpu_variant) for q in QUANTIZED.values() if q.gpu_variant)
+    models = dict.fromkeys(variant.get(model, model) for _, model in matrix_checks())
+    return [(check, model) for check in ("shim", "generator") for model in models]
