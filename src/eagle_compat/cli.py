@@ -173,9 +173,8 @@ def describe_model(model: str, *, trust_remote_code: bool = False) -> dict:
 
 
 def _default_gmu() -> float:
-    from . import detect
-    # on CPU vLLM reserves this fraction of host memory per NUMA node; 0.8 fails on small machines
-    return 0.8 if detect.feature("cuda_available") else 0.3
+    from .generator import default_gpu_memory_utilization
+    return default_gpu_memory_utilization()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -252,6 +251,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     bad = [f for f in families if f is not None and f not in known]
     if bad:
         raise InvalidInput(f"--family: unknown {bad}; allowed: {', '.join(known)}")
+    if args.model:
+        from .model_source import local_model_path
+        args.model = local_model_path(args.model)
     rows, ok = [], True
     for check in checks:
         for family in families:
@@ -319,6 +321,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def run_preflight(model: str, trust_remote_code: bool, as_json: bool = False, dtype: str = "auto",
                   tensor_parallel_size: int = 1) -> int:
     from . import preflight
+    from .model_source import local_model_path
+    model = local_model_path(model)
     record = preflight.run(model, trust_remote_code=trust_remote_code, gpu_memory_utilization=_default_gmu(),
                            dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     print(json.dumps(record, indent=2, default=str) if as_json else preflight.text(record), flush=True)
@@ -342,8 +346,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
         batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job.parse_shard(args.shard),
         validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
-        # `is None`, not `or`: an explicit 0 must meet the (0, 1] refusal, not turn into the default
-        gpu_memory_utilization=_default_gmu() if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
+        # None: the device's default, found after the cheap checks (it asks torch); an explicit 0 meets the refusal
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, skip_uncovered=args.skip_uncovered,
         skip_non_finite=args.skip_non_finite, ray=args.ray, ray_actors=args.ray_actors,

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import engine, environment
+from . import detect, engine, environment
 from .capture import handshake
 from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worker, retrying_lost_port_race,
                             translate)
@@ -109,14 +109,21 @@ def validate_layer_ids(layer_ids: Sequence[Any], num_layers: int) -> list[int]:
 ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelConfig.dtype strings
 
 
+def default_gpu_memory_utilization() -> float:
+    """The command line's default: on CPU vLLM reserves this fraction of host memory per NUMA node, and 0.8 fails on
+    small machines. Asks torch whether CUDA is there (seconds): call it after the cheap checks."""
+    return 0.8 if detect.feature("cuda_available") else 0.3
+
+
 def check_engine_options(*, tensor_parallel_size: Any, gpu_memory_utilization: Any, kv_cache_memory_bytes: Any,
                          dtype: Any, name: Any = lambda option: option) -> None:
     """What the engine would refuse only once started: checked first, so nothing is written or loaded for a typo.
     `name(option)` spells an option as its caller's user wrote it (extract: --tensor-parallel-size)."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise InvalidInput(f"{name('tensor_parallel_size')}={tensor_parallel_size!r}; must be an int >= 1")
-    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real) or \
-            not 0.0 < float(gpu_memory_utilization) <= 1.0:
+    if gpu_memory_utilization is not None and (  # None: the device's default (default_gpu_memory_utilization)
+            isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real) or
+            not 0.0 < float(gpu_memory_utilization) <= 1.0):
         raise InvalidInput(f"{name('gpu_memory_utilization')}={gpu_memory_utilization!r}; must be in (0, 1]")
     if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool) or not isinstance(
             kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):

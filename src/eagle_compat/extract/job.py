@@ -1,6 +1,7 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -45,7 +46,7 @@ class ExtractOptions:
     validate: bool = False
     format: str = "pt"
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.8
+    gpu_memory_utilization: float | None = 0.8  # None: the device's default (the command line's)
     kv_cache_memory_bytes: int | None = None
     dtype: str = "auto"
     trust_remote_code: bool = False
@@ -99,9 +100,14 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
     if os.path.isdir(opts.out):
         writer.refuse_others_folder(opts.out)
+        writer.refuse_foreign_folder(opts.out)
     if os.path.realpath(opts.out) == os.path.realpath(opts.model):  # its manifest would change the model's checksums
         raise InvalidInput(f"--out {opts.out!r} is the model's directory; give a directory of its own (the run's "
                            "records there would change the model's checksums, and no --resume would be accepted)")
+    model_dir, out_dir = os.path.realpath(opts.model), os.path.realpath(opts.out)
+    if os.path.commonpath([model_dir, out_dir]) == model_dir:
+        raise InvalidInput(f"--out {opts.out!r} is inside the model's directory {opts.model!r}; give a folder outside "
+                           "it (files written there would change the model's checksums and could be read as its own)")
     nearest = os.path.abspath(opts.out)  # the folder --out is (or will be made) in: before the data is read
     while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
         nearest = os.path.dirname(nearest)
@@ -270,12 +276,14 @@ def _best_effort_json(path: str, obj: Any) -> None:
 
 
 def run(opts: ExtractOptions) -> dict:
-    from transformers import AutoTokenizer
-
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
     started = time.time()
-    _check(opts)
+    from ..model_source import local_model_path
+    opts = dataclasses.replace(opts, model=local_model_path(opts.model))  # a hub name: its cached snapshot
+    _check(opts)  # before anything heavy is imported: a refusal comes in about a second
+    if opts.gpu_memory_utilization is None:
+        opts = dataclasses.replace(opts, gpu_memory_utilization=generator.default_gpu_memory_utilization())
     text_config = generator.model_text_config(opts.model, opts.trust_remote_code)
     num_layers, hidden_size = int(text_config.num_hidden_layers), int(getattr(text_config, "hidden_size", 0))
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
@@ -300,6 +308,7 @@ def run(opts: ExtractOptions) -> dict:
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
     writer.check_directory(opts.out, settings)
     tokenizer_error = ""
+    from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why

@@ -484,6 +484,19 @@ def read_manifest(out_dir: str) -> dict | None:
     return record
 
 
+def refuse_foreign_folder(out_dir: str) -> None:
+    """Refuse a folder holding entries but no record of an extraction: the user's own files, among which extract's
+    record and locks would be written. Reads only."""
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+        return
+    others = sorted(n for n in os.listdir(out_dir) if n not in (LOCK_FILE, WRITERS_LOCK) and not TEMP_FILE.search(n))
+    if others and not sample_files(out_dir):  # sample files without a record: check_directory says more
+        names = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise OutputDirectoryConflict(
+            f"--out {out_dir} is not empty and holds no record of an extraction ({MANIFEST}): {len(others)} "
+            f"entries ({names}). Give a new or empty folder, or one an earlier extract made")
+
+
 def check_directory(out_dir: str, settings: dict) -> dict | None:
     """Refuse a directory whose samples were made with other settings, or by a run that left no record.
 
@@ -499,6 +512,7 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
                 f"but no settings record ({MANIFEST}): nothing "
                 "says which model, data and layers made them, so adding files to them could mix two extractions. "
                 "Move them away or choose another --out")
+        refuse_foreign_folder(out_dir)
         return None
     diffs = settings_differences(record["settings"], settings)
     no_files = not sample_files(out_dir)

@@ -1,0 +1,134 @@
+"""A first run that talks: refusals of paths, names and options come before anything heavy is imported (torch,
+transformers, vLLM), so they arrive in about a second; a model named the way the hub names it resolves from the local
+Hugging Face cache, offline; an --out that is the user's own folder, or inside the model, is refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HEAVY = ("torch", "transformers", "vllm")
+# runs the command line in a child and reports, after it, whether a heavy module was imported
+_PROBE = """
+import json, sys, time
+t0 = time.monotonic()
+from eagle_compat import cli
+try:
+    code = cli.main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print("PROBE " + json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules],
+                             "seconds": time.monotonic() - t0}), flush=True)
+""" % (HEAVY,)
+
+
+def _extract(*args: str, env: dict | None = None) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, "extract", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert line, proc.stdout + proc.stderr
+    return json.loads(line[-1][len("PROBE "):]), proc.stderr
+
+
+def _python_start_seconds() -> float:
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    return d
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    p = tmp_path / "convs.jsonl"
+    p.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    return p
+
+
+def _scratch_hub_cache(root, name: str, files: dict[str, str]) -> str:
+    """A Hugging Face cache holding `name` at a snapshot, laid out as huggingface_hub writes it."""
+    repo = root / ("models--" + name.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    for file, text in files.items():
+        (snapshot / file).write_text(text)
+    return str(snapshot)
+
+
+def refusals(tmp_path, model_dir, data_file):
+    user_folder = tmp_path / "mine"
+    user_folder.mkdir()
+    (user_folder / "notes.txt").write_text("the user's own")
+    return {
+        "data": (["--model", str(model_dir), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+                 "no such file"),
+        "hub name": (["--model", "acme/not-cached", "--data", str(data_file), "--out", str(tmp_path / "o")],
+                     "not-cached': no such directory, and no model of that name in the local Hugging Face cache"),
+        "out inside model": (["--model", str(model_dir), "--data", str(data_file), "--out", str(model_dir / "o")],
+                             "is inside the model's directory"),
+        "user's folder": (["--model", str(model_dir), "--data", str(data_file), "--out", str(user_folder)],
+                          "is not empty and holds no record of an extraction (manifest.json): 1 entries (notes.txt)"),
+        "option": (["--model", str(model_dir), "--data", str(data_file), "--out", str(tmp_path / "o"),
+                    "--batch-size", "0"], "--batch-size 0; must be >= 1"),
+    }
+
+
+@pytest.mark.parametrize("case", ["data", "hub name", "out inside model", "user's folder", "option"])
+def test_refusals_come_before_anything_heavy_is_imported(tmp_path, model_dir, data_file, case):
+    args, message = refusals(tmp_path, model_dir, data_file)[case]
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    probe, stderr = _extract(*args, env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"})
+    assert probe["code"] == 2 and message in stderr, stderr
+    assert probe["heavy"] == [], f"{case}: imported {probe['heavy']} before refusing"
+    # about a second: as a ratio to Python's own start on this machine (a busy machine slows both)
+    assert probe["seconds"] < 2.0 + 20 * _python_start_seconds(), probe
+    assert not (tmp_path / "o").exists() and os.listdir(tmp_path / "mine") == ["notes.txt"] if case != "data" else True
+
+
+def test_a_hub_name_in_the_local_cache_resolves_to_its_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = _scratch_hub_cache(tmp_path / "hub", "acme/tiny-model", {"config.json": "{}"})
+    import importlib
+
+    import huggingface_hub.constants
+    importlib.reload(huggingface_hub.constants)  # it reads HF_HUB_CACHE when imported
+    try:
+        from eagle_compat.model_source import local_model_path
+        assert os.path.samefile(local_model_path("acme/tiny-model"), snapshot)
+        assert local_model_path(str(tmp_path)) == str(tmp_path)  # a folder is itself
+    finally:
+        monkeypatch.delenv("HF_HUB_CACHE")
+        importlib.reload(huggingface_hub.constants)
+
+
+def test_extract_takes_a_hub_name_from_the_cache_as_its_snapshot_folder(tmp_path, data_file):
+    """The whole command line: the name resolves before the checks that need the folder (the run goes on to the
+    output checks, which refuse a folder of the user's, naming it)."""
+    hub = tmp_path / "hub"
+    _scratch_hub_cache(hub, "acme/tiny-model", {"config.json": json.dumps({"model_type": "llama"})})
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    probe, stderr = _extract("--model", "acme/tiny-model", "--data", str(data_file), "--out", str(mine),
+                             env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"})
+    assert probe["code"] == 2 and "no such directory" not in stderr and "keep.txt" in stderr, stderr
+
+
+@pytest.mark.parametrize("name, hub", [("acme/tiny-model", True), ("tiny-model", True), ("./x", False),
+                                       ("/abs/path", False), ("a/b/c", False), ("~/m", False), ("", False)])
+def test_what_counts_as_a_hub_name(name, hub):
+    from eagle_compat.model_source import looks_like_hub_name
+    assert looks_like_hub_name(name) is hub
