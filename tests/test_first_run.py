@@ -132,3 +132,60 @@ def test_extract_takes_a_hub_name_from_the_cache_as_its_snapshot_folder(tmp_path
 def test_what_counts_as_a_hub_name(name, hub):
     from eagle_compat.model_source import looks_like_hub_name
     assert looks_like_hub_name(name) is hub
+
+
+def _config_only_model(tmp_path, with_tokenizer: bool, drop_template: bool = False):
+    """The tiny Llama's config (and tokenizer files, where asked) in a folder of its own: enough for every check
+    before the engine starts."""
+    import shutil
+
+    from eagle_compat import tiny_models
+    src, _, _ = tiny_models.build_family("llama")
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in os.listdir(src):
+        keep = f == "config.json" or (with_tokenizer and f.startswith(("tokenizer", "special_tokens", "chat_template")))
+        if keep:
+            shutil.copy(os.path.join(src, f), d / f)
+    if drop_template:
+        for extra in ("chat_template.jinja", "chat_template.json"):
+            (d / extra).unlink(missing_ok=True)
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _conversations(tmp_path):
+    p = tmp_path / "convs.jsonl"
+    p.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "hello"}]}) + "\n")
+    return p
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_with_the_fix(tmp_path):
+    model = _config_only_model(tmp_path, with_tokenizer=False)
+    probe, stderr = _extract("--model", str(model), "--data", str(_conversations(tmp_path)),
+                             "--out", str(tmp_path / "o"))
+    assert probe["code"] == 2, stderr
+    assert f"convs.jsonl:1 is a conversation, which needs the model's tokenizer: the tokenizer of --model {model} " \
+           "did not load" in stderr, stderr
+    assert "none of the tokenizer's files (tokenizer.json, tokenizer.model, vocab.json, ...): copy them from the " \
+           "model's repository" in stderr, stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_without_a_chat_template_is_the_model_folders_problem(tmp_path):
+    model = _config_only_model(tmp_path, with_tokenizer=True, drop_template=True)
+    probe, stderr = _extract("--model", str(model), "--data", str(_conversations(tmp_path)),
+                             "--out", str(tmp_path / "o"))
+    assert probe["code"] == 2, stderr
+    assert "convs.jsonl:1 is a conversation, which needs the model's chat template, and its tokenizer has none" \
+        in stderr and "give the data as 'input_ids' with 'loss_mask'" in stderr, stderr
+
+
+def test_the_tokenizer_problem_keeps_the_whole_error():
+    from eagle_compat.extract.job import tokenizer_problem
+    long = "x" * 500 + " the end"
+    text = tokenizer_problem("/nowhere", ValueError(long + " You need to have sentencepiece or tiktoken installed"))
+    assert long in text and text.endswith("copy them from the model's repository into it")

@@ -271,9 +271,14 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             messages = _messages(record, where, unused_keys)
             cut = Cut()
             if messages is not None:
-                if tokenizer is None:
-                    raise InvalidInput(f"{where}: conversations need the model's tokenizer, which did not load"
-                                       + (f" ({tokenizer_error})" if tokenizer_error else ""))
+                if tokenizer is None:  # the model folder's problem, not the line's
+                    raise InvalidInput(f"{where} is a conversation, which needs the model's tokenizer: "
+                                       + (tokenizer_error or "it did not load"))
+                if not getattr(tokenizer, "chat_template", None):
+                    raise InvalidInput(
+                        f"{where} is a conversation, which needs the model's chat template, and its tokenizer has "
+                        "none (no 'chat_template' in tokenizer_config.json, no chat_template.jinja): add the model's "
+                        "own template to its folder, or give the data as 'input_ids' with 'loss_mask'")
                 try:
                     if check_decoded and template_tokens is None:
                         template_tokens = special_ids(tokenizer)

@@ -275,6 +275,26 @@ def _best_effort_json(path: str, obj: Any) -> None:
         pass
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "tiktoken.model", "spiece.model", "vocab.txt")
+
+
+def tokenizer_problem(model: str, exc: Exception) -> str:
+    """Why the model folder's tokenizer did not load, as the folder's problem, with the fix (the whole error: never
+    cut short)."""
+    present = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(model, f))]
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if not present:
+        fix = (f"the folder has none of the tokenizer's files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy them from "
+               "the model's repository into it")
+    elif "sentencepiece" in text or "tiktoken" in text:
+        fix = (f"the folder has {', '.join(present)}, which need a package this Python lacks: `pip install "
+               "sentencepiece tiktoken`, or add the model's tokenizer.json (a fast tokenizer needs neither)")
+    else:
+        fix = f"the folder has {', '.join(present)}: check them against the model's repository"
+    return f"the tokenizer of --model {model} did not load ({text}); {fix}"
+
+
 def run(opts: ExtractOptions) -> dict:
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
@@ -312,7 +332,7 @@ def run(opts: ExtractOptions) -> dict:
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
-        tokenizer, tokenizer_error = None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
     data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
                                skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                                min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error)

@@ -487,7 +487,7 @@ def read_manifest(out_dir: str) -> dict | None:
 def refuse_foreign_folder(out_dir: str) -> None:
     """Refuse a folder holding entries but no record of an extraction: the user's own files, among which extract's
     record and locks would be written. Reads only."""
-    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+    if not os.path.isdir(out_dir) or os.path.exists(os.path.join(out_dir, MANIFEST)):
         return
     others = sorted(n for n in os.listdir(out_dir) if n not in (LOCK_FILE, WRITERS_LOCK) and not TEMP_FILE.search(n))
     if others and not sample_files(out_dir):  # sample files without a record: check_directory says more
