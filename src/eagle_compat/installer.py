@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import os
 import threading
 from dataclasses import dataclass, field
@@ -59,6 +60,16 @@ class InstallReport:
 
     def applied(self) -> list[str]:
         return [u.name for u in self.units if u.state == "applied"]
+
+    def summary(self) -> str:
+        """One line: what this install applied and what waits for its module's import."""
+        if self.already_installed:
+            return f"eagle_compat: already installed on {self.versions}; nothing done"
+        applied = self.applied()
+        waiting = [u.name for u in self.units if u.state == "waiting for import"]
+        return (f"eagle_compat: installed on {self.versions}: {len(applied)} patches applied now, {len(waiting)} "
+                f"when their module is imported, {len(self.units) - len(applied) - len(waiting)} not needed here "
+                "(eagle_compat.status() lists each)")
 
     def __str__(self) -> str:
         lines = [f"eagle_compat install ({self.side}) on {self.versions}"
@@ -167,7 +178,19 @@ def install(*, side: str = "driver") -> InstallReport:
         except Exception:
             uninstall()
             raise
-        return InstallReport(side, versions, list(_state.status.values()))
+        report = InstallReport(side, versions, list(_state.status.values()))
+        if side == "driver":
+            _say(report.summary())
+        return report
+
+
+def _say(line: str) -> None:
+    """One line for the user: through the `eagle_compat` logger where the application configured logging, else on
+    stderr (Python would drop an INFO record with no handler)."""
+    if log.hasHandlers():
+        log.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _widen_to_driver(versions: str) -> InstallReport:
