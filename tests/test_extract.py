@@ -54,11 +54,23 @@ def _files(out):
     return sorted(f for f in os.listdir(out) if f.startswith("data_") and f.endswith((".pt", ".safetensors")))
 
 
+RUN_STDERR: dict[str, str] = {}  # what each run of the module's fixtures said, by its --out
+
+
 @pytest.fixture(scope="module")
 def full_run(model, dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    _run(model, dataset, out, "--validate")
+    RUN_STDERR[str(out)] = _run(model, dataset, out, "--validate").stderr
     return out
+
+
+def test_a_quiet_run_says_its_stages_in_order_and_nothing_of_vllm(full_run):
+    """The command line's default (quiet): one line per stage from the first second, every line its own."""
+    lines = [ln for ln in RUN_STDERR[str(full_run)].splitlines() if ln.strip()]
+    stages = ["extract: input read: 60 samples, ", "extract: engine starting (vLLM ", "extract: engine ready in "]
+    at = [next((i for i, ln in enumerate(lines) if ln.startswith(stage)), None) for stage in stages]
+    assert None not in at and at == sorted(at), lines
+    assert all(ln.startswith("extract: ") for ln in lines), [ln for ln in lines if not ln.startswith("extract: ")]
 
 
 def test_files_load_in_speculators_dataset_and_equal_hf(full_run, model):

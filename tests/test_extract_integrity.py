@@ -257,13 +257,14 @@ def test_a_failing_writer_is_a_clear_error_and_resume_completes(model, dataset, 
 
 def test_a_full_disk_leaves_no_partial_file_and_resume_completes(model, dataset, tmp_path, fake_engine):
     """A real ENOSPC: the output directory is a 1 MiB tmpfs (needs root; skipped where mount is not allowed)."""
-    clean, out = tmp_path / "clean", tmp_path / "tmpfs"
+    clean, mount = tmp_path / "clean", tmp_path / "tmpfs"
+    out = mount / "out"  # the filler beside it, on the same file system (an --out of the user's files is refused)
     job.run(_opts(model, dataset, clean))
-    os.mkdir(out)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True).returncode:
+    os.mkdir(mount)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        filler = out / "filler"
+        filler = mount / "filler"
         sizes = sorted(os.path.getsize(clean / f) for f in _samples(clean))
         filler.write_bytes(b"\0" * (1024 * 1024 - 4 * sizes[-1] - 64 * 1024))  # room for a few samples only
         with pytest.raises(EagleCompatError, match="No space left on device"):
@@ -276,7 +277,7 @@ def test_a_full_disk_leaves_no_partial_file_and_resume_completes(model, dataset,
         assert job.run(_opts(model, dataset, out, resume=True))["complete"]
         _equal_dirs(clean, out)
     finally:
-        subprocess.run(["umount", "--lazy", str(out)], check=False)  # a writer thread may still hold a file
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)  # a writer thread may still hold a file
 
 
 # ---- item 7: --max-len follows the model ---------------------------------------------------------------------------

@@ -47,8 +47,8 @@ def test_a_sample_whose_reply_was_cut_away_is_reported_and_left_out(model, chats
     assert manifest["runs"][-1]["report"]["samples"] == 2
     assert sum(b["samples"] for b in rep["length_histogram"]) == 2
     text = report.text(rep)
-    assert "left out (--min-loss-tokens): 1 samples, lines 2: its replies were cut away by --max-len" in text
-    assert f"--max-len {MAX_LEN}: 2 samples truncated" in text
+    assert "left out (--min-loss-tokens): 1 sample, line 2: its replies were cut away by --max-len" in text
+    assert f"--max-len {MAX_LEN}: 2 samples truncated (lines 2, 3)" in text and cut["lines"] == [2, 3]
 
 
 def test_min_loss_tokens_0_keeps_every_sample_and_reports_the_empty_ones(model, chats, tmp_path, fake_engine):
@@ -58,7 +58,7 @@ def test_min_loss_tokens_0_keeps_every_sample_and_reports_the_empty_ones(model, 
     assert rep["truncation"]["samples_with_a_reply_cut_wholly"] == 1
     kept = writer.load_sample(writer.sample_path(str(out), 1, "pt"))
     assert len(kept["input_ids"]) == MAX_LEN and int(kept["loss_mask"].sum()) == 0
-    assert "1 samples have no token in the loss mask" in report.text(rep)
+    assert "1 sample has no token in the loss mask" in report.text(rep)
     with pytest.raises(writer.OutputDirectoryConflict, match=r"min_loss_tokens: was 0, now 1"):
         job.run(_opts(model, chats, out, max_len=MAX_LEN, resume=True))  # another sample set: refused
 
@@ -186,4 +186,72 @@ def test_the_report_counts_the_files_rather_than_trust_the_record(model, chats, 
     assert "PROBLEM" not in report.text(report.of_directory(str(out)))
     os.unlink(next(out.glob("data_*.pt")))
     text = report.text(report.of_directory(str(out)))
-    assert re.search(r"PROBLEM: 1 sample files are in .*, its record says 2", text), text
+    assert re.search(r"PROBLEM: 1 sample file is in .*, its record says 2", text), text
+
+
+def _left_running(tmp_path, pid: int, host: str) -> str:
+    """A directory as a run killed outright leaves it (written by hand): its record still says "running", one of its
+    two sample files was written."""
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    (out / "data_0.pt").write_bytes(b"")  # counted by name: the report reads no sample of ours
+    rep = {"samples": 2, "tokens": 20, "loss_tokens": 6, "loss_share": 0.3, "max_len": 16,
+           "samples_without_loss_tokens": 0, "length_histogram": [], "left_out": {},
+           "truncation": {"samples_truncated": 0, "lines": [], "tokens_cut": 0, "loss_tokens_cut": 0,
+                          "samples_with_a_reply_cut_partly": 0, "samples_with_a_reply_cut_wholly": 0}}
+    run = {"shard": "0/1", "pid": pid, "host": host, "status": "running", "batches_to_do": 1}
+    json.dump({"settings": {"model": "m"}, "status": "running", "runs": [run], "report": rep},
+              open(out / "manifest.json", "w"))
+    return str(out)
+
+
+def _ended_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid names no process
+    return proc.pid
+
+
+def test_a_running_record_whose_process_is_gone_is_reported_incomplete(tmp_path, capsys):
+    """A run killed with SIGKILL (or a machine restart) never records its end: the report called the directory
+    running forever. Its pid, on this host, says whether it still is."""
+    import socket
+
+    from eagle_compat import cli
+    pid = _ended_pid()
+    out = _left_running(tmp_path, pid, socket.gethostname())
+    rep = report.of_directory(out)
+    assert rep["status"] == "incomplete" and rep["status_note"] == f"pid {pid} not running"
+    assert cli.main(["report", out]) == 0
+    text = capsys.readouterr().out
+    assert (f"NOTE: the directory is incomplete (pid {pid} not running): rerun with --resume; 1 of 2 samples have "
+            "their file") in text, text
+    assert "directory is running" not in text
+
+
+def test_a_running_record_whose_process_lives_or_runs_elsewhere_stays_running(tmp_path):
+    import socket
+    text = report.text(report.of_directory(_left_running(tmp_path, os.getpid(), socket.gethostname())))
+    assert "NOTE: the directory is running (1 of 2 samples have their file)" in text and "--resume" not in text, text
+    # another host's process table cannot be read from here: said, not guessed
+    other = report.of_directory(_left_running(tmp_path / "other", _ended_pid(), "elsewhere.example"))
+    assert other["status"] == "running" and other["status_note"].endswith(
+        "on elsewhere.example: cannot be checked from here"), other
+
+
+def test_the_report_counts_in_the_singular_and_names_the_truncated_lines():
+    from eagle_compat.extract.inputs import Cut, Sample
+    one = [Sample(0, [5], [1], line=4, cut=Cut(tokens=3, loss_tokens=1, replies_cut_partly=1))]
+    rep = report.of_samples(one, 1, {"--min-loss-tokens": [
+        {"line": 2, "index": 1, "reason": "no reply", "cut": Cut(tokens=1, replies_cut_wholly=1)}]})
+    assert rep["truncation"]["lines"] == [2, 4]
+    rep["samples_without_loss_tokens"] = 1
+    text = report.text(rep)
+    assert text.startswith("data report: 1 sample, 1 token, 1 in the loss mask"), text
+    assert "  1 sample has no token in the loss mask" in text
+    assert "--max-len 1: 2 samples truncated (lines 2, 4), 4 tokens cut (1 of them loss tokens); replies cut partly " \
+           "in 1 sample, wholly in 1" in text, text
+    assert "left out (--min-loss-tokens): 1 sample, line 2: no reply" in text
+    # past 20 the lines end in "..."
+    rep["truncation"].update(samples_truncated=30, lines=list(range(1, 31)))
+    assert "30 samples truncated (lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...), " \
+           in report.text(rep)

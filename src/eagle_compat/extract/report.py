@@ -21,15 +21,20 @@ def of_samples(samples: Iterable[Any], max_len: int | None, left_out: dict[str, 
     """The report of `inputs.Sample`s (their `cut` says what --max-len removed); `left_out`: name -> the samples a
     rule left out ({"line", "index", "reason", ...}; with "cut" where --max-len took part: it counts in the
     truncation figures, which cover every sample of the input that was tokenized)."""
-    lengths, losses, cuts = [], [], []
+    lengths, losses, cuts, cut_lines = [], [], [], []
     for s in samples:
         lengths.append(len(s.input_ids))
         losses.append(sum(s.loss_mask))
         cuts.append(s.cut)
-    cuts += [i["cut"] for items in (left_out or {}).values() for i in items if i.get("cut") is not None]
+        if s.cut.tokens > 0:
+            cut_lines.append(s.line)
+    left_cut = [i for items in (left_out or {}).values() for i in items if i.get("cut") is not None]
+    cuts += [i["cut"] for i in left_cut]
+    cut_lines += [i["line"] for i in left_cut if i["cut"].tokens > 0]
     report = _totals(lengths, losses, max_len)
     report["truncation"] = {
-        "samples_truncated": sum(c.tokens > 0 for c in cuts), "tokens_cut": sum(c.tokens for c in cuts),
+        "samples_truncated": sum(c.tokens > 0 for c in cuts), "lines": sorted(cut_lines)[:50],
+        "tokens_cut": sum(c.tokens for c in cuts),
         "loss_tokens_cut": sum(c.loss_tokens for c in cuts),
         "samples_with_a_reply_cut_partly": sum(c.replies_cut_partly > 0 for c in cuts),
         "samples_with_a_reply_cut_wholly": sum(c.replies_cut_wholly > 0 for c in cuts)}
@@ -54,10 +59,15 @@ def of_directory(out_dir: str) -> dict:
         problems = problems_of(manifest)
         recorded = manifest.get("samples_present")
         if recorded is not None and present != recorded:
-            problems.append(f"{present} sample files are in {out_dir}, its record says {recorded} (files copied in, "
-                            "lost or removed since it was written): run the extract command again with --resume")
-        return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": manifest.get("status"),
-                "samples_present": present, "problems": problems,
+            problems.append(f"{present} sample {plural(present, 'file is', 'files are')} in {out_dir}, its record "
+                            f"says {recorded} (files copied in, lost or removed since it was written): run the extract "
+                            "command again with --resume")
+        status, status_note = manifest.get("status"), None
+        if status == "running":
+            status, status_note = running_state(manifest)
+        return {**manifest["report"], "source": f"{out_dir}/{writer.MANIFEST}", "status": status,
+                **({"status_note": status_note} if status_note else {}), "samples_present": present,
+                "problems": problems,
                 "versions_differ": {k: [*old, new] for k, (old, new) in versions_that_differ(manifest).items()}}
     import torch
     names = writer.sample_files(out_dir)
@@ -89,6 +99,48 @@ def of_directory(out_dir: str) -> dict:
         from .layers import problems_of
         report["problems"] = problems_of(manifest)
     return report
+
+
+def running_state(manifest: dict) -> tuple[str, str | None]:
+    """(status, note) of a directory whose record says "running": a run killed outright (SIGKILL, a machine
+    restart) never writes its end, so the record's word is checked against its runs' pids. ("running", None) while
+    one lives on this host; ("running", note) where the others run on hosts whose processes cannot be seen from
+    here; ("incomplete", "pid N not running") where each has ended."""
+    import socket
+    runs = [r for r in manifest.get("runs") or [] if isinstance(r, dict) and r.get("status") == "running"
+            and isinstance(r.get("pid"), int) and r["pid"] > 0]
+    if not runs:  # written by a release that recorded no pid: nothing to check
+        return "running", None
+    here = socket.gethostname()
+    local = [r["pid"] for r in runs if r.get("host") == here]
+    if any(map(_alive, local)):
+        return "running", None
+    notes = [f"pid {r['pid']} on {r.get('host')}: cannot be checked from here" for r in runs if r.get("host") != here]
+    dead = f"{plural(len(local), 'pid')} {', '.join(map(str, local))} not running"
+    if notes:
+        return "running", "; ".join(notes + ([dead] if local else []))
+    return "incomplete", dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process holds the pid
+        return True
+    return True
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """The word for n of them: plural(1, "sample") is "sample", plural(2, "sample") "samples"."""
+    return one if n == 1 else many or f"{one}s"
+
+
+def line_list(lines: list[int], count: int, limit: int = 20) -> str:
+    """The input file's lines as the output names them: "line 2"; "lines 2, 5, ..." past `limit` of `count`."""
+    shown = ", ".join(map(str, lines[:limit]))
+    return f"{plural(count, 'line')} {shown}{', ...' if count > limit else ''}"
 
 
 VERSIONS_THAT_MATTER = ("eagle_compat", "vllm", "torch", "transformers")
@@ -139,31 +191,39 @@ def histogram(lengths: list[int], max_len: int | None, bins: int = HISTOGRAM_BIN
 
 def text(report: dict, title: str = "data report") -> str:
     """The report as the lines `extract` and `eagle-compat report` print."""
-    lines = [f"{title}: {report['samples']} samples, {report['tokens']:,} tokens, {report['loss_tokens']:,} in the "
-             f"loss mask ({100 * report['loss_share']:.1f}%)"]
+    n = report["samples"]
+    lines = [f"{title}: {n} {plural(n, 'sample')}, {report['tokens']:,} {plural(report['tokens'], 'token')}, "
+             f"{report['loss_tokens']:,} in the loss mask ({100 * report['loss_share']:.1f}%)"]
     for problem in report.get("problems") or []:
         lines.append(f"  PROBLEM: {problem}")
-    if report.get("status") not in (None, "complete"):
-        lines.append(f"  NOTE: the directory is {report['status']} ({report.get('samples_present')} of "
-                     f"{report['samples']} samples have their file): these figures describe the whole input")
+    status = report.get("status")
+    if status not in (None, "complete"):
+        files = f"{report.get('samples_present')} of {n} {plural(n, 'sample has its', 'samples have their')} file"
+        if report.get("status_note"):
+            advice = ": rerun with --resume" if status == "incomplete" else ""
+            lines.append(f"  NOTE: the directory is {status} ({report['status_note']}){advice}; {files}: these "
+                         "figures describe the whole input")
+        else:
+            lines.append(f"  NOTE: the directory is {status} ({files}): these figures describe the whole input")
     if report.get("versions_differ"):
         lines.append("  NOTE: its runs wrote files with differing versions: " + "; ".join(
             f"{k} {' / '.join(v)}" for k, v in report["versions_differ"].items()) + " (manifest.json: runs)")
-    if report.get("samples_without_loss_tokens"):
-        lines.append(f"  {report['samples_without_loss_tokens']} samples have no token in the loss mask: nothing to "
+    if empty := report.get("samples_without_loss_tokens"):
+        lines.append(f"  {empty} {plural(empty, 'sample has', 'samples have')} no token in the loss mask: nothing to "
                      "train on (kept: --min-loss-tokens 0)")
     cut = report.get("truncation", {})
     if "note" in cut:
         lines.append(f"  truncation: {cut['note']}")
     elif cut:
-        lines.append(f"  --max-len {report.get('max_len')}: {cut['samples_truncated']} samples truncated, "
-                     f"{cut['tokens_cut']:,} tokens cut ({cut['loss_tokens_cut']:,} of them loss tokens); replies cut "
-                     f"partly in {cut['samples_with_a_reply_cut_partly']} samples, wholly in "
+        k, partly = cut["samples_truncated"], cut["samples_with_a_reply_cut_partly"]
+        where = f" ({line_list(cut['lines'], k, 20)})" if k and cut.get("lines") else ""  # older records: no lines
+        lines.append(f"  --max-len {report.get('max_len')}: {k} {plural(k, 'sample')} truncated{where}, "
+                     f"{cut['tokens_cut']:,} {plural(cut['tokens_cut'], 'token')} cut ({cut['loss_tokens_cut']:,} of "
+                     f"them loss tokens); replies cut partly in {partly} {plural(partly, 'sample')}, wholly in "
                      f"{cut['samples_with_a_reply_cut_wholly']}")
     for name, left in report.get("left_out", {}).items():
-        lines.append(f"  left out ({name}): {left['count']} samples, lines "
-                     f"{', '.join(map(str, left['lines'][:10]))}{', ...' if left['count'] > 10 else ''}: "
-                     f"{'; '.join(left['reasons'])}")
+        lines.append(f"  left out ({name}): {left['count']} {plural(left['count'], 'sample')}, "
+                     f"{line_list(left['lines'], left['count'], 10)}: {'; '.join(left['reasons'])}")
     bins = report.get("length_histogram") or []
     if bins:
         peak = max(b["samples"] for b in bins) or 1

@@ -1,0 +1,65 @@
+"""The run's stage lines on stderr, one each, from its first second: the input read, the engine starting (with its
+elapsed time while it loads), the engine ready. A start-up of minutes (a large model's weights, a busy CPU) is then
+never mistaken for a hang, and the summary can split start-up from extraction."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+# while the engine starts: how often its elapsed time is said (rewritten in place on a terminal, a new line elsewhere:
+# a log file gets a line every half minute, not a line a second)
+TICK_TERMINAL_S = 1.0
+TICK_LOG_S = 30.0
+
+
+def say(text: str, stream: Any = None) -> None:
+    print(f"extract: {text}", file=stream or sys.stderr, flush=True)
+
+
+def lines_of(entries: list[dict], most: int = 10) -> str:
+    """`line 3` / `lines 3, 7, ...`: the input lines of entries (each with a "line"), the first `most` of them."""
+    lines = [str(e["line"]) for e in entries if "line" in e]
+    if not lines:
+        return ""
+    shown = ", ".join(lines[:most]) + (", ..." if len(lines) > most else "")
+    return f"line {shown}" if len(lines) == 1 else f"lines {shown}"
+
+
+def plural(n: int, word: str, words: str = "") -> str:
+    return f"{n:,} " + (word if n == 1 else words or word + "s")
+
+
+@contextlib.contextmanager
+def waiting(doing: str, done: str, stream: Any = None, tick_s: float | None = None) -> Iterator[dict]:
+    """Says `doing`, then its elapsed time while the body runs, then `done` with the seconds it took (`{s}` in
+    `done`). Yields a dict whose "seconds" is set at the end. Nothing is said of a body that raised: its error is."""
+    stream = stream or sys.stderr
+    terminal = bool(getattr(stream, "isatty", lambda: False)())
+    tick = tick_s if tick_s is not None else TICK_TERMINAL_S if terminal else TICK_LOG_S
+    started = time.monotonic()
+    stop = threading.Event()
+    say(doing, stream)
+
+    def tell_elapsed() -> None:
+        while not stop.wait(tick):
+            elapsed = time.monotonic() - started
+            if terminal:
+                print(f"\rextract: {doing} ({elapsed:.0f} s)", end="", file=stream, flush=True)
+            else:
+                say(f"{doing} ({elapsed:.0f} s)", stream)
+
+    ticker = threading.Thread(target=tell_elapsed, name="eagle-compat-stage", daemon=True)
+    ticker.start()
+    took: dict = {}
+    try:
+        yield took
+    finally:
+        stop.set()
+        ticker.join()
+        took["seconds"] = time.monotonic() - started
+        if terminal:
+            print("\r", end="", file=stream, flush=True)
+    say(done.format(s=took["seconds"]), stream)
