@@ -983,8 +983,8 @@ def test_conversations_without_a_tokenizer_say_why_it_did_not_load(model, tmp_pa
             f.unlink()
     data = _write_lines(tmp_path / "c.jsonl", [{"conversations": [{"role": "user", "content": "hi"},
                                                                   {"role": "assistant", "content": "ho"}]}])
-    with pytest.raises(InvalidInput, match=r"c.jsonl:1: conversations need the model's tokenizer, which did not "
-                                           r"load \(\w+(Error|Exception)?: "):
+    with pytest.raises(InvalidInput, match=r"c.jsonl:1 is a conversation, which needs the model's tokenizer: the "
+                                           r"tokenizer of --model .* did not load \(\w+(Error|Exception)?: "):
         job.run(_opts(str(no_tokenizer), data, tmp_path / "out"))
 
 

@@ -44,7 +44,7 @@ def local_model_path(name: str, option: str = "--model") -> str:
     what was looked for and how to get the model."""
     if os.path.exists(name):
         if not os.path.isdir(name):
-            raise InvalidInput(f"{option} {name!r} is a file; give the model's folder (config.json and weights) or "
+            raise InvalidInput(f"{option} {name!r} is a file; give the model's directory (config.json and weights) or "
                                "a Hugging Face name in the local cache")
         return name
     if not looks_like_hub_name(name):

@@ -100,7 +100,6 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
     if os.path.isdir(opts.out):
         writer.refuse_others_folder(opts.out)
-        writer.refuse_foreign_folder(opts.out)
     if os.path.realpath(opts.out) == os.path.realpath(opts.model):  # its manifest would change the model's checksums
         raise InvalidInput(f"--out {opts.out!r} is the model's directory; give a directory of its own (the run's "
                            "records there would change the model's checksums, and no --resume would be accepted)")
@@ -108,6 +107,8 @@ def _check(opts: ExtractOptions) -> None:
     if os.path.commonpath([model_dir, out_dir]) == model_dir:
         raise InvalidInput(f"--out {opts.out!r} is inside the model's directory {opts.model!r}; give a folder outside "
                            "it (files written there would change the model's checksums and could be read as its own)")
+    if os.path.isdir(opts.out):
+        writer.refuse_foreign_folder(opts.out)
     nearest = os.path.abspath(opts.out)  # the folder --out is (or will be made) in: before the data is read
     while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
         nearest = os.path.dirname(nearest)
