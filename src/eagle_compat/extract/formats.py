@@ -172,8 +172,12 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
         if validate:
             writer.require_finite(s.index, sample["hidden_states"], layer_ids)  # its own message, as without
             writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
-        return fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
+        path = fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
                         layer_ids, stamp)
+        if stamp is not None:  # what a --resume trusts without opening the file (writer.INDEX_FILE)
+            _, ids, mask, _ = fmt.expected(out, s.index, s.row, s.input_ids, s.loss_mask, "")
+            writer.index_written(out, s.index, path, ids, mask, stamp)
+        return path
     except (writer.NonFiniteStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
 

@@ -51,6 +51,9 @@ class ExtractOptions:
     dtype: str = "auto"
     trust_remote_code: bool = False
     progress: bool = True
+    # a --resume opens every kept file to check it (on several threads) instead of trusting the directory's index of
+    # the files its runs wrote; not a setting
+    verify_kept: bool = False
     writer_threads: int = pipeline.DEFAULT_THREADS
     ray: str | None = None  # --ray [ADDRESS]: None runs here; "" is Ray's default (RAY_ADDRESS or a new local cluster)
     ray_actors: int | None = None  # None: as many as the cluster's resources fit
@@ -410,8 +413,18 @@ def run(opts: ExtractOptions) -> dict:
                 recorded_dtype = None
         states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
                                        dtype_from, stamped=stamped)
-        wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                       for b in kept for s in b if s.index not in non_finite], states)
+        # the index vouches for the files this directory's runs wrote, unchanged since: only the others are opened
+        # (every one with --verify-kept, on several threads)
+        index_entries = {} if opts.verify_kept else writer.read_index(opts.out)
+
+        def vouched(s: formats.Placed) -> bool:
+            _, ids, mask, _ = fmt.expected(opts.out, s.index, s.row, s.input_ids, s.loss_mask, "")
+            return writer.trusted_by_index(index_entries, opts.out, s.index, path_of(s), ids, mask, states.stamp)
+        to_read = [s for b in kept for s in b if s.index not in non_finite and not (index_entries and vouched(s))]
+        with stages.counting("resume check: kept files read", len(to_read), "file") as read:
+            wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
+                                           for s in to_read], states, threads=8 if opts.verify_kept else 1,
+                                          on_each=read.add)
         if wrong and wrong.states:
             raise writer.OutputDirectoryConflict(
                 f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
@@ -530,9 +543,12 @@ def run(opts: ExtractOptions) -> dict:
                 # lists, not generators: nothing below resumes code of this module (one direction:
                 # docs/adr/0039-import-floors.md); the files of this run's batches were checked (kept) or written by
                 # it: only the others are read
+                # other shards' files too: the index vouches for those their runs wrote, unchanged since
+                index_entries = {} if opts.verify_kept else writer.read_index(opts.out)
+                known = frozenset(s.index for b in mine for s in b) | frozenset(
+                    s.index for s in whole if index_entries and vouched(s))
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
-                                               for s in whole], states,
-                                    known=frozenset(s.index for b in mine for s in b), left_out=left_out_lines)
+                                               for s in whole], states, known=known, left_out=left_out_lines)
                 fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in whole],
                            data_description(opts, layer_ids, hidden_size, len(whole), versions, max_len))
                 writer.fsync_renames(opts.out)

@@ -63,3 +63,43 @@ def waiting(doing: str, done: str, stream: Any = None, tick_s: float | None = No
         if terminal:
             print("\r", end="", file=stream, flush=True)
     say(done.format(s=took["seconds"]), stream)
+
+
+class Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, n: int = 1) -> None:
+        self.n += n  # one writer (the thread doing the work); the ticker only reads it
+
+
+@contextlib.contextmanager
+def counting(doing: str, total: int | None, unit: str, stream: Any = None,
+             tick_s: float | None = None) -> Iterator[Count]:
+    """For work of unknown length (reading the input, checking kept files): nothing for work done within one tick;
+    past it, `doing: n of total units (rate/s)` every tick, and a last line with the count and time."""
+    stream = stream or sys.stderr
+    terminal = bool(getattr(stream, "isatty", lambda: False)())
+    tick = tick_s if tick_s is not None else TICK_TERMINAL_S * 5 if terminal else TICK_LOG_S
+    count, started, stop = Count(), time.monotonic(), threading.Event()
+    ticked = []
+
+    def line() -> str:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        of = f" of {total:,}" if total is not None else ""
+        return f"{doing}: {count.n:,}{of} {unit}s ({count.n / elapsed:,.0f}/s, {elapsed:.0f} s)"
+
+    def tell() -> None:
+        while not stop.wait(tick):
+            ticked.append(True)
+            say(line(), stream)
+
+    ticker = threading.Thread(target=tell, name="eagle-compat-count", daemon=True)
+    ticker.start()
+    try:
+        yield count
+    finally:
+        stop.set()
+        ticker.join()
+    if ticked:
+        say(line() + ": done", stream)

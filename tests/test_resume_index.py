@@ -1,0 +1,118 @@
+"""A restart in seconds: the directory's append-only index of the files its runs wrote lets a --resume (and the
+completion of a sharded set) trust those files without opening them, and every guarantee of the content check
+holds: a file changed, replaced or copied in since is opened and judged as before; --verify-kept opens them all."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from eagle_compat import tiny_models
+from eagle_compat.errors import EagleCompatError
+from eagle_compat.extract import job, writer
+
+from helpers import prompts
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts(N, 10, 40, seed=9)))
+    return str(path)
+
+
+def _opts(model, data, out, **kw):
+    kw.setdefault("layers", [0, 5])
+    kw.setdefault("batch_size", 4)
+    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The sample files a run opens to check them."""
+    opened: list[str] = []
+    real = writer.read_facts
+
+    def counting(path):
+        opened.append(os.path.basename(path))
+        return real(path)
+    monkeypatch.setattr(writer, "read_facts", counting)
+    return opened
+
+
+def _half_done(model, dataset, out):
+    """Shard 0 of 2 (even batches): a set half done, as a killed run leaves it."""
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    return json.loads((out / writer.MANIFEST).read_text())
+
+
+def test_each_file_written_has_its_line(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out))
+    entries = writer.read_index(str(out))
+    assert sorted(entries) == list(range(N))
+    for index, entry in entries.items():
+        st = os.stat(out / entry["f"])
+        assert entry["f"] == f"data_{index}.pt" and (entry["n"], entry["m"]) == (st.st_size, st.st_mtime_ns)
+
+
+def test_a_resume_opens_no_file_the_index_vouches_for(model, dataset, tmp_path, fake_engine, reads):
+    out = tmp_path / "out"
+    _half_done(model, dataset, out)
+    reads.clear()
+    summary = job.run(_opts(model, dataset, out, resume=True))
+    assert summary["complete"] and summary["written_this_run"] == N // 2
+    assert reads == [], reads  # neither the kept files nor, at completion, the other shard's
+
+
+def test_verify_kept_opens_every_kept_file(model, dataset, tmp_path, fake_engine, reads):
+    out = tmp_path / "out"
+    _half_done(model, dataset, out)
+    reads.clear()
+    job.run(_opts(model, dataset, out, resume=True, verify_kept=True))
+    kept = {f"data_{i}.pt" for k in range(0, N // 4, 2) for i in range(4 * k, 4 * k + 4)}
+    assert kept <= set(reads)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "copied in", "index line torn"])
+def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(model, dataset, tmp_path, fake_engine, reads,
+                                                                  change):
+    out, other = tmp_path / "out", tmp_path / "other"
+    _half_done(model, dataset, out)
+    victim = out / "data_1.pt"
+    if change == "rewritten":  # other tokens in the same file name: the content check refuses it
+        sample = writer.load_sample(str(victim))
+        sample["input_ids"] = sample["input_ids"].flip(0)
+        writer.save_sample(str(out), 1, sample, "pt", [0, 5], writer.read_facts(str(victim)).stamp)
+    elif change == "copied in":  # another directory's file of another model's states (another stamp)
+        job.run(_opts(model, dataset, other, shard=(0, 2), layers=[1, 5]))
+        shutil.copy(other / "data_1.pt", victim)
+    else:  # the last write of the index cut short: that file is read, and is fine
+        text = (out / writer.INDEX_FILE).read_text().splitlines(keepends=True)
+        line = next(ln for ln in text if json.loads(ln)["i"] == 1)
+        (out / writer.INDEX_FILE).write_text("".join(ln for ln in text if ln is not line) + line[:20])
+    reads.clear()
+    if change == "index line torn":
+        assert job.run(_opts(model, dataset, out, resume=True))["complete"]
+        assert reads == ["data_1.pt"], reads
+        return
+    with pytest.raises(EagleCompatError, match="data_1.pt"):
+        job.run(_opts(model, dataset, out, resume=True))
+    assert reads[-1] == "data_1.pt"
+
+
+def test_the_index_is_not_a_stray_or_a_foreign_file(model, dataset, tmp_path, fake_engine):
+    """A directory holding only the index and a lock (the record removed) is still ours to start again."""
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / writer.INDEX_FILE).write_text("")
+    assert job.run(_opts(model, dataset, out))["complete"]
