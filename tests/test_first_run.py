@@ -204,3 +204,45 @@ def test_install_says_in_one_line_what_it_did():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "LOG eagle_compat eagle_compat: installed on vLLM " in proc.stdout, proc.stdout + proc.stderr
     assert "eagle_compat: installed" not in proc.stderr
+
+
+def _until(predicate, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the ticker never spoke"
+        time.sleep(0.005)
+
+
+def test_a_stage_says_its_elapsed_time_while_it_runs_then_how_long_it_took():
+    import io
+
+    from eagle_compat.extract import stages
+    stream = io.StringIO()
+    with stages.waiting("engine starting", "engine ready in {s:.0f} s", stream=stream, tick_s=0.01) as took:
+        _until(lambda: stream.getvalue().count("\n") >= 2)  # the start line and one with the elapsed time
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "extract: engine starting" and lines[1].startswith("extract: engine starting (")
+    assert lines[-1].startswith("extract: engine ready in ") and took["seconds"] >= 0
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError):  # a stage that failed says nothing more: its error does
+        with stages.waiting("engine starting", "engine ready in {s:.0f} s", stream=stream, tick_s=60):
+            raise RuntimeError("no")
+    assert stream.getvalue() == "extract: engine starting\n"
+
+
+def test_long_counted_work_says_its_count_and_rate_and_short_work_says_nothing():
+    import io
+
+    from eagle_compat.extract import stages
+    stream = io.StringIO()
+    with stages.counting("resume check: kept files read", 1000, "file", stream=stream, tick_s=0.01) as n:
+        n.add(7)
+        _until(lambda: "extract: resume check: kept files read: 7 of 1,000 files (" in stream.getvalue())
+    assert stream.getvalue().splitlines()[-1].endswith(": done")
+    quiet = io.StringIO()
+    with stages.counting("reading", None, "line", stream=quiet, tick_s=60) as n:
+        n.add(3)
+    assert quiet.getvalue() == ""
+    assert stages.plural(1, "sample") == "1 sample" and stages.plural(2, "batch", "batches") == "2 batches"
+    assert stages.lines_of([{"line": 4}]) == "line 4" and stages.lines_of([{"line": i} for i in range(12)], 3) == \
+        "lines 0, 1, 2, ..."

@@ -242,9 +242,11 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
-                 check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "") -> Dataset:
+                 check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
+                 on_line: Any = None) -> Dataset:
     """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
-    `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed."""
+    `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
+    line (the run's progress)."""
     samples: list[Sample] = []
     skipped: list[dict] = []
     few: list[dict] = []
@@ -254,6 +256,8 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
+            if on_line is not None:
+                on_line()
             where = f"{path}:{n + 1}"
             try:
                 line = raw.decode("utf-8")

@@ -338,9 +338,11 @@ def run(opts: ExtractOptions) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
         tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
-    data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
-                               skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                               min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error)
+    with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
+        data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
+                                   skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
+                                   min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
+                                   on_line=lines_read.add)
     samples = data.samples
     left_out_entries = [*data.skipped, *data.few_loss_tokens]
     stages.say(f"input read: {stages.plural(len(samples), 'sample')}, "
