@@ -116,3 +116,12 @@ def test_the_index_is_not_a_stray_or_a_foreign_file(model, dataset, tmp_path, fa
     (out).mkdir()
     (out / writer.INDEX_FILE).write_text("")
     assert job.run(_opts(model, dataset, out))["complete"]
+
+
+def test_a_resume_of_a_finished_set_keeps_its_recorded_command(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out))
+    before = (out / "data_config.json").read_bytes()
+    summary = job.run(_opts(model, dataset, out, resume=True))
+    assert summary["complete"] and summary["written_this_run"] == 0
+    assert (out / "data_config.json").read_bytes() == before

@@ -389,6 +389,7 @@ def run(opts: ExtractOptions) -> dict:
         # again: another run may have written between the checks (and a dead run's writers, until they end)
         waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
         record = writer.check_directory(opts.out, settings)
+        was_complete = (record or {}).get("status") == "complete"
         refuse_without_resume()
         replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
         swept = writer.sweep_temp_files(opts.out)
@@ -551,8 +552,13 @@ def run(opts: ExtractOptions) -> dict:
                     s.index for s in whole if index_entries and vouched(s))
                 fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
                                                for s in whole], states, known=known, left_out=left_out_lines)
-                fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in whole],
-                           data_description(opts, layer_ids, hidden_size, len(whole), versions, max_len))
+                # a --resume of a finished set that wrote nothing keeps its description (the command recorded in
+                # it is the one that made the set)
+                already = was_complete and not todo and not fmt.arrow and \
+                    os.path.exists(os.path.join(opts.out, fmt.finishes))
+                if not already:
+                    fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in whole],
+                               data_description(opts, layer_ids, hidden_size, len(whole), versions, max_len))
                 writer.fsync_renames(opts.out)
         except writer.OutputDirectoryConflict as exc:
             manifest.update(status="incomplete", samples_present=present)
