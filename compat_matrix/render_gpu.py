@@ -42,7 +42,9 @@ over 0.27.1's (`BASE=.gpu27 scripts/gpu_bundle.sh 0.28.0`: 3 parts, set-up 14 s 
 2.25.0, whose `NamespaceTool` its `LLM()` imports (no cell uses `LLM()`; the throughput run's plain and native phases
 do: `results/gpu/h200-vllm-0.25.1-v2-runner-moe.machine.txt`). From 0.26.0 vLLM refuses
 the tiny MLA models' head dims on Hopper (`results/gpu/attempts/h200-vllm-0.26.0-mla-dims.*`): there the MLA cells run
-the v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`). MoE kernel: 0.21.0 and 0.22.1 default to
+the v_head_dim 128 variants (`deepseek_v3_v128`, `kimi_k25_v128`; the quantized checkpoints' `*_v128`). From 0.33.0
+every family of the compatibility matrix runs, shim and generator (`families.gpu_matrix_checks`), eight cells at once
+on the one GPU (`PARALLEL=8`: each engine takes its KV cache from the memory free after its own load). MoE kernel: 0.21.0 and 0.22.1 default to
 FlashInfer's bf16 MoE on Hopper, whose build ran over 400 s on a fresh machine (0.21.0's attempt notes), so their MoE
 cells ran on Triton MoE (`VLLM_USE_FLASHINFER_MOE_FP16=0`, a kernel setting of the GPU tables of
 docs/compatibility.md); from 0.23.0 vLLM puts Triton first on Hopper, so by vLLM's source the 0.23-0.25 cells ran
@@ -53,7 +55,8 @@ Whether a release can be carried is measured against this machine's package regi
 every manylinux tag from 2_17 to 2_35: the first probe, 2026-12-02, skipped NCCL's and llguidance's tags and wrongly
 reported them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is
 not: its bundle carries 0.7.4, the next patch of that minor, and transformers 5.22.2 for the huggingface_hub>=2 it
-asks (`scripts/gpu_bundle.sh`; built as a delta over 0.33.0's, not yet run). The GPU tables of docs/compatibility.md
+asks (`scripts/gpu_bundle.sh`; built as a delta over 0.33.0's; carried twice, no cell result yet: each attempt's
+note in `results/gpu/attempts/h100-vllm-0.34.0-*` says why). The GPU tables of docs/compatibility.md
 show each check's verdict per family and release, and each release's status.
 """
 

@@ -119,6 +119,9 @@ case "$release" in
   # lazily (no module-level import in the wheel). On an H100 (results/gpu/attempts/h100-vllm-0.34.0-bundle-attempt.*):
   # hub 2.4.0 imports httpx2 (with httpcore2 and truststore), and every engine's warm-up imports `cutlass`
   # (nvidia-cutlass-dsl, which 0.34 pins at 4.8.0 with its cu13 libraries), whatever the model: both are carried.
+  # The second run (h100-vllm-0.34.0-cutlass-attempt.*): 4.8.0 keeps the `cutlass` package itself in
+  # nvidia-cutlass-dsl-libs-core (libs-base requires it), found through a .pth file that a site on PYTHONPATH does not
+  # read: libs-core is carried, and scripts/gpu_setup.sh puts the .pth files' paths on PYTHONPATH.
   0.34.0)
     overrides="torch==2.14.0 torchvision==0.29.0 triton==3.8.0 nvidia_cudnn_cu13==9.24.0.43 nvidia_nccl_cu13==2.30.7 \
                nvidia_cusparselt_cu13==0.8.1 apache_tvm_ffi==0.1.11 cuda_tile nvidia_cudnn_frontend pyelftools \
@@ -126,7 +129,7 @@ case "$release" in
                xgrammar==0.2.8 flashinfer_python==0.7.4 humming_kernels==0.1.19 quack_kernels==0.6.5 \
                huggingface_hub==2.4.0 transformers==5.22.2 filelock==4.3.2 instanttensor==0.2.2 oss_harmony==0.0.11 \
                tokenizers==0.23.3 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 nvidia_cutlass_dsl==4.8.0 \
-               nvidia_cutlass_dsl_libs_base==4.8.0 nvidia_cutlass_dsl_libs_cu13==4.8.0" ;;
+               nvidia_cutlass_dsl_libs_base==4.8.0 nvidia_cutlass_dsl_libs_cu13==4.8.0 nvidia_cutlass_dsl_libs_core==4.8.0" ;;
   *) overrides="" ;;
 esac
 python3 - "$work/ref.json" "$work/want.json" "$release" "$overrides" <<'PY'

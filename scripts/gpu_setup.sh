@@ -47,7 +47,12 @@ gpu_setup() {
   rm -rf "$d" && mkdir -p "$d"  # new files: a delta's set-up shares its base's by hard link
   printf 'Metadata-Version: 2.1\nName: eagle-compat\nVersion: 0.1.0\n' > "$d/METADATA"
   printf '[vllm.general_plugins]\neagle_compat = eagle_compat.plugin:register\n' > "$d/entry_points.txt"
-  export PYTHONPATH=$site:$PWD/src
+  # a site on PYTHONPATH has its .pth files ignored; the paths they add (nvidia-cutlass-dsl puts its `cutlass` in
+  # nvidia_cutlass_dsl/dsl_packages by one, vLLM 0.34 imports it at every warm-up) are put beside it
+  local pth_paths
+  pth_paths=$(python3 -c "import site, sys; before = set(sys.path); site.addsitedir('$site')
+print(':'.join(p for p in sys.path if p not in before and p != '$site'))" 2>/dev/null)
+  export PYTHONPATH=$site${pth_paths:+:$pth_paths}:$PWD/src
 }
 
 # Kills what still holds the GPU before the next engine starts: a step cut off by `timeout` kills its python, but
