@@ -37,7 +37,7 @@ def test_extracts_summary_counts_in_the_singular_and_lists_the_lines(monkeypatch
                           "samples_with_a_reply_cut_partly": 1, "samples_with_a_reply_cut_wholly": 0}}
     summary = {"samples": 1, "samples_in_data": 3, "complete": False, "shard": "0/2", "out": str(tmp_path),
                "manifest": "manifest.json", "written_this_run": 1, "tokens_this_run": 1, "seconds": 1.0, "max_len": 8,
-               "temp_files_swept": ["x.tmp-1"], "pipeline": None, "report": rep,
+               "temp_files_swept": ["x.tmp-1"], "pipeline": {"seconds": 0.6}, "engine_start_s": 379.4, "report": rep,
                "skipped": [{"line": 7, "index": 6, "reason": "r"}],
                "left_out_non_finite": [{"line": k, "index": k - 1} for k in range(1, 23)]}
     monkeypatch.setattr(job, "run", lambda opts: summary)
@@ -45,13 +45,14 @@ def test_extracts_summary_counts_in_the_singular_and_lists_the_lines(monkeypatch
     assert cli.cmd_extract(args) == 0
     out = capsys.readouterr().out
     assert f"extract: 1 sample in {tmp_path} (1 written now, 1 token, " in out, out
+    assert "1.0 s: engine start 379.4 s, extraction 0.6 s, max-len 8)" in out, out  # start-up apart from the work
     assert "extract: removed 1 temporary file left by an earlier run" in out
     assert "data report: 1 sample, 1 token, " in out
-    assert "25 samples truncated (lines 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, ...), " \
-           "1 token cut (0 of them loss tokens); replies cut partly in 1 sample," in out, out
+    assert ("25 samples truncated (lines 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, "
+            "...), 1 token cut (0 of them loss tokens); replies cut partly in 1 sample,") in out, out
     assert "skipped 1 conversation whose assistant tokens could not all be located (--skip-uncovered; line 7; " in out
-    assert "left out 22 samples whose hidden states hold NaN or Inf (--skip-non-finite; lines 1, 2, 3, 4, 5, 6, 7, 8, " \
-           "9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...; " in out, out
+    assert ("left out 22 samples whose hidden states hold NaN or Inf (--skip-non-finite; lines 1, 2, 3, 4, 5, 6, 7, "
+            "8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...; ") in out, out
     assert "1 of 3 samples are in the directory" in out
 
 

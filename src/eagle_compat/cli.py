@@ -116,8 +116,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         _print_table(sorted(report["environment"].items()) or [("none set", "")],
                      "Environment variables eagle_compat reads (docs/environment.md)")
     if not args.verbose:
-        print("eagle-compat doctor --verbose adds the CPU's kernel flags, the vLLM API features detected, the patch "
-              "units and workarounds that apply, the start-up hook and vLLM's bytecode (--json: all of it)")
+        print("eagle-compat doctor --verbose adds the probes' details: the CPU's kernel flags, vLLM's API features, "
+              "the patch units and workarounds that apply, the start-up hook, vLLM's bytecode (--json: all of it)")
     else:
         _print_table(_cpu_rows(report["cpu"]), "CPU (the flags that decide vLLM's kernels)")
         if "features" in report:
@@ -350,6 +350,15 @@ def run_preflight(model: str, trust_remote_code: bool, as_json: bool = False, dt
     return 0 if record.get("ok") else 1
 
 
+def _time_split(summary: dict) -> str:
+    """Where the run's time went: the engine's start (minutes for a large model) apart from the extraction."""
+    extraction = (summary.get("pipeline") or {}).get("seconds")
+    start = summary.get("engine_start_s")
+    if extraction is None or start is None:
+        return ""
+    return f": engine start {start:.1f} s, extraction {extraction:.1f} s"
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     quiet = not args.verbose and bool(quiet_engine_output())
     if args.preflight:  # the engine the run would build (dtype, tensor parallel), on the config cut short
@@ -370,7 +379,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         # None: the device's default, found after the cheap checks (it asks torch); an explicit 0 meets the refusal
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress, skip_uncovered=args.skip_uncovered,
+        progress=not args.no_progress, verify_kept=args.verify_kept, skip_uncovered=args.skip_uncovered,
         skip_non_finite=args.skip_non_finite, ray=args.ray, ray_actors=args.ray_actors,
         ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)
     if args.report_plot:
@@ -379,8 +388,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
     plural, line_list = data_report.plural, data_report.line_list
     print(f"extract: {summary['samples']} {plural(summary['samples'], 'sample')} in {summary['out']} "
           f"({summary['written_this_run']} written now, {summary['tokens_this_run']} "
-          f"{plural(summary['tokens_this_run'], 'token')}, {summary['seconds']:.1f} s, max-len {summary['max_len']}); "
-          f"manifest {summary['manifest']}")
+          f"{plural(summary['tokens_this_run'], 'token')}, {summary['seconds']:.1f} s{_time_split(summary)}, max-len "
+          f"{summary['max_len']}); manifest {summary['manifest']}")
     if swept := len(summary["temp_files_swept"]):
         print(f"extract: removed {swept} temporary {plural(swept, 'file')} left by an earlier run")
     if disk_note := job.writers_set_the_pace(summary.get("pipeline")):
@@ -503,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--verify-kept", action="store_true",
+                   help="with --resume: open every kept file to check it (8 threads) instead of trusting the files "
+                        "the directory's index says its runs wrote, unchanged since (the default: a restart in "
+                        "seconds)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="this machine's share of the batches: every N-th batch, starting at batch I; I counts from 0 "
                         "(0 <= I < N); run each I into the same --out (default 0/1: all)")

@@ -29,7 +29,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     fmt = formats.get(opts.format)
     stamp = writer.stamp_of(manifest)
     done_tokens = 0
-    release = detect.installed_versions().vllm or "not installed"
+    release = detect.installed_versions().as_dict().get("vllm") or "not installed"
     try:
         with stages.waiting(f"engine starting (vLLM {release}, {opts.model}): loading the weights, building the KV "
                             "cache", "engine ready in {s:.0f} s") as took:
