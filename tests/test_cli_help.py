@@ -37,7 +37,8 @@ def test_extracts_summary_counts_in_the_singular_and_lists_the_lines(monkeypatch
                           "samples_with_a_reply_cut_partly": 1, "samples_with_a_reply_cut_wholly": 0}}
     summary = {"samples": 1, "samples_in_data": 3, "complete": False, "shard": "0/2", "out": str(tmp_path),
                "manifest": "manifest.json", "written_this_run": 1, "tokens_this_run": 1, "seconds": 1.0, "max_len": 8,
-               "temp_files_swept": ["x.tmp-1"], "pipeline": {"seconds": 0.6, "driver_waited_for_writers_s": 0.0, "driver_waited_for_engine_s": 0.5},
+               "temp_files_swept": ["x.tmp-1"], "pipeline": {"seconds": 0.6, "driver_waited_for_writers_s": 0.0,
+                                                                "driver_waited_for_engine_s": 0.5},
                "engine_start_s": 379.4, "report": rep,
                "skipped": [{"line": 7, "index": 6, "reason": "r"}],
                "left_out_non_finite": [{"line": k, "index": k - 1} for k in range(1, 23)]}
