@@ -1,11 +1,13 @@
 """install() / uninstall(): walk the patch registry, in the driver and (through the vLLM plugin) in workers."""
 from __future__ import annotations
 
+import importlib.abc
 import logging
-import sys
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import wrapt
 
@@ -266,25 +268,34 @@ def _fail_install(unit: PatchUnit, exc: IncompatibleEnvironment) -> str:
             other.state = f"reverted: {unit.name!r} failed at import"
     _undo()  # the statuses stay, for status() to say what happened
     message = f"{exc} (eagle_compat.install() was undone; call install() again once the cause is fixed)"
-    _hook_next_import(unit.target, _refuse_import(message, _state.generation))
+    _refuse_next_imports(unit.target, message)
     return message
 
 
-def _hook_next_import(name: str, hook) -> None:
-    """A hook for the module's next import. wrapt's own call runs a hook at once while the module is in sys.modules,
-    as a module is while its import fails, so the hook goes into wrapt's table (the same since wrapt 1.x)."""
-    from wrapt import importer
-    with importer._post_import_hooks_lock:
-        importer._post_import_hooks.setdefault(name, []).append(hook)
+class _RefusedImports(importlib.abc.MetaPathFinder):
+    """Modules whose patch failed at their import, each with its message and the install generation it belongs to:
+    every later import of one raises the failure again, until uninstall() or a new install() (a new generation).
+    An import hook of our own: Python drops a module whose import failed, and wrapt has no public way to hook that
+    module's next import (its own call would run the hook at once, while the failing module is still in
+    sys.modules)."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, tuple[int, str]] = {}
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        generation, message = self.refused.get(name, (None, ""))
+        if generation is not None and generation == _state.generation:
+            raise IncompatibleEnvironment(message)
+        return None  # not ours: the other finders look
 
 
-def _refuse_import(message: str, generation: int):
-    def hook(module):
-        with _state.lock:
-            if _state.generation == generation:  # until uninstall() or a new install()
-                _hook_next_import(module.__name__, hook)
-                raise IncompatibleEnvironment(message)
-    return hook
+_refused_imports = _RefusedImports()
+
+
+def _refuse_next_imports(name: str, message: str) -> None:
+    _refused_imports.refused[name] = (_state.generation, message)
+    if _refused_imports not in sys.meta_path:
+        sys.meta_path.insert(0, _refused_imports)
 
 
 def _apply(unit: PatchUnit, module, status: UnitStatus) -> None:

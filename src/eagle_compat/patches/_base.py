@@ -237,14 +237,13 @@ def executor_method_unit(*, method: str, hook: Callable, feature: str, **contrac
     return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), feature=feature, apply=apply, **contract)
 
 
-def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: str, **contract: Any) -> PatchUnit:
+def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: Callable[..., Any], **contract: Any) -> PatchUnit:
     """A unit whose whole fix is the keywords of one constructor speculators' generator calls (`constructor`, e.g.
     "SchedulerConfig", "Request"): needed where the named feature probe says so, applied as a contribution to that
     name's one adapter (`Patcher.rewrite_kwargs`) by the engine function `rewrite` that the stable generator's own
     calls go through too."""
     def apply(patcher: Patcher, module: ModuleType | None) -> None:
-        from .. import engine
-        patcher.rewrite_kwargs(module, constructor, getattr(engine, rewrite))
+        patcher.rewrite_kwargs(module, constructor, rewrite)
 
     return PatchUnit(target=GENERATOR_MODULE, sides=("driver",), feature=feature, apply=apply, **contract)
 

@@ -4,10 +4,11 @@ We compute both the way EngineCore does (`resolve_kv_cache_block_sizes` where it
 """
 from __future__ import annotations
 
+from .. import engine
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="Scheduler", feature="scheduler_requires_block_size", rewrite="scheduler_kwargs",
+    constructor="Scheduler", feature="scheduler_requires_block_size", rewrite=engine.scheduler_kwargs,
     name="scheduler_block_size",
     broke="Scheduler requires block_size (TypeError)",
     affects=">=0.11.1",
