@@ -97,7 +97,7 @@ def test_the_graph_reader_sees_local_and_relative_imports(tmp_path):
 # module under package x. A new module must be given a floor here.
 FLOORS = [
     ("leaves: no import of the package's own, or only of each other",
-     {"errors", "_version", "rounding", "cpu", "startup", "leftovers", "capture", "capture.families",
+     {"errors", "_version", "rounding", "cpu", "startup", "leftovers", "settings", "capture", "capture.families",
       "capture.handover", "model_source"}),
     ("facts about the installation, the worker's error channel and handshake",
      {"detect", "environment", "remote_errors", "capture.handshake"}),
@@ -173,3 +173,70 @@ def test_every_variable_in_the_source_is_in_the_environment_table_and_the_read_t
     assert not in_source - NOT_VARIABLES - documented, "not in docs/environment.md"
     assert _doc_table("Read") == set(environment.READ)
     assert not {n for n in documented if n.startswith("EAGLE_COMPAT_")} - in_source, "documented, never read"
+
+
+def test_the_read_table_is_generated_from_the_settings_module():
+    from eagle_compat import settings
+    doc = open(os.path.join(os.path.dirname(SRC), "docs", "environment.md")).read()
+    assert settings.markdown_table() in doc, "run python -m eagle_compat.settings"
+
+
+def _string_constants() -> dict[str, str]:
+    """Module-level NAME = "STRING" assignments across the package (the *_ENV constants)."""
+    found: dict[str, str] = {}
+    for path in glob.glob(os.path.join(SRC, PACKAGE, "**", "*.py"), recursive=True):
+        for node in ast.parse(open(path).read()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, str):
+                found.update((t.id, node.value.value) for t in node.targets if isinstance(t, ast.Name))
+    return found
+
+
+def _environ_reads(tree: ast.AST, constants: dict[str, str]) -> set[str]:
+    """The variables a module reads from os.environ: .get(X), [X] loaded, X in os.environ, os.getenv(X)."""
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    def name_of(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                (node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv"):
+            reads.add(name_of(node.args[0]))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            reads.add(name_of(node.slice))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                any(is_environ(c) for c in node.comparators):
+            reads.add(name_of(node.left))
+    return reads - {None}
+
+
+def test_only_the_settings_module_reads_the_users_variables():
+    from eagle_compat import settings
+    constants, offenders = _string_constants(), []
+    for path in glob.glob(os.path.join(SRC, PACKAGE, "**", "*.py"), recursive=True):
+        if path.endswith(os.path.join(PACKAGE, "settings.py")):
+            continue
+        read = _environ_reads(ast.parse(open(path).read()), constants) & set(settings.BY_NAME)
+        offenders += [f"{os.path.relpath(path, SRC)}: {name}" for name in sorted(read)]
+    assert not offenders, offenders
+
+
+def test_a_bad_value_is_refused_naming_the_variable_and_what_it_must_be(monkeypatch):
+    import pytest
+
+    from eagle_compat import settings
+    from eagle_compat.errors import InvalidInput
+    monkeypatch.setenv("EAGLE_COMPAT_WRITERS_WAIT_S", "soon")
+    with pytest.raises(InvalidInput, match=r"EAGLE_COMPAT_WRITERS_WAIT_S='soon'; must be a number of seconds > 0"):
+        settings.value("EAGLE_COMPAT_WRITERS_WAIT_S")
+    monkeypatch.setenv("EAGLE_COMPAT_WRITERS_WAIT_S", "7")
+    assert settings.value("EAGLE_COMPAT_WRITERS_WAIT_S") == 7.0
+    monkeypatch.setenv("EAGLE_COMPAT_DISABLE", " a, b ,,")
+    assert settings.value("EAGLE_COMPAT_DISABLE") == ("a", "b")
+    monkeypatch.delenv("EAGLE_COMPAT_TINY_MODELS", raising=False)
+    assert settings.value("EAGLE_COMPAT_TINY_MODELS").endswith(os.path.join(".cache", "eagle-compat", "tiny-models"))

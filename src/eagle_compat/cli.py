@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from . import settings
 from .plugin import QUIET_MARK
 
 # Loggers a quiet run keeps to this level: vLLM's and torch's (their warnings are not the user's business unless they
@@ -89,7 +90,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report["cpu_tensor_parallel"] = {
             "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
             "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
-            "user_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+            "user_binding": settings.raw("VLLM_CPU_OMP_THREADS_BIND")}
     try:
         report["bytecode"] = detect.engine_bytecode()
     except Exception as exc:  # noqa: BLE001 - advice on speed must not turn a working doctor into a crash
@@ -312,7 +313,7 @@ def quiet_engine_output() -> list[str]:
     """Before vLLM is imported: its loggers read VLLM_LOGGING_LEVEL once, and the workers inherit the environment.
     Returns the variables set here."""
     import warnings
-    if "VLLM_LOGGING_LEVEL" in os.environ:  # the user asked for vLLM's logs at some level: keep everything else
+    if settings.is_set("VLLM_LOGGING_LEVEL"):  # the user asked for vLLM's logs at some level: keep everything else
         return []
     warnings.simplefilter("ignore")
     # the driver: vLLM configures its loggers only inside its own engines; without a handler its warnings reach

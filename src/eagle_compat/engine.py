@@ -13,8 +13,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from . import detect, startup
-from .errors import IncompatibleEnvironment, UnsupportedModel
+from . import detect, settings, startup
+from .errors import IncompatibleEnvironment, InvalidInput, UnsupportedModel
 
 VLLM_BLOCK_SIZE = 16
 MAX_NUM_SEQS = 32
@@ -172,8 +172,8 @@ def call_deadline() -> float:
     deadline, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS where the user set it. vLLM gives `collective_rpc` none by default,
     so a hung (not dead: e.g. stopped) worker hung the driver forever."""
     try:
-        return float(os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"])
-    except (KeyError, ValueError):
+        return settings.value("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS") or float(STEP_DEADLINE_S)
+    except InvalidInput:  # vLLM refuses the value itself where it reads it
         return float(STEP_DEADLINE_S)
 
 

@@ -5,20 +5,17 @@ from __future__ import annotations
 import os
 import sys
 
-from . import detect
+from . import detect, settings
 from .errors import IncompatibleEnvironment
 
 # Every variable the library reads that is the user's to set: docs/environment.md's "Read" table lists exactly these
 # (tests/test_import_graph.py), and `doctor` shows the ones set where it runs.
-READ = ("EAGLE_COMPAT_DISABLE", "EAGLE_COMPAT_ALLOW_UNVERIFIED", "EAGLE_COMPAT_SHM_LIMIT_BYTES", "EAGLE_COMPAT_NO_SHM",
-        "EAGLE_COMPAT_WRITERS_WAIT_S", "EAGLE_COMPAT_LOAD_DEADLINE_S", "EAGLE_COMPAT_TINY_MODELS",
-        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "VLLM_LOGGING_LEVEL", "VLLM_PLUGINS", "VLLM_CPU_OMP_THREADS_BIND",
-        "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "RAY_ADDRESS")
+READ = tuple(s.name for s in settings.SETTINGS)
 
 
 def variables_set() -> dict[str, str]:
     """The variables of READ set in this process, with their values."""
-    return {name: os.environ[name] for name in READ if name in os.environ}
+    return {name: settings.raw(name) for name in READ if settings.is_set(name)}
 
 
 def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import detect, engine, environment
+from . import detect, engine, environment, settings
 from .capture import handshake
 from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worker, retrying_lost_port_race,
                             translate)
@@ -154,9 +154,8 @@ def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, l
     if shm_limit_bytes is not None and (not _is_int(shm_limit_bytes) or shm_limit_bytes < 0):
         raise InvalidInput(f"shm_limit_bytes={shm_limit_bytes!r}; must be None (free space in /dev/shm) or an int "
                            ">= 0 (bytes; 0: every batch through the RPC queue)")
-    env = os.environ.get(LIMIT_ENV)
-    if shm_limit_bytes is None and env and not (env.isdigit()):
-        raise InvalidInput(f"{LIMIT_ENV}={env!r}; must be a whole number of bytes (e.g. 1073741824), or unset")
+    if shm_limit_bytes is None:
+        settings.value(LIMIT_ENV)  # refused here, naming the variable, before anything is loaded
 
 
 def check_batch_options(*, truncate: Any, prefetch: Any = 0) -> None:

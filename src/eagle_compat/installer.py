@@ -11,7 +11,7 @@ from typing import Any
 
 import wrapt
 
-from . import detect, startup
+from . import detect, settings, startup
 from .environment import require_cpu_platform_ready
 from .errors import IncompatibleEnvironment, InvalidInput
 from .patches import REGISTRY, Patcher, PatchUnit, kv_planning_helpers_moved
@@ -140,11 +140,11 @@ def check_environment() -> None:
 
 def disabled_units(strict: bool = True) -> set[str]:
     """The units EAGLE_COMPAT_DISABLE names; an unknown name is refused (strict) or ignored (start-up hooks)."""
-    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    names = set(settings.value(DISABLE_ENV))
     known = {u.name for u in REGISTRY} | {u.name.split("[")[0] for u in REGISTRY}
     unknown = sorted(names - known)
     if unknown and strict:
-        raise InvalidInput(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: no patch unit {', '.join(unknown)}; "
+        raise InvalidInput(f"{DISABLE_ENV}={settings.raw(DISABLE_ENV)!r}: no patch unit {', '.join(unknown)}; "
                            f"allowed: {', '.join(sorted(known))}")
     return names & known
 

@@ -18,6 +18,7 @@ import socket
 import uuid
 from typing import Any, Iterator
 
+from . import settings
 from .capture.families import FAMILIES as _FAMILY_TABLE
 from .capture.families import QUANTIZED, REAL_MODELS, TINY, VOCAB_SIZE, Tiny
 
@@ -193,7 +194,7 @@ def save_tokenizer(model_dir: str, vocab_size: int = VOCAB_SIZE, extra_specials:
 
 
 def cache_dir() -> str:
-    return os.environ.get("EAGLE_COMPAT_TINY_MODELS", os.path.expanduser("~/.cache/eagle-compat/tiny-models"))
+    return settings.value("EAGLE_COMPAT_TINY_MODELS")
 
 
 def _transformers_major() -> int:

@@ -12,9 +12,10 @@ is `unverified` (the reason): the resolver refuses it unless EAGLE_COMPAT_ALLOW_
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from .. import settings
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def known_layer_classes() -> list[str]:
 
 
 def allowed_unverified() -> set[str]:
-    return {f.strip() for f in os.environ.get(ALLOW_UNVERIFIED_ENV, "").split(",") if f.strip()}
+    return set(settings.value(ALLOW_UNVERIFIED_ENV))
 
 
 # Real pretrained models available offline: name -> (PyPI package holding a GGUF, its file, the requirement, the

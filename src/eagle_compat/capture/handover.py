@@ -26,6 +26,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import settings
+
 log = logging.getLogger("eagle_compat.handover")
 
 SHM_DIR = "/dev/shm"
@@ -123,10 +125,10 @@ class HostRing:
                  keep_free: int = 2, pin: bool = True):
         self.rpc = rpc
         self.directory = directory
-        env = os.environ.get(LIMIT_ENV)
-        self.limit_bytes = (limit_bytes if limit_bytes is not None else int(env) if env else
+        env = settings.value(LIMIT_ENV)
+        self.limit_bytes = (limit_bytes if limit_bytes is not None else env if env is not None else
                             default_limit_bytes(directory))
-        if os.environ.get("EAGLE_COMPAT_NO_SHM") == "1":  # every batch through the fallback
+        if settings.value("EAGLE_COMPAT_NO_SHM"):  # every batch through the fallback
             self.limit_bytes = 0
         self.keep_free = keep_free
         self.pin = pin

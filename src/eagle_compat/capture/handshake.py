@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import settings
 from .._version import __version__
 from ..errors import IncompatibleEnvironment
 
@@ -25,7 +26,7 @@ def worker_report(kind: str) -> dict:
 
 
 def plugin_fix() -> str:
-    allowed = os.environ.get("VLLM_PLUGINS")
+    allowed = settings.raw("VLLM_PLUGINS")
     where = (f"VLLM_PLUGINS={allowed!r} does not list it: add it (VLLM_PLUGINS={allowed + ',' if allowed else ''}"
              "eagle_compat) or unset VLLM_PLUGINS" if allowed is not None and "eagle_compat" not in allowed.split(",")
              else "install eagle_compat as a package in the workers' environment (pip install eagle-compat, or "
@@ -36,7 +37,7 @@ def plugin_fix() -> str:
 
 def require_plugin_allowed() -> None:
     """Refuse, before any engine starts, an allow-list that would keep our plugin out of the workers."""
-    allowed = os.environ.get("VLLM_PLUGINS")
+    allowed = settings.raw("VLLM_PLUGINS")
     if allowed is not None and "eagle_compat" not in allowed.split(","):
         raise IncompatibleEnvironment(
             "vLLM's workers would run speculators' capture unpatched (wrong or failing): " + plugin_fix())

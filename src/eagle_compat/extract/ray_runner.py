@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import detect, engine
+from .. import detect, engine, settings
 from ..errors import EagleCompatError, InvalidInput
 from . import formats, pipeline, stages, writer
 
@@ -126,7 +126,7 @@ def connect(address: str | None) -> tuple[Any, str]:
     if ray.is_initialized():
         return ray, _connected or ray.get_runtime_context().gcs_address
     kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
-    local = address is None and not os.environ.get("RAY_ADDRESS")
+    local = address is None and not settings.raw("RAY_ADDRESS")
     if local:
         kwargs["include_dashboard"] = False
     try:
@@ -211,7 +211,7 @@ class ExtractActor:
     def _start(self) -> None:
         spec = self.spec
         os.environ.update(spec.env)
-        if not spec.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        if not spec.on_gpu and not settings.is_set("VLLM_CPU_OMP_THREADS_BIND"):
             # two engines on one node must not bind their threads to the same cores ("auto" takes the whole node)
             deadline = time.time() + 30  # a killed actor's engine workers hold its cores until they notice
             while True:
@@ -316,7 +316,7 @@ def batch_deadline(engine_may_start: bool) -> float:
     above the engine's own deadlines (every call inside the actor has the step deadline, engine.call_deadline, and
     fails there first): twice the step deadline, plus the engine's start where the actor's engine may be starting
     (its first batch, and the first after any failure: a failed engine is not reused; its model loads again)."""
-    load = float(os.environ.get(LOAD_DEADLINE_ENV, LOAD_DEADLINE_S)) if engine_may_start else 0.0
+    load = settings.value(LOAD_DEADLINE_ENV) if engine_may_start else 0.0
     return 2 * engine.call_deadline() + load
 
 

@@ -21,6 +21,7 @@ import socket
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
+from .. import settings
 from ..errors import EagleCompatError, InvalidInput
 
 MANIFEST = "manifest.json"
@@ -638,7 +639,7 @@ def wait_for_other_writers(out_dir: str, timeout: float | None = None, on_wait: 
     a dead driver's actors within seconds); returns the seconds waited. Past `timeout` (default 120 s,
     EAGLE_COMPAT_WRITERS_WAIT_S) raises OutputDirectoryBusy. `on_wait(seconds)` is called on every retry."""
     import time
-    timeout = float(os.environ.get(WRITERS_WAIT_ENV, 120)) if timeout is None else timeout
+    timeout = settings.value(WRITERS_WAIT_ENV) if timeout is None else timeout
     path = os.path.join(out_dir, WRITERS_LOCK)
     if not os.path.exists(path):
         return 0.0

@@ -10,8 +10,7 @@ engines in the same process keep their 300 s, and the environment is not touched
 """
 from __future__ import annotations
 
-import os
-
+from .. import settings
 from ._adapters import ExecutorHooks
 from ._base import GENERATOR_MODULE, PatchUnit
 
@@ -31,7 +30,7 @@ def _apply(patcher, module) -> None:
 
     def longer_step_deadline(executor, call, args, kwargs):
         method = kwargs.get("method", args[0] if args else None)
-        if method in STEP_METHODS and ENV not in os.environ:
+        if method in STEP_METHODS and not settings.is_set(ENV):
             kwargs = {**kwargs, "timeout": engine.STEP_DEADLINE_S}
         return call(*args, **kwargs)
 
