@@ -86,6 +86,11 @@ def classify(error_text: str) -> str:
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*$", re.M)
 
 
+# C++ stack frames (a hash sign and a number, then the library): written "frame N" in the record, where the hash form
+# reads as an issue number
+_CPP_FRAME = re.compile(r"(?m)^(\s*)#(\d+) ")
+
+
 def clip(text: str, keep: int = 1000) -> str:
     """An error for the record: its head (what failed), its tail (the worker's last frame), and each exception line
     cut from between them: a chained traceback's root cause is printed first, mid-text (vLLM 0.26.0's cells on the
@@ -200,8 +205,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
                    error=None if result.ok else "hidden states differ from HF beyond tolerance")
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         text = f"{type(exc).__name__}: {exc}"
+        text = _CPP_FRAME.sub(r"\1frame \2 ", text)
         out.update(status=classify(text),
-                   error=clip(text), traceback=traceback.format_exc()[-4000:])
+                   error=clip(text), traceback=_CPP_FRAME.sub(r"\1frame \2 ", traceback.format_exc()[-4000:]))
     out["seconds"] = round(time.time() - t0, 1)
     return out
 

@@ -232,7 +232,7 @@ def test_a_bad_value_is_refused_naming_the_variable_and_what_it_must_be(monkeypa
     from eagle_compat import settings
     from eagle_compat.errors import InvalidInput
     monkeypatch.setenv("EAGLE_COMPAT_WRITERS_WAIT_S", "soon")
-    with pytest.raises(InvalidInput, match=r"EAGLE_COMPAT_WRITERS_WAIT_S='soon'; must be a number of seconds > 0"):
+    with pytest.raises(InvalidInput, match=r"EAGLE_COMPAT_WRITERS_WAIT_S='soon'; must be a number of seconds >= 0"):
         settings.value("EAGLE_COMPAT_WRITERS_WAIT_S")
     monkeypatch.setenv("EAGLE_COMPAT_WRITERS_WAIT_S", "7")
     assert settings.value("EAGLE_COMPAT_WRITERS_WAIT_S") == 7.0

@@ -26,6 +26,13 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _wait_seconds(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise ValueError("not a number >= 0")
+    return value
+
+
 def _bytes(raw: str) -> int:
     if not raw.strip().isdigit():
         raise ValueError("not a whole number of bytes")
@@ -66,9 +73,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a whole number of bytes (e.g. 1073741824), or unset"),
     Setting("EAGLE_COMPAT_NO_SHM", lambda raw: raw == "1", False, "unset",
             "`1`: every batch through the RPC queue (no shared memory)"),
-    Setting("EAGLE_COMPAT_WRITERS_WAIT_S", _seconds, 120.0, "120",
+    Setting("EAGLE_COMPAT_WRITERS_WAIT_S", _wait_seconds, 120.0, "120",
             "how long a run waits for an earlier run's writers (orphaned `--ray` actors) to leave `--out`",
-            "a number of seconds > 0"),
+            "a number of seconds >= 0"),
     Setting("EAGLE_COMPAT_LOAD_DEADLINE_S", _seconds, 3600.0, "3600",
             "`--ray`: the allowance for an actor's engine start in a batch's deadline", "a number of seconds > 0"),
     Setting("EAGLE_COMPAT_TINY_MODELS", _text, _default_tiny_models, "`~/.cache/eagle-compat/tiny-models`",

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .. import settings
-
 
 @dataclass(frozen=True)
 class Tiny:
@@ -220,6 +218,7 @@ def known_layer_classes() -> list[str]:
 
 
 def allowed_unverified() -> set[str]:
+    from .. import settings  # here: compat_matrix/matrix.py loads this file on its own, outside the package
     return set(settings.value(ALLOW_UNVERIFIED_ENV))
 
 

@@ -1,0 +1,158 @@
+"""A 90%-done `extract --resume`: how long until its first batch starts, with the directory's index (the default),
+without it (every kept file opened and compared, as before the index), and with --verify-kept ("verify kept": every kept file
+opened, on 8 threads); and the driver's peak RSS. A stand-in engine writes states of the tiny Llama's shape (so the
+files are real sample files, checked as real ones are); no vLLM engine starts. Each measurement runs in a fresh
+process; the ratios are of one run on one machine.
+
+usage: python benchmarks/resume_index.py [--samples 20000] [--out benchmarks/results/resume-index.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+LAYERS = [0, 5]
+
+
+class StandInEngine:
+    """Stands in for VllmHiddenStatesGenerator: states of the model's hidden size, a function of the tokens."""
+    first_batch_at: float | None = None
+
+    def __init__(self, model, layer_ids=None, **kwargs):
+        import json as _json
+        self.layer_ids = list(layer_ids)
+        self.hidden = _json.load(open(os.path.join(model, "config.json")))["hidden_size"]
+        from types import SimpleNamespace
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.bfloat16"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def describe(self):
+        return {"stand_in": True}
+
+    def generate(self, batch):
+        import torch
+        if StandInEngine.first_batch_at is None:
+            StandInEngine.first_batch_at = time.monotonic()
+        out = []
+        for ids in batch:
+            t = torch.tensor(ids, dtype=torch.long)
+            base = (t.float()[:, None] / 512 + torch.arange(self.hidden) / self.hidden).to(torch.bfloat16)
+            out.append({"input_ids": t, "hidden_states": [base * (k + 1) for k in range(len(self.layer_ids))]})
+        return out
+
+    def generate_batches(self, batches, prefetch=0):
+        return (self.generate(b) for b in batches)
+
+
+def child(model: str, data: str, out: str, mode: str) -> None:
+    """One run in this process: prints its timings and peak RSS as JSON."""
+    import eagle_compat.generator
+    from eagle_compat.extract import job, writer
+    eagle_compat.generator.VllmHiddenStatesGenerator = StandInEngine
+    # the kept-file check on its own, the index's vouching included (the rest of the start is the same in every mode:
+    # imports, tokenizer, model hashes)
+    check = {"seconds": 0.0, "files_opened": 0}
+    first_mismatch, read_facts = writer.first_mismatch, writer.read_facts
+
+    def timed_first_mismatch(*args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return first_mismatch(*args, **kwargs)
+        finally:
+            check["seconds"] += time.monotonic() - t0
+
+    def counted_read_facts(path):
+        check["files_opened"] += 1
+        return read_facts(path)
+    trusted_by_index = writer.trusted_by_index
+
+    def timed_trusted_by_index(*args, **kwargs):  # the index's own cost: a stat and a digest per kept file
+        t0 = time.monotonic()
+        try:
+            return trusted_by_index(*args, **kwargs)
+        finally:
+            check["seconds"] += time.monotonic() - t0
+    writer.first_mismatch, writer.read_facts = timed_first_mismatch, counted_read_facts
+    writer.trusted_by_index = timed_trusted_by_index
+    if mode == "without index":
+        os.unlink(os.path.join(out, writer.INDEX_FILE))
+    started = time.monotonic()
+    summary = job.run(job.ExtractOptions(model=model, data=data, out=out, layers=LAYERS, batch_size=16,
+                                         progress=False, quiet=True, resume=mode != "first run",
+                                         verify_kept=mode == "verify kept"))
+    first = StandInEngine.first_batch_at
+    print(json.dumps({"mode": mode, "to_first_batch_s": round(first - started, 2) if first else None,
+                      "total_s": round(time.monotonic() - started, 2), "written": summary["written_this_run"],
+                      "kept_check_s": round(check["seconds"], 3), "files_opened": check["files_opened"],
+                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "resume-index.json"))
+    ap.add_argument("--child", nargs=4, metavar=("MODEL", "DATA", "OUT", "MODE"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(*a.child)
+    from eagle_compat import tiny_models
+    from eagle_compat.extract import writer
+    model = tiny_models.build_tiny_model("llama")
+    work = tempfile.mkdtemp(prefix="eagle-compat-bench-")
+    try:
+        rng = random.Random(0)
+        data = os.path.join(work, "data.jsonl")
+        with open(data, "w") as f:
+            for _ in range(a.samples):
+                f.write(json.dumps({"input_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(16, 49))]})
+                        + "\n")
+        master = os.path.join(work, "done")
+
+        def run(out: str, mode: str) -> dict:
+            proc = subprocess.run([sys.executable, __file__, "--child", model, data, out, mode], capture_output=True,
+                                  text=True, check=True)
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+
+        rows = [run(master, "first run")]
+        files = writer.sample_files(master)
+        removed = files[int(len(files) * 0.9):]  # the last tenth of the set: a run killed at 90%
+        for mode in ("with index", "without index", "verify kept"):
+            out = os.path.join(work, mode.replace(" ", "-").strip("-"))
+            shutil.copytree(master, out)
+            for name in removed:
+                os.unlink(os.path.join(out, name))
+            rows.append({**run(out, mode), "kept_files": len(files) - len(removed)})
+            shutil.rmtree(out)
+        base = next(r for r in rows if r["mode"] == "without index")
+        for r in rows[1:]:
+            r["to_first_batch_vs_without_index"] = round(r["to_first_batch_s"] / base["to_first_batch_s"], 3)
+            r["kept_check_vs_without_index"] = round(r["kept_check_s"] / max(base["kept_check_s"], 1e-9), 4)
+        from eagle_compat import cpu
+        result = {"samples": a.samples, "layers": LAYERS, "rows": rows, "cpu": cpu.this_cpu().model,
+                  "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d")}
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
