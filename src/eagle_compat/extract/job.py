@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import detect, settings
+from .. import detect
+from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
 from . import formats, inputs, layers, local_runner, pipeline, report, stages, writer
@@ -188,7 +189,7 @@ def resolve_max_len(model: str, text_config: Any, requested: int | None) -> tupl
     limit, source = model_position_limit(model, text_config)
     # the engine keeps one position for the token it samples after the prompt
     allowed = None if limit is None else limit - 1
-    if settings.value("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+    if envs.value("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         allowed, source = None, f"{source}; not enforced: VLLM_ALLOW_LONG_MAX_MODEL_LEN is set"
     if requested is None:
         value = DEFAULT_MAX_LEN if allowed is None else min(DEFAULT_MAX_LEN, allowed)
