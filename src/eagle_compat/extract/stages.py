@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import report
+
 # while the engine starts: how often its elapsed time is said (rewritten in place on a terminal, a new line elsewhere:
 # a log file gets a line every half minute, not a line a second)
 TICK_TERMINAL_S = 1.0
@@ -21,15 +23,13 @@ def say(text: str, stream: Any = None) -> None:
 
 def lines_of(entries: list[dict], most: int = 10) -> str:
     """`line 3` / `lines 3, 7, ...`: the input lines of entries (each with a "line"), the first `most` of them."""
-    lines = [str(e["line"]) for e in entries if "line" in e]
-    if not lines:
-        return ""
-    shown = ", ".join(lines[:most]) + (", ..." if len(lines) > most else "")
-    return f"line {shown}" if len(lines) == 1 else f"lines {shown}"
+    lines = [e["line"] for e in entries if "line" in e]
+    return report.line_list(lines, len(lines), most) if lines else ""
 
 
 def plural(n: int, word: str, words: str = "") -> str:
-    return f"{n:,} " + (word if n == 1 else words or word + "s")
+    """`1 sample`, `2 samples`: the count with its word (report.plural gives the word alone)."""
+    return f"{n:,} {report.plural(n, word, words or None)}"
 
 
 @contextlib.contextmanager
