@@ -46,11 +46,25 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json or not args.verbose:  # keep stdout for the JSON or the verdict: vLLM's log handler writes to stdout
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if args.release:
+        return _doctor_for_release(args.release)
+    report = _doctor_report(args)
+    if report is None:  # --fix removed the broken companions
+        return 0
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_doctor(report, args)
+    return 1 if report["problems"] else 0
+
+
+def _doctor_report(args: argparse.Namespace) -> dict | None:
+    """What doctor probes: versions, the environment's check, vLLM's features, the patch units and workarounds, the
+    model's decoder contract, the CPU and its kernels, the bytecode, the environment variables, the start-up hook;
+    `problems` lists what stops extraction. None where --fix removed packages (nothing else is probed then)."""
     from . import detect, installer
     from .errors import EagleCompatError
 
-    if args.release:
-        return _doctor_for_release(args.release)
     problems: list[str] = []
     report: dict = {"versions": detect.installed_versions().as_dict()}
     broken = detect.unloadable_torch_companions()
@@ -59,7 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"doctor --fix: removing {', '.join(sorted(broken))} (they do not load next to this torch)",
               file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", *sorted(broken)], check=True)
-        return 0
+        return None
     try:
         installer.check_environment()
     except EagleCompatError as exc:
@@ -99,13 +113,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report["environment"] = environment.variables_set()
     report["startup_hook"] = {**startup.describe(), "started_up_in_this_process": installer.is_started_up()}
     report["problems"] = problems
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-        return 1 if problems else 0
-    # the answer and what to do about it first; the installed versions next; the probes' details on request
+    return report
+
+
+def _print_doctor(report: dict, args: argparse.Namespace) -> None:
+    """doctor's answer and what to do about it first; the installed versions next; the probes' details on request
+    (--verbose)."""
     print(_doctor_verdict(report))
     note = (report["bytecode"] or {}).get("note")
-    actions = problems + ([f"(speed, not support) {note}"] if note else [])
+    actions = report["problems"] + ([f"(speed, not support) {note}"] if note else [])
     if actions:
         print("What to do:")
         for a in actions:
@@ -139,7 +155,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if report["bytecode"]:
             _print_table([(k, str(v)) for k, v in report["bytecode"].items() if k != "note"],
                          "vLLM's bytecode (compiled once, or at every engine start)")
-    return 1 if problems else 0
 
 
 def _doctor_verdict(report: dict) -> str:

@@ -241,15 +241,71 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
     return "".join(text.split())  # tokenizers differ in the spaces they restore
 
 
+def _record_of(raw: bytes, where: str) -> dict | None:
+    """One input line as its JSON object (None: a blank line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise InvalidInput(f"{where}: not JSON ({exc}); each line is one JSON object: {LINE_FORMS}") from None
+    if not isinstance(record, dict):
+        raise InvalidInput(f"{where}: a JSON {type(record).__name__}; each line is one JSON object: {LINE_FORMS}")
+    return record
+
+
+def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, where: str, max_len: int, cut: Cut,
+                         check_decoded: bool, template_tokens: frozenset[int] | None,
+                         tokenizer_error: str) -> tuple[list[int], list[int]]:
+    """A conversation line's ids and loss mask (UncoveredConversation as raised: the caller may skip it)."""
+    if tokenizer is None:  # the model folder's problem, not the line's
+        raise InvalidInput(f"{where} is a conversation, which needs the model's tokenizer: "
+                           + (tokenizer_error or "it did not load"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInput(
+            f"{where} is a conversation, which needs the model's chat template, and its tokenizer has none (no "
+            "'chat_template' in tokenizer_config.json, no chat_template.jinja): add the model's own template to its "
+            "folder, or give the data as 'input_ids' with 'loss_mask'")
+    try:
+        ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded, cut=cut,
+                                          template_tokens=template_tokens)
+    except UncoveredConversation:
+        raise
+    except InvalidInput as exc:
+        raise InvalidInput(f"{where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the template's own error (e.g. roles must alternate)
+        raise InvalidInput(f"{where}: the chat template failed on this conversation: "
+                           f"{type(exc).__name__}: {exc}") from None
+    if "input_ids" in record:  # both forms: used only where they agree, never one chosen silently
+        given, given_mask = _token_record(record, where)
+        given, given_mask = given[:max_len], given_mask[:max_len]
+        if given != ids or ("loss_mask" in record and given_mask != mask):
+            raise InvalidInput(
+                f"{where}: holds both a conversation and 'input_ids'/'loss_mask', which differ (the conversation "
+                f"gives {len(ids)} tokens {ids[:6]}... with {sum(mask)} loss tokens, the line {len(given)} "
+                f"{given[:6]}... with {sum(given_mask)}); keep one form in each line: {LINE_FORMS}")
+    return ids, mask
+
+
+def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> str:
+    if cut.replies_cut_wholly and not sum(mask):
+        return "its replies were cut away by --max-len"
+    if not sum(mask):
+        return "no token of it is in the loss mask"
+    return f"{sum(mask)} loss tokens, fewer than --min-loss-tokens {min_loss_tokens}"
+
+
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
                  check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
                  on_line: Any = None) -> Dataset:
     """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
     line (the run's progress)."""
-    samples: list[Sample] = []
-    skipped: list[dict] = []
-    few: list[dict] = []
+    data = Dataset([])
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
     template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
@@ -259,57 +315,25 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             if on_line is not None:
                 on_line()
             where = f"{path}:{n + 1}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if not line.strip():
+            record = _record_of(raw, where)
+            if record is None:
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise InvalidInput(f"{where}: not JSON ({exc}); each line is one JSON object: {LINE_FORMS}") from None
-            if not isinstance(record, dict):
-                raise InvalidInput(f"{where}: a JSON {type(record).__name__}; each line is one JSON object: "
-                                   f"{LINE_FORMS}")
             messages = _messages(record, where, unused_keys)
             cut = Cut()
             if messages is not None:
-                if tokenizer is None:  # the model folder's problem, not the line's
-                    raise InvalidInput(f"{where} is a conversation, which needs the model's tokenizer: "
-                                       + (tokenizer_error or "it did not load"))
-                if not getattr(tokenizer, "chat_template", None):
-                    raise InvalidInput(
-                        f"{where} is a conversation, which needs the model's chat template, and its tokenizer has "
-                        "none (no 'chat_template' in tokenizer_config.json, no chat_template.jinja): add the model's "
-                        "own template to its folder, or give the data as 'input_ids' with 'loss_mask'")
+                if check_decoded and template_tokens is None and tokenizer is not None:
+                    template_tokens = special_ids(tokenizer)
                 try:
-                    if check_decoded and template_tokens is None:
-                        template_tokens = special_ids(tokenizer)
-                    ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded,
-                                                      cut=cut, template_tokens=template_tokens)
+                    ids, mask = _conversation_tokens(tokenizer, messages, record, where, max_len, cut, check_decoded,
+                                                     template_tokens, tokenizer_error)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(
                             f"{where}: {exc}. Fix the line (or the chat template), or pass --skip-uncovered to leave "
                             "such conversations out (counted, and listed in manifest.json)") from None
-                    skipped.append({"line": n + 1, "index": index, "reason": str(exc)})
+                    data.skipped.append({"line": n + 1, "index": index, "reason": str(exc)})
                     index += 1
                     continue
-                except InvalidInput as exc:
-                    raise InvalidInput(f"{where}: {exc}") from None
-                except Exception as exc:  # noqa: BLE001 - the template's own error (e.g. roles must alternate)
-                    raise InvalidInput(f"{where}: the chat template failed on this conversation: "
-                                       f"{type(exc).__name__}: {exc}") from None
-                if "input_ids" in record:  # both forms: used only where they agree, never one chosen silently
-                    given, given_mask = _token_record(record, where)
-                    given, given_mask = given[:max_len], given_mask[:max_len]
-                    if given != ids or ("loss_mask" in record and given_mask != mask):
-                        raise InvalidInput(
-                            f"{where}: holds both a conversation and 'input_ids'/'loss_mask', which differ (the "
-                            f"conversation gives {len(ids)} tokens {ids[:6]}... with {sum(mask)} loss tokens, the "
-                            f"line {len(given)} {given[:6]}... with {sum(given_mask)}); keep one form in each line: "
-                            f"{LINE_FORMS}")
             elif "input_ids" in record:
                 without_mask += "loss_mask" not in record
                 ids, mask = _token_record(record, where)
@@ -324,24 +348,21 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             if bad:
                 raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
             if sum(mask) < min_loss_tokens:
-                why = ("its replies were cut away by --max-len" if cut.replies_cut_wholly and not sum(mask)
-                       else "no token of it is in the loss mask" if not sum(mask) else
-                       f"{sum(mask)} loss tokens, fewer than --min-loss-tokens {min_loss_tokens}")
-                few.append({"line": n + 1, "index": index, "loss_tokens": sum(mask), "reason": why, "cut": cut})
-                index += 1
-                continue
-            samples.append(Sample(index, list(ids), list(mask), n + 1, cut))
+                data.few_loss_tokens.append({"line": n + 1, "index": index, "loss_tokens": sum(mask),
+                                             "reason": _few_loss_tokens_reason(mask, cut, min_loss_tokens), "cut": cut})
+            else:
+                data.samples.append(Sample(index, list(ids), list(mask), n + 1, cut))
             index += 1
-    if not samples:
-        left = [f"{len(skipped)} skipped as uncovered"] * bool(skipped) + \
-            [f"{len(few)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * bool(few)
+    if not data.samples:
+        left = [f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped) + \
+            [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * \
+            bool(data.few_loss_tokens)
         raise InvalidInput(f"{path}: no samples" + (f" ({'; '.join(left)})" if left else ""))
-    notes: dict = {}
     if unused_keys:  # speculators 0.3.0 keeps role and content only, too: said, never silent
-        notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
+        data.notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
     if without_mask:
-        notes["token_lines_without_loss_mask"] = without_mask
-    return Dataset(samples, skipped, few, notes)
+        data.notes["token_lines_without_loss_mask"] = without_mask
+    return data
 
 
 def describe_notes(notes: dict) -> list[str]:

@@ -300,21 +300,88 @@ def tokenizer_problem(model: str, exc: Exception) -> str:
     return f"the tokenizer of --model {model} did not load ({text}); {fix}"
 
 
-def run(opts: ExtractOptions) -> dict:
-    from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
+# ---- the job, in four phases: plan -> claim the directory -> run the batches -> finish the set ----
 
-    started = time.time()
+
+@dataclass
+class RunPlan:
+    """Phase 1 (`plan`): what the run will do, decided from the options, the model and the input before --out is
+    touched (a refused run leaves it exactly as it was)."""
+    opts: ExtractOptions  # the model a local folder, gpu_memory_utilization resolved
+    fmt: Any  # the format object (formats.get)
+    text_config: Any
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_ids: list[int]
+    max_len: int
+    max_len_note: dict  # where --max-len came from (the manifest's "max_len")
+    settings: dict  # what every run adding files to the directory must share (settings_of)
+    data: inputs.Dataset
+    placed: list[formats.Placed]  # the set's samples with their places (index; row: rank in input order)
+    mine: list[list[formats.Placed]]  # this shard's batches, fixed by position
+    left_out_lines: dict[int, int]  # samples the input has but the set leaves out: index -> input line
+
+    @property
+    def out(self) -> str:
+        return self.opts.out
+
+    def path_of(self, s: formats.Placed) -> str:
+        return self.fmt.path(self.opts.out, s.index, s.row)
+
+    def refuse_without_resume(self) -> None:
+        present = [os.path.basename(self.path_of(s)) for b in self.mine for s in b if os.path.exists(self.path_of(s))]
+        if present and not self.opts.resume:
+            raise writer.OutputDirectoryConflict(
+                f"{self.out} already holds {len(present)} of this run's {sum(map(len, self.mine))} files "
+                f"({present[0]}, ...), made with these same settings; pass --resume to continue (batches with a "
+                "missing file are redone), or choose another --out")
+
+    def files_present(self, placed: list[formats.Placed]) -> int:
+        return sum(os.path.exists(self.path_of(s)) for s in placed)
+
+    def description(self, num_samples: int, versions: dict) -> formats.DataDescription:
+        return data_description(self.opts, self.layer_ids, self.hidden_size, num_samples, versions, self.max_len)
+
+
+def plan(opts: ExtractOptions) -> RunPlan:
+    """Every check, the model's facts, the layers, --max-len, the settings record's check (read-only) and the input
+    read and placed. Refusals of paths and options come before anything heavy is imported (about a second)."""
+    from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
     from ..model_source import local_model_path
+
     opts = dataclasses.replace(opts, model=local_model_path(opts.model))  # a hub name: its cached snapshot
-    _check(opts)  # before anything heavy is imported: a refusal comes in about a second
+    _check(opts)
     if opts.gpu_memory_utilization is None:
         opts = dataclasses.replace(opts, gpu_memory_utilization=generator.default_gpu_memory_utilization())
     text_config = generator.model_text_config(opts.model, opts.trust_remote_code)
     num_layers, hidden_size = int(text_config.num_hidden_layers), int(getattr(text_config, "hidden_size", 0))
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
+    layer_ids = _checked_layers(opts, num_layers)
+    max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
+    settings = settings_of(opts, layer_ids, max_len)
+    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
+    writer.check_directory(opts.out, settings)
+    data = _read_input(opts, max_len, vocab_size)
+    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
+              for row, s in enumerate(data.samples)]
+    # a file of a sample the set leaves out is an earlier run's, made from other tokens
+    left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
+    shard_i, shard_n = opts.shard
+    batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
+    the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
+                       max_len, max_len_note, settings, data, placed,
+                       [b for k, b in enumerate(batches) if k % shard_n == shard_i], left_out_lines)
+    the_plan.refuse_without_resume()
+    return the_plan
+
+
+def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
+    """--layers (or the default) checked against the model and for training; an earlier release's directory made
+    with layers that would train a drafter wrongly is named as such."""
+    from .. import generator
     layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
                  else generator.validate_layer_ids(opts.layers, num_layers))
-    fmt = formats.get(opts.format)
     try:
         layers.check_training_layers(layer_ids, num_layers, "--layers")
     except InvalidInput as exc:
@@ -328,10 +395,12 @@ def run(opts: ExtractOptions) -> dict:
                                "new --out; a complete set holding layer N-1 can be rewritten in ascending order by "
                                "`eagle-compat convert` instead") from None
         raise
-    max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
-    settings = settings_of(opts, layer_ids, max_len)
-    # read-only first: a refused run leaves --out exactly as it was (checked again under the lock below)
-    writer.check_directory(opts.out, settings)
+    return layer_ids
+
+
+def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int) -> inputs.Dataset:
+    """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none), with its stage
+    lines and notes."""
     tokenizer_error = ""
     reading_started = time.monotonic()
     from transformers import AutoTokenizer
@@ -344,39 +413,17 @@ def run(opts: ExtractOptions) -> dict:
                                    skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                                    min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
                                    on_line=lines_read.add)
-    samples = data.samples
-    left_out_entries = [*data.skipped, *data.few_loss_tokens]
-    stages.say(f"input read: {stages.plural(len(samples), 'sample')}, "
-               f"{stages.plural(sum(len(s.input_ids) for s in samples), 'token')}"
-               + (f"; {len(left_out_entries):,} left out ({stages.lines_of(left_out_entries)})" if left_out_entries
-                  else "") + f" ({time.monotonic() - reading_started:.1f} s)")
+    left_out = [*data.skipped, *data.few_loss_tokens]
+    stages.say(f"input read: {stages.plural(len(data.samples), 'sample')}, "
+               f"{stages.plural(sum(len(s.input_ids) for s in data.samples), 'token')}"
+               + (f"; {len(left_out):,} left out ({stages.lines_of(left_out)})" if left_out else "")
+               + f" ({time.monotonic() - reading_started:.1f} s)")
     for note in inputs.describe_notes(data.notes):
         print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
-    # each sample with its place: its index, and its row (its rank in input order: the Arrow layout's file name)
-    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
-              for row, s in enumerate(samples)]
-    sample_of = {s.index: s for s in samples}
-    # samples the input has but the set leaves out: a file of one of them is an earlier run's, made from other tokens
-    left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
-    shard_i, shard_n = opts.shard
-    batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
-    mine = [b for k, b in enumerate(batches) if k % shard_n == shard_i]
+    return data
 
-    def path_of(s: formats.Placed) -> str:
-        return fmt.path(opts.out, s.index, s.row)
 
-    def refuse_without_resume() -> None:
-        present = [os.path.basename(path_of(s)) for b in mine for s in b if os.path.exists(path_of(s))]
-        if present and not opts.resume:
-            raise writer.OutputDirectoryConflict(
-                f"{opts.out} already holds {len(present)} of this run's {sum(map(len, mine))} files ({present[0]}, "
-                "...), made with these same settings; pass --resume to continue (batches with a missing file are "
-                "redone), or choose another --out")
-
-    refuse_without_resume()
-    if opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
-        from . import ray_runner
-        ray_runner.connect(opts.ray or None)
+def _make_out(opts: ExtractOptions) -> None:
     try:
         os.makedirs(opts.out, exist_ok=True)
     except OSError as exc:
@@ -384,218 +431,296 @@ def run(opts: ExtractOptions) -> dict:
     writer.refuse_others_folder(opts.out)  # again: made by another user between the checks and here
     if opts.shard[1] > 1 and (note := writer.lock_scope_note(opts.out)):
         print(f"NOTE: {note}", file=sys.stderr)
-    manifest_path = os.path.join(opts.out, writer.MANIFEST)
+
+
+@dataclass
+class Claim:
+    """Phase 2 (`claim`, under the directory lock): the record this run extends, the batches it does, and what
+    every file of the set must hold. `manifest` is written as the run goes; `this_run` is its entry in "runs"."""
+    record: dict | None  # the directory's record before this run (None: a new set)
+    manifest: dict
+    this_run: dict
+    todo: list[list[formats.Placed]]
+    non_finite: dict[int, dict]  # samples left out for non-finite states (--skip-non-finite), this run's included
+    states: writer.StatesExpected
+    was_complete: bool
+    swept: list
+    versions: dict
+    manifest_path: str
+
+    def record_non_finite(self) -> None:
+        """The samples this run left out for non-finite states join the directory's list (kept across runs)."""
+        for entry in self.this_run["left_out_non_finite"]:
+            self.non_finite.setdefault(entry["index"], entry)
+        if self.non_finite:
+            self.manifest["left_out_non_finite"] = sorted(self.non_finite.values(), key=lambda e: e["index"])
+
+
+def _vouched_by_index(p: RunPlan, entries: dict, stamp: str | None) -> Any:
+    """Whether the directory's index vouches for a sample's file (written by one of its runs, unchanged since)."""
+    def vouched(s: formats.Placed) -> bool:
+        if not entries:
+            return False
+        _, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
+        return writer.trusted_by_index(entries, p.out, s.index, p.path_of(s), ids, mask, stamp)
+    return vouched
+
+
+def claim(p: RunPlan) -> Claim:
+    """Under the directory lock: the record checked again (another run may have written since `plan`), temporary
+    files swept, the batches to do chosen (a batch is redone whole if any of its files is missing: its composition,
+    hence its numbers, never change), the kept files checked, and the manifest written before the first sample."""
+    opts = p.opts
     versions = detect.installed_versions().as_dict()
-    with writer.DirectoryLock(opts.out):
-        # again: another run may have written between the checks (and a dead run's writers, until they end)
-        waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
-        record = writer.check_directory(opts.out, settings)
-        was_complete = (record or {}).get("status") == "complete"
-        refuse_without_resume()
-        replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
-        swept = writer.sweep_temp_files(opts.out)
-        # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
-        non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
-        # a batch is redone whole if any of its files is missing: its composition, hence its numbers, never change
-        todo = [b for b in mine if not all(os.path.exists(path_of(s)) or s.index in non_finite for s in b)]
-        # the files kept must be of these very samples (checked by content: their token ids)
-        redo = {id(b) for b in todo}
-        kept = [b for b in mine if id(b) not in redo]
-        # and their states made as this run's would make them (a shard's files copied in from another directory)
-        # (a set converted from fp8 holds bfloat16 whatever its engine ran: `states_dtype`)
-        recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
-        dtype_from = "the directory's engine ran"
-        # every file of a set begun by this release carries a stamp (an earlier record cannot say: a set begun
-        # before stamps and resumed since holds both kinds)
-        stamped = record is None or bool(record.get("stamped_files"))
-        kept_files = [path_of(s) for b in kept for s in b if s.index not in non_finite]
-        if not recorded_dtype and kept_files:  # an earlier release's record: its files say the set's precision,
-            try:                               # known before this run's engine starts (and refused if it differs)
-                recorded_dtype = writer.read_facts(kept_files[0]).dtype
-                dtype_from = f"{os.path.basename(kept_files[0])} (the record names none) holds"
-            except Exception:  # noqa: BLE001 - an unreadable file is named by the check below
-                recorded_dtype = None
-        states = writer.StatesExpected(writer.states_stamp(settings), len(layer_ids), hidden_size, recorded_dtype,
-                                       dtype_from, stamped=stamped)
-        # the index vouches for the files this directory's runs wrote, unchanged since: only the others are opened
-        # (every one with --verify-kept, on several threads)
-        index_entries = {} if opts.verify_kept else writer.read_index(opts.out)
+    # again: another run may have written between the checks (and a dead run's writers, until they end)
+    waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
+    record = writer.check_directory(opts.out, p.settings)
+    was_complete = (record or {}).get("status") == "complete"  # before this run's entry says "running"
+    p.refuse_without_resume()
+    replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
+    swept = writer.sweep_temp_files(opts.out)
+    # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
+    non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
+    todo = [b for b in p.mine if not all(os.path.exists(p.path_of(s)) or s.index in non_finite for s in b)]
+    redo = {id(b) for b in todo}
+    kept = [b for b in p.mine if id(b) not in redo]
+    states = _states_expected(p, record, [p.path_of(s) for b in kept for s in b if s.index not in non_finite])
+    _check_kept(p, kept, non_finite, states, record, todo)
+    manifest = _manifest_for(p, record, replaced, versions, states.dtype)
+    shard_i, shard_n = opts.shard
+    this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
+                "versions": {**versions, "eagle_compat": __version__},
+                "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
+                "waited_for_earlier_writers_s": round(waited, 1), "skip_non_finite": opts.skip_non_finite,
+                "left_out_non_finite": []}  # filled by the runner under --skip-non-finite
+    mixed = report.versions_that_differ(manifest, versions) if record and todo else {}  # files of both
+    if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
+        print("extract: NOTE: this directory's files so far were written with "
+              + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
+              + ", ".join(f"{k} {new}" for k, (_, new) in mixed.items()) + ": the set will hold states of both "
+              "(manifest.json's runs list each run's versions; `eagle-compat report` says so too)",
+              file=sys.stderr, flush=True)
+    manifest.setdefault("runs", []).append(this_run)
+    manifest["status"] = "running"
+    manifest_path = os.path.join(opts.out, writer.MANIFEST)
+    _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
+    return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
 
-        def vouched(s: formats.Placed) -> bool:
-            _, ids, mask, _ = fmt.expected(opts.out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            return writer.trusted_by_index(index_entries, opts.out, s.index, path_of(s), ids, mask, states.stamp)
-        to_read = [s for b in kept for s in b if s.index not in non_finite and not (index_entries and vouched(s))]
-        with stages.counting("resume check: kept files read", len(to_read), "file") as read:
-            wrong = writer.first_mismatch([(path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                           for s in to_read], states, threads=8 if opts.verify_kept else 1,
-                                          on_each=read.add)
-        if wrong and wrong.states:
-            raise writer.OutputDirectoryConflict(
-                f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
-                "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
-                "another --out")
-        formats.refuse_strays(fmt, opts.out, [(s.index, s.row) for s in placed], "Nothing was written",
-                              left_out=left_out_lines)
-        converted = (record or {}).get("converted_from") or {}
-        if todo and converted.get("lossy"):
-            raise writer.OutputDirectoryConflict(
-                f"{opts.out} was converted from {converted.get('format')} with loss ({converted['lossy']}): files "
-                "extracted now would sit beside states of another precision. Complete the source and convert it "
-                "again, or extract into another --out")
-        if wrong:
-            raise writer.OutputDirectoryConflict(
-                f"{wrong.path} is not the sample it stands for: {wrong.why}. The directory's files were made from a "
-                "sample set that differs from this run's (another tokenizer, transformers version, chat template "
-                "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
-                "samples' states. Use the same environment and options, or choose another --out")
-        if kept:
-            stages.say(f"resume: {stages.plural(sum(map(len, kept)), 'file')} of this run's kept (each checked), "
-                       f"{stages.plural(len(todo), 'batch', 'batches')} to do")
-        manifest = record or {
-            "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
-            "layer_ids": layer_ids, "num_layers": num_layers, "settings": settings, "max_len": max_len_note,
-            "model_config": text_config.__dict__ if hasattr(text_config, "__dict__") else {},
-            # every file of a set begun now carries a stamp: one without is foreign to it
-            "stamped_files": True, "versions": versions, "runs": []}
-        # this run's reading of the input, which every kept file was checked against (a newer transformers may
-        # cover a conversation an earlier run skipped): the record describes the set this run completes
-        manifest.update({
-            "num_samples_in_data": len(samples) + len(data.skipped) + len(data.few_loss_tokens),
-            "num_samples": len(samples), "skipped_uncovered": data.skipped,
-            "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
-        if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
-            manifest["engine_dtype"] = recorded_dtype  # read from the kept files (see above)
-        if replaced is not None:
-            manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
-                                                         "runs": replaced.get("runs", [])}
-        left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
-        manifest["report"] = report.of_samples(samples, max_len, left_out)  # the directory's: the whole input
-        manifest["input_notes"] = data.notes  # this run's reading of the input
-        manifest.setdefault("layers", layers.record(layer_ids, num_layers))
-        for key, note in fmt.manifest_notes.items():
-            manifest.setdefault(key, note)
-        mixed = report.versions_that_differ(manifest, versions) if record and todo else {}  # files of both
-        if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
-            print("extract: NOTE: this directory's files so far were written with "
-                  + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
-                  + ", ".join(f"{k} {new}" for k, (_, new) in mixed.items()) + ": the set will hold states of both "
-                  "(manifest.json's runs list each run's versions; `eagle-compat report` says so too)",
-                  file=sys.stderr, flush=True)
-        this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
-                    "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
-                    "versions": {**versions, "eagle_compat": __version__},
-                    "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
-                    "waited_for_earlier_writers_s": round(waited, 1), "skip_non_finite": opts.skip_non_finite,
-                    "left_out_non_finite": []}  # filled by the runner under --skip-non-finite
 
-        def record_non_finite() -> None:
-            """The samples this run left out for non-finite states join the directory's list (kept across runs)."""
-            for entry in this_run["left_out_non_finite"]:
-                non_finite.setdefault(entry["index"], entry)
-            if non_finite:
-                manifest["left_out_non_finite"] = sorted(non_finite.values(), key=lambda e: e["index"])
-        manifest.setdefault("runs", []).append(this_run)
-        manifest["status"] = "running"
-        _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
-        done_tokens = done_samples = 0
-        previous_handler = None
-        if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
+def _states_expected(p: RunPlan, record: dict | None, kept_files: list[str]) -> writer.StatesExpected:
+    """What every file must hold besides its tokens: the run's stamp, layers, hidden size, and the engine's dtype as
+    the set's record (or, for an earlier release's record, its first kept file) says, known before this run's
+    engine starts (and refused if it differs). A set converted from fp8 holds bfloat16 whatever its engine ran."""
+    recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
+    dtype_from = "the directory's engine ran"
+    if not recorded_dtype and kept_files:
         try:
-            if todo and opts.ray is not None:  # the same batches on a pool of Ray actors (extract/ray_runner.py)
-                from . import ray_runner
-                done_samples, done_tokens = ray_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
-                                                               hidden_size, manifest, this_run)
-            elif todo:
-                done_samples, done_tokens = local_runner.extract(opts, todo, layer_ids, max_len, vocab_size,
-                                                                 hidden_size, manifest, this_run)
-        except KeyboardInterrupt:
-            record_non_finite()
-            this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
-            manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
-            _best_effort_json(manifest_path, manifest)
-            present = sum(os.path.exists(path_of(s)) for b in mine for s in b)
-            raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, mine))} files are complete in "
-                              f"{opts.out} (no partial file is left); rerun the same command with --resume to "
-                              "continue") from None
-        except BaseException as exc:
-            record_non_finite()
-            this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
-                            finished=datetime.now(timezone.utc).isoformat())
-            manifest.update(status="incomplete", samples_present=sum(os.path.exists(path_of(s)) for s in placed))
-            _best_effort_json(manifest_path, manifest)
-            raise
-        finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
-        record_non_finite()
-        elapsed = time.time() - started
-        present, complete = None, False
-        whole = [s for s in placed if s.index not in non_finite]  # the set: every sample but those left out
-        try:  # counting the files and, for a whole set, what a trainer needs of it, before the manifest says
-            # "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
-            # "incomplete", and --resume finishes it
-            present = sum(os.path.exists(path_of(s)) for s in whole)
-            complete = present == len(whole)
-            this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
-                            samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
-                            report=report.of_samples([sample_of[s.index] for b in todo for s in b], max_len))
-            if complete:
-                writer.fsync_renames(opts.out)
-                states.dtype = (manifest.get("states_dtype") or manifest.get("engine_dtype")  # this run's engine's
-                                or states.dtype)
-                # lists, not generators: nothing below resumes code of this module (one direction:
-                # docs/adr/0039-import-floors.md); the files of this run's batches were checked (kept) or written by
-                # it: only the others are read
-                # other shards' files too: the index vouches for those their runs wrote, unchanged since
-                index_entries = {} if opts.verify_kept else writer.read_index(opts.out)
-                known = frozenset(s.index for b in mine for s in b) | frozenset(
-                    s.index for s in whole if index_entries and vouched(s))
-                fmt.check_whole_set(opts.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
-                                               for s in whole], states, known=known, left_out=left_out_lines)
-                # a --resume of a finished set that wrote nothing keeps its description (the command recorded in
-                # it is the one that made the set)
-                already = was_complete and not todo and not fmt.arrow and \
-                    os.path.exists(os.path.join(opts.out, fmt.finishes))
-                if not already:
-                    fmt.finish(opts.out, [(s.input_ids, s.loss_mask) for s in whole],
-                               data_description(opts, layer_ids, hidden_size, len(whole), versions, max_len))
-                writer.fsync_renames(opts.out)
-        except writer.OutputDirectoryConflict as exc:
-            manifest.update(status="incomplete", samples_present=present)
-            this_run.update(status=f"failed: {str(exc)[:500]}")
-            _best_effort_json(manifest_path, manifest)
-            raise
-        except OSError as exc:
-            manifest.update(status="incomplete", samples_present=present)
-            this_run.update(status=f"failed: {fmt.finishes} could not be written: {exc.strerror or exc}")
-            _best_effort_json(manifest_path, manifest)
-            raise writer.OutputWriteError(f"could not write {fmt.finishes} in {opts.out}: {exc.strerror or exc}; "
-                                          "rerun the same command with --resume") from exc
-        except BaseException as exc:  # Ctrl-C included; never left "running"
-            manifest.update(status="incomplete", samples_present=present)
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            this_run.update(status=f"{'interrupted' if interrupted else 'failed'} while the set was checked and "
-                                   f"described: {type(exc).__name__}: {str(exc)[:300]}")
-            _best_effort_json(manifest_path, manifest)
-            if interrupted:
-                raise Interrupted(f"interrupted while the whole set was checked and {fmt.finishes} written; every "
-                                  f"sample file in {opts.out} is complete; rerun the same command with --resume "
-                                  "to finish it") from None
-            raise
-        manifest.update(status="complete" if complete else "incomplete", samples_present=present,
-                        num_samples=len(whole))
-        _write_json(manifest_path, manifest)
-        if not complete and shard_n == 1:  # every batch was this run's, and each reported its files written
-            raise writer.OutputWriteError(
-                f"{present} of {len(whole)} samples have their file in {opts.out} after a run that wrote every "
-                "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
-                "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
-    return {"samples": present, "samples_in_data": len(samples), "complete": complete,
-            "left_out_non_finite": sorted(non_finite.values(), key=lambda e: e["index"]),
-            "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
-            "files": present, "out": opts.out, "manifest": manifest_path, "skipped": data.skipped,
-            "pipeline": this_run.get("pipeline"), "engine_start_s": this_run.get("engine_start_s"),
-            "temp_files_swept": swept, "max_len": max_len, "shard": f"{shard_i}/{shard_n}",
-            "report": manifest["report"]}
+            recorded_dtype = writer.read_facts(kept_files[0]).dtype
+            dtype_from = f"{os.path.basename(kept_files[0])} (the record names none) holds"
+        except Exception:  # noqa: BLE001 - an unreadable file is named by the kept-file check
+            recorded_dtype = None
+    # every file of a set begun by this release carries a stamp (an earlier record cannot say: a set begun before
+    # stamps and resumed since holds both kinds)
+    stamped = record is None or bool(record.get("stamped_files"))
+    return writer.StatesExpected(writer.states_stamp(p.settings), len(p.layer_ids), p.hidden_size, recorded_dtype,
+                                 dtype_from, stamped=stamped)
 
+
+def _check_kept(p: RunPlan, kept: list[list[formats.Placed]], non_finite: dict, states: writer.StatesExpected,
+                record: dict | None, todo: list) -> None:
+    """The files kept must be of these very samples (their token ids) and made as this run's would be; the index
+    vouches for those the directory's runs wrote, unchanged since: only the others are opened (every one, on
+    several threads, with --verify-kept). No stray file of another set, and no extracting into a lossy conversion."""
+    opts = p.opts
+    vouched = _vouched_by_index(p, {} if opts.verify_kept else writer.read_index(opts.out), states.stamp)
+    to_read = [s for b in kept for s in b if s.index not in non_finite and not vouched(s)]
+    with stages.counting("resume check: kept files read", len(to_read), "file") as read:
+        wrong = writer.first_mismatch([(p.path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
+                                       for s in to_read], states, threads=8 if opts.verify_kept else 1,
+                                      on_each=read.add)
+    if wrong and wrong.states:
+        raise writer.OutputDirectoryConflict(
+            f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
+            "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
+            "another --out")
+    formats.refuse_strays(p.fmt, opts.out, [(s.index, s.row) for s in p.placed], "Nothing was written",
+                          left_out=p.left_out_lines)
+    converted = (record or {}).get("converted_from") or {}
+    if todo and converted.get("lossy"):
+        raise writer.OutputDirectoryConflict(
+            f"{opts.out} was converted from {converted.get('format')} with loss ({converted['lossy']}): files "
+            "extracted now would sit beside states of another precision. Complete the source and convert it "
+            "again, or extract into another --out")
+    if wrong:
+        raise writer.OutputDirectoryConflict(
+            f"{wrong.path} is not the sample it stands for: {wrong.why}. The directory's files were made from a "
+            "sample set that differs from this run's (another tokenizer, transformers version, chat template "
+            "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
+            "samples' states. Use the same environment and options, or choose another --out")
+    if kept:
+        stages.say(f"resume: {stages.plural(sum(map(len, kept)), 'file')} of this run's kept (each checked), "
+                   f"{stages.plural(len(todo), 'batch', 'batches')} to do")
+
+
+def _manifest_for(p: RunPlan, record: dict | None, replaced: dict | None, versions: dict,
+                  recorded_dtype: str | None) -> dict:
+    """The directory's record as this run extends it (a new one for a new set), with this run's reading of the
+    input, which every kept file was checked against (a newer transformers may cover a conversation an earlier run
+    skipped): the record describes the set this run completes."""
+    data = p.data
+    manifest = record or {
+        "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
+        "layer_ids": p.layer_ids, "num_layers": p.num_layers, "settings": p.settings, "max_len": p.max_len_note,
+        "model_config": p.text_config.__dict__ if hasattr(p.text_config, "__dict__") else {},
+        # every file of a set begun now carries a stamp: one without is foreign to it
+        "stamped_files": True, "versions": versions, "runs": []}
+    manifest.update({
+        "num_samples_in_data": len(data.samples) + len(data.skipped) + len(data.few_loss_tokens),
+        "num_samples": len(data.samples), "skipped_uncovered": data.skipped,
+        "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
+    if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
+        manifest["engine_dtype"] = recorded_dtype  # read from the kept files (_states_expected)
+    if replaced is not None:
+        manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
+                                                     "runs": replaced.get("runs", [])}
+    left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
+    manifest["report"] = report.of_samples(data.samples, p.max_len, left_out)  # the directory's: the whole input
+    manifest["input_notes"] = data.notes
+    manifest.setdefault("layers", layers.record(p.layer_ids, p.num_layers))
+    for key, note in p.fmt.manifest_notes.items():
+        manifest.setdefault(key, note)
+    return manifest
+
+
+def runner_for(opts: ExtractOptions) -> Any:
+    """The runner that turns batches into files: here (local_runner) or on a pool of Ray actors (ray_runner). Both
+    take (opts, batches, layer_ids, max_len, vocab_size, hidden_size, manifest, this_run) and return (samples
+    written, tokens)."""
+    if opts.ray is not None:
+        from . import ray_runner
+        return ray_runner.extract
+    return local_runner.extract
+
+
+def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
+    """Phase 3: the batches to do, through the runner; a stop (Ctrl-C, an error) is recorded before it is raised."""
+    if not c.todo:
+        return 0, 0
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread():
+        previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
+    try:
+        return runner_for(p.opts)(p.opts, c.todo, p.layer_ids, p.max_len, p.vocab_size, p.hidden_size, c.manifest,
+                                  c.this_run)
+    except KeyboardInterrupt:
+        c.record_non_finite()
+        c.this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
+        c.manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
+        _best_effort_json(c.manifest_path, c.manifest)
+        present = sum(p.files_present(b) for b in p.mine)
+        raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, p.mine))} files are complete in "
+                          f"{p.out} (no partial file is left); rerun the same command with --resume to "
+                          "continue") from None
+    except BaseException as exc:
+        c.record_non_finite()
+        c.this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
+                          finished=datetime.now(timezone.utc).isoformat())
+        c.manifest.update(status="incomplete", samples_present=p.files_present(p.placed))
+        _best_effort_json(c.manifest_path, c.manifest)
+        raise
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
+
+
+def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: float) -> dict:
+    """Phase 4: the files counted and, for a whole set, checked and described for the trainer before the manifest
+    says "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
+    "incomplete", and --resume finishes it. Returns the run's summary."""
+    c.record_non_finite()
+    elapsed = time.time() - started
+    present, complete = None, False
+    whole = [s for s in p.placed if s.index not in c.non_finite]  # the set: every sample but those left out
+    sample_of = {s.index: s for s in p.data.samples}
+    try:
+        present = p.files_present(whole)
+        complete = present == len(whole)
+        c.this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
+                          samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
+                          report=report.of_samples([sample_of[s.index] for b in c.todo for s in b], p.max_len))
+        if complete:
+            _finish_whole_set(p, c, whole)
+    except writer.OutputDirectoryConflict as exc:
+        c.manifest.update(status="incomplete", samples_present=present)
+        c.this_run.update(status=f"failed: {str(exc)[:500]}")
+        _best_effort_json(c.manifest_path, c.manifest)
+        raise
+    except OSError as exc:
+        c.manifest.update(status="incomplete", samples_present=present)
+        c.this_run.update(status=f"failed: {p.fmt.finishes} could not be written: {exc.strerror or exc}")
+        _best_effort_json(c.manifest_path, c.manifest)
+        raise writer.OutputWriteError(f"could not write {p.fmt.finishes} in {p.out}: {exc.strerror or exc}; "
+                                      "rerun the same command with --resume") from exc
+    except BaseException as exc:  # Ctrl-C included; never left "running"
+        c.manifest.update(status="incomplete", samples_present=present)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        c.this_run.update(status=f"{'interrupted' if interrupted else 'failed'} while the set was checked and "
+                                 f"described: {type(exc).__name__}: {str(exc)[:300]}")
+        _best_effort_json(c.manifest_path, c.manifest)
+        if interrupted:
+            raise Interrupted(f"interrupted while the whole set was checked and {p.fmt.finishes} written; every "
+                              f"sample file in {p.out} is complete; rerun the same command with --resume "
+                              "to finish it") from None
+        raise
+    c.manifest.update(status="complete" if complete else "incomplete", samples_present=present,
+                      num_samples=len(whole))
+    _write_json(c.manifest_path, c.manifest)
+    if not complete and p.opts.shard[1] == 1:  # every batch was this run's, and each reported its files written
+        raise writer.OutputWriteError(
+            f"{present} of {len(whole)} samples have their file in {p.out} after a run that wrote every "
+            "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
+            "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
+    return {"samples": present, "samples_in_data": len(p.data.samples), "complete": complete,
+            "left_out_non_finite": sorted(c.non_finite.values(), key=lambda e: e["index"]),
+            "written_this_run": done_samples, "tokens_this_run": done_tokens, "seconds": round(elapsed, 2),
+            "files": present, "out": p.out, "manifest": c.manifest_path, "skipped": p.data.skipped,
+            "pipeline": c.this_run.get("pipeline"), "engine_start_s": c.this_run.get("engine_start_s"),
+            "temp_files_swept": c.swept, "max_len": p.max_len, "shard": c.this_run["shard"],
+            "report": c.manifest["report"]}
+
+
+def _finish_whole_set(p: RunPlan, c: Claim, whole: list[formats.Placed]) -> None:
+    """Every file of the set (other shards' too) checked, then the set described (data_config.json, or the Arrow
+    dataset). The files of this run's batches were checked (kept) or written by it, and the index vouches for those
+    the directory's runs wrote, unchanged since: only the others are read."""
+    writer.fsync_renames(p.out)
+    c.states.dtype = (c.manifest.get("states_dtype") or c.manifest.get("engine_dtype")  # this run's engine's
+                      or c.states.dtype)
+    # lists, not generators: nothing below resumes code of this module (one direction: docs/adr/0039-import-floors.md)
+    vouched = _vouched_by_index(p, {} if p.opts.verify_kept else writer.read_index(p.out), c.states.stamp)
+    known = frozenset(s.index for b in p.mine for s in b) | frozenset(s.index for s in whole if vouched(s))
+    p.fmt.check_whole_set(p.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}") for s in whole],
+                          c.states, known=known, left_out=p.left_out_lines)
+    # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
+    # that made the set)
+    already = c.was_complete and not c.todo and not p.fmt.arrow and \
+        os.path.exists(os.path.join(p.out, p.fmt.finishes))
+    if not already:
+        p.fmt.finish(p.out, [(s.input_ids, s.loss_mask) for s in whole], p.description(len(whole), c.versions))
+    writer.fsync_renames(p.out)
+
+
+def run(opts: ExtractOptions) -> dict:
+    """`eagle-compat extract`: plan (nothing written) -> claim the directory (lock, record) -> run the batches
+    (here or on Ray) -> finish the set."""
+    started = time.time()
+    the_plan = plan(opts)
+    if the_plan.opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
+        from . import ray_runner
+        ray_runner.connect(the_plan.opts.ray or None)
+    _make_out(the_plan.opts)
+    with writer.DirectoryLock(the_plan.out):
+        the_claim = claim(the_plan)
+        done_samples, done_tokens = run_batches(the_plan, the_claim)
+        return finish(the_plan, the_claim, done_samples, done_tokens, started)

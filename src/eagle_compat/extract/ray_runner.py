@@ -344,34 +344,225 @@ def _error_text(ray: Any, exc: BaseException) -> tuple[str, BaseException | None
     return f"{type(exc).__name__}: {text}", None
 
 
+def _pool_size(opts: Any, resources: dict, connected: str, batches: int) -> tuple[int, int, bool]:
+    """How many actors, with how many CPUs each, and whether they run on GPUs: as many as the cluster fits (or
+    --ray-actors), never more than there are batches."""
+    tp = opts.tensor_parallel_size
+    on_gpu = resources.get("GPU", 0) > 0
+    cpus = opts.ray_cpus_per_actor or (1 if on_gpu else tp)
+    fit = int(resources.get("GPU", 0)) // tp if on_gpu else int(resources.get("CPU", 0)) // cpus
+    if fit < 1:
+        raise InvalidInput(f"--ray: the cluster ({connected}) has "
+                           f"{resources.get('GPU', 0) if on_gpu else resources.get('CPU', 0)} "
+                           f"{'GPUs' if on_gpu else 'CPUs'}; one actor needs {tp if on_gpu else cpus}")
+    return max(1, min(opts.ray_actors or fit, batches)), cpus, on_gpu
+
+
+def _actor_spec(opts: Any, layer_ids: list[int], max_len: int, vocab_size: int, hidden_size: int, manifest: dict,
+                cpus: int, on_gpu: bool) -> ActorSpec:
+    # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
+    return ActorSpec(model=os.path.abspath(opts.model), data=opts.data, out=os.path.abspath(opts.out),
+                     layer_ids=layer_ids, max_len=max_len, format=opts.format, validate=opts.validate,
+                     vocab_size=vocab_size, hidden_size=hidden_size, tensor_parallel_size=opts.tensor_parallel_size,
+                     gpu_memory_utilization=opts.gpu_memory_utilization,
+                     kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
+                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
+                     stamp=writer.stamp_of(manifest), skip_non_finite=getattr(opts, "skip_non_finite", False))
+
+
+def _actor_stats(rank: int) -> dict:
+    return {"rank": rank, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
+            "deaths": 0, "died_errors": 0, "restarts_seen": 0, "unavailable": 0, "engine_may_start": True,
+            "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
+
+
+class _Pool:
+    """The driver's side of one --ray run: batches handed to idle actors, failed ones retried (on the same actor
+    where it was only unavailable), replies checked and counted."""
+
+    def __init__(self, ray: Any, opts: Any, actors: list, stats: list[dict], manifest: dict, this_run: dict,
+                 todo: list[list[formats.Placed]]):
+        self.ray, self.opts, self.actors, self.stats = ray, opts, actors, stats
+        self.manifest, self.this_run = manifest, this_run
+        self.total = sum(map(len, todo))
+        self.pending = collections.deque(_Item(k, b) for k, b in enumerate(todo))
+        self.alive = set(range(len(actors)))
+        self.idle = collections.deque(range(len(actors)))
+        self.in_flight: dict[Any, tuple[int, _Item]] = {}
+        self.done_samples = self.done_tokens = 0
+        self.progress: pipeline.Progress | None = None
+        self.t_work = 0.0
+        self.described = False
+        self.driver_versions = states_versions()
+        # the directory's engine precision: its files' (the record's), else the first actor's to reply
+        self.expected_dtype = manifest.get("engine_dtype") if writer.sample_files(opts.out) else None
+
+    def send(self, rank: int, item: _Item) -> None:
+        self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)
+        item.sent_at, item.ended = time.time(), False
+
+    def run(self) -> None:
+        while self.pending or self.in_flight:
+            while self.idle and self.pending:
+                rank = self.idle.popleft()
+                if rank in self.alive:
+                    self.send(rank, self.pending.popleft())
+            if not self.in_flight:
+                raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
+                                      f"{len(self.pending)} batches not done")
+            ready, _ = self.ray.wait(list(self.in_flight), num_returns=1, timeout=WAIT_POLL_S)
+            _end_hung_actors(self.ray, self.actors, self.in_flight, self.stats)
+            for ref in ready:
+                rank, item = self.in_flight.pop(ref)
+                try:
+                    reply = self.ray.get(ref)
+                except (self.ray.exceptions.RayTaskError, self.ray.exceptions.RayActorError) as exc:
+                    if not self.failed(rank, item, exc):
+                        continue  # sent back to the same actor, which stays busy
+                else:
+                    self.replied(rank, item, reply)
+                if rank in self.alive:
+                    self.idle.append(rank)
+
+    def failed(self, rank: int, item: _Item, exc: BaseException) -> bool:
+        """A batch's call raised: retried (False: on the same, still busy actor) or the run stops."""
+        ray = self.ray
+        text, cause = _error_text(ray, exc)
+        if isinstance(exc, getattr(ray.exceptions, "ActorUnavailableError", ())):
+            # not a death: the actor may still be running the batch (Ray: "the task may or may not have been
+            # executed"), or it is restarting. The batch goes back to the same actor, whose calls run one at a
+            # time: never a second writer of the same files on another actor.
+            item.unavailable += 1
+            self.stats[rank]["unavailable"] += 1
+            self.stats[rank]["engine_may_start"] = True  # it may be a restarted incarnation
+            if item.unavailable > MAX_UNAVAILABLE:
+                raise RayExtractError(f"batch {item.number}: actor {rank} stayed unavailable through "
+                                      f"{MAX_UNAVAILABLE} retries: {text.splitlines()[0][:300]}") from cause
+            print(f"extract: actor {rank} unavailable during batch {item.number} ({text.splitlines()[0][:200]}); "
+                  "the batch goes back to the same actor", file=sys.stderr, flush=True)
+            time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
+            self.send(rank, item)
+            return False
+        if isinstance(cause, EngineDtypeMismatch):  # no retry helps: the cluster's GPUs differ
+            raise RayExtractError(str(cause)) from cause
+        died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
+        st = self.stats[rank]
+        st["failures"] += 1
+        st["engine_may_start"] = True  # restarted, or its failed engine is not reused
+        st["died_errors"] += died
+        st["deaths"] = max(st["died_errors"], st["restarts_seen"])
+        # dead for good: more deaths than restarts, however Ray reported them; or ActorDiedError twice in a row (a
+        # restarting actor answers ActorUnavailableError, a live one answers)
+        st["died_in_a_row"] = st.get("died_in_a_row", 0) + 1 if died else 0
+        if died and (st["died_errors"] > MAX_RESTARTS or st["restarts_seen"] >= MAX_RESTARTS
+                     or st["died_in_a_row"] >= 2):
+            self.alive.discard(rank)  # however Ray reported its earlier deaths
+        else:  # a dead-for-good actor's refusal says nothing about the batch: not a try
+            item.tries += 1
+        item.errors.append(f"actor {rank}: {text}")
+        print(f"extract: batch {item.number} failed on actor {rank} (try {item.tries} of {MAX_TRIES}): "
+              f"{text.splitlines()[0][:300] if text else type(exc).__name__}"
+              f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
+        if item.tries >= MAX_TRIES:
+            raise RayExtractError(
+                f"batch {item.number} (samples {item.batch[0].index}..{item.batch[-1].index}) failed "
+                f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
+        self.pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
+        return True
+
+    def _refuse_batch(self, item: _Item, message: str) -> None:
+        """A batch whose files must not stay (another precision, other versions): they go, and the run stops."""
+        fmt = formats.get(self.opts.format)
+        for s in item.batch:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fmt.path(self.opts.out, s.index, s.row))
+        raise RayExtractError(message)
+
+    def replied(self, rank: int, item: _Item, r: dict) -> None:
+        """A batch's files are written: checked against the directory's precision and versions, then counted."""
+        if r.get("engine_dtype") and self.expected_dtype is None:  # the first reply sets the directory's
+            self.expected_dtype = self.manifest["engine_dtype"] = r["engine_dtype"]
+        elif r.get("engine_dtype") and r["engine_dtype"] != self.expected_dtype:
+            # sent before any actor had replied: its files are of another precision
+            self._refuse_batch(item, writer.two_precisions(
+                f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], self.opts.dtype,
+                self.expected_dtype, self.opts.out) + " (its batch's files were removed)")
+        refusal = versions_refusal(rank, r["host"], r["versions"], self.driver_versions) if r.get("versions") else None
+        if refusal:
+            self._refuse_batch(item, refusal)
+        if self.progress is None:  # rates count from the first engine's first batch, as a local run's
+            self.progress = pipeline.Progress(self.total, self.opts.progress)
+            self.t_work = time.time() - r["forward"]
+        self._count(self.stats[rank], r)
+        self.this_run.setdefault("left_out_non_finite", []).extend(r.get("left_out_non_finite") or [])
+        self.done_samples += r["samples"]
+        self.done_tokens += r["tokens"]
+        elapsed = max(time.time() - self.t_work, 1e-9)
+        self.progress.update(r["samples"] + len(r.get("left_out_non_finite") or []), self.done_samples / elapsed,
+                             self.done_tokens / elapsed)
+        if not self.described:  # the engine's own description, as a local run records it
+            self.described = True
+            try:
+                self.manifest.update(self.ray.get(self.actors[rank].describe.remote(), timeout=120))
+            except Exception:  # noqa: BLE001 - a description must not stop the run
+                pass
+
+    @staticmethod
+    def _count(st: dict, r: dict) -> None:
+        st["batches"] += 1
+        st["engine_may_start"], st["died_in_a_row"] = False, 0
+        st["samples"] += r["samples"]
+        st["tokens"] += r["tokens"]
+        st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)
+        st["forward_s"] = round(st["forward_s"] + r["forward"], 3)
+        st["engine_start_s"] = round(r["engine_seconds"], 2)
+        st["binding"] = r["binding"]
+        st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (actor_runtime_env)
+        st["engine_dtype"] = r.get("engine_dtype")
+        st["versions"] = r.get("versions")  # each node's, recorded (the run's own are the driver's)
+        if r["pid"] not in st["pids"]:
+            st["pids"].append(r["pid"])
+            # one death per restarted incarnation, however Ray reported it (ActorDiedError, or only
+            # ActorUnavailableError: "Socket closed", then "The actor is restarting"); seen on AMD EPYC
+            st["restarts_seen"] += bool(r.get("restarted"))
+            st["deaths"] = max(st["died_errors"], st["restarts_seen"])
+        if r["host"] not in st["hosts"]:
+            st["hosts"].append(r["host"])
+
+    def close(self, started: float) -> None:
+        """The pool's times recorded, the engines closed in order (their workers exit), the actors ended, and what
+        an actor killed mid-write left swept (the driver still holds the lock)."""
+        if self.progress is not None:
+            self.progress.close()
+        elapsed = time.time() - started
+        record = self.this_run["ray"]
+        record["seconds"] = round(elapsed, 2)  # with the engines' start
+        if self.progress is not None:  # from the first batch's start to the last batch's end: the steady rate's clock
+            record["work_seconds"] = round(time.time() - self.t_work, 3)
+            record["tokens_per_s"] = round(self.done_tokens / max(time.time() - self.t_work, 1e-9), 1)
+        try:
+            self.ray.get([a.close.remote() for a in self.actors], timeout=60)
+        except Exception:  # noqa: BLE001 - dead or busy actors are killed below
+            pass
+        for a in self.actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        record["temp_files_swept_at_end"] = len(writer.sweep_temp_files(self.opts.out))
+        print(summary_lines(self.stats, elapsed), file=sys.stderr, flush=True)
+
+
 def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
             hidden_size: int, manifest: dict, this_run: dict) -> tuple[int, int]:
     """Runs `todo` (the batches job.run chose) on the pool; records the engine's description in `manifest` and the
     pool's in `this_run`; returns (samples written, tokens)."""
     ray, connected = connect(opts.ray or None)
-    resources = ray.cluster_resources()
+    actors_n, cpus, on_gpu = _pool_size(opts, ray.cluster_resources(), connected, len(todo))
     tp = opts.tensor_parallel_size
-    on_gpu = resources.get("GPU", 0) > 0
-    cpus = opts.ray_cpus_per_actor or (1 if on_gpu else tp)
-    if on_gpu:
-        fit = int(resources.get("GPU", 0)) // tp
-    else:
-        fit = int(resources.get("CPU", 0)) // cpus
-    actors_n = opts.ray_actors or max(fit, 1)
-    actors_n = max(1, min(actors_n, len(todo)))
-    if fit < 1:
-        raise InvalidInput(f"--ray: the cluster ({connected}) has {resources.get('GPU', 0) if on_gpu else resources.get('CPU', 0)} "
-                           f"{'GPUs' if on_gpu else 'CPUs'}; one actor needs {tp if on_gpu else cpus}")
-    # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
-    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
-    spec = ActorSpec(model=os.path.abspath(opts.model), data=opts.data, out=os.path.abspath(opts.out), layer_ids=layer_ids,
-                     max_len=max_len, format=opts.format, validate=opts.validate, vocab_size=vocab_size,
-                     hidden_size=hidden_size, tensor_parallel_size=tp,
-                     gpu_memory_utilization=opts.gpu_memory_utilization,
-                     kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
-                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
-                     stamp=writer.stamp_of(manifest), skip_non_finite=getattr(opts, "skip_non_finite", False))
+    spec = _actor_spec(opts, layer_ids, max_len, vocab_size, hidden_size, manifest, cpus, on_gpu)
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     remote = ray.remote(ExtractActor).options(
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
@@ -379,167 +570,16 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     actors = [remote.remote(spec, rank) for rank in range(actors_n)]
     stages.say(f"{actors_n} engine{'s' if actors_n != 1 else ''} starting on the Ray cluster (each loads the weights "
                "and builds its KV cache before its first batch)")
-    stats = [{"rank": r, "batches": 0, "samples": 0, "tokens": 0, "busy_s": 0.0, "forward_s": 0.0, "failures": 0,
-              "deaths": 0, "died_errors": 0, "restarts_seen": 0,
-              "unavailable": 0, "engine_may_start": True, "pids": [], "hosts": [], "binding": None, "engine_start_s": 0.0, "eagle_compat": None}
-             for r in range(actors_n)]
-    driver_versions = states_versions()
+    stats = [_actor_stats(r) for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
-    total = sum(map(len, todo))
-    pending = collections.deque(_Item(k, b) for k, b in enumerate(todo))
-    alive = set(range(actors_n))
-    idle = collections.deque(range(actors_n))
-    in_flight: dict[Any, tuple[int, _Item]] = {}
-    done_samples = done_tokens = 0
-    progress = None
-    t0 = time.time()
-    described = False
-    # the directory's engine precision: its files' (the record's), else the first actor's to reply
-    expected_dtype = manifest.get("engine_dtype") if writer.sample_files(opts.out) else None
+    pool = _Pool(ray, opts, actors, stats, manifest, this_run, todo)
+    started = time.time()
     try:
-        while pending or in_flight:
-            while idle and pending:
-                rank = idle.popleft()
-                if rank not in alive:
-                    continue
-                item = pending.popleft()
-                in_flight[actors[rank].run_batch.remote(item.batch, expected_dtype)] = (rank, item)
-                item.sent_at, item.ended = time.time(), False
-            if not in_flight:
-                raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
-                                      f"{len(pending)} batches not done")
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_POLL_S)
-            _end_hung_actors(ray, actors, in_flight, stats)
-            if not ready:
-                continue
-            for ref in ready:
-                rank, item = in_flight.pop(ref)
-                try:
-                    r = ray.get(ref)
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-                    text, cause = _error_text(ray, exc)
-                    if isinstance(exc, getattr(ray.exceptions, "ActorUnavailableError", ())):
-                        # not a death: the actor may still be running the batch (Ray: "the task may or may not have
-                        # been executed"), or it is restarting. The batch goes back to the same actor, whose calls
-                        # run one at a time: never a second writer of the same files on another actor.
-                        item.unavailable += 1
-                        stats[rank]["unavailable"] += 1
-                        stats[rank]["engine_may_start"] = True  # it may be a restarted incarnation
-                        if item.unavailable > MAX_UNAVAILABLE:
-                            raise RayExtractError(
-                                f"batch {item.number}: actor {rank} stayed unavailable through {MAX_UNAVAILABLE} "
-                                f"retries: {text.splitlines()[0][:300]}") from cause
-                        print(f"extract: actor {rank} unavailable during batch {item.number} ({text.splitlines()[0][:200]}); "
-                              "the batch goes back to the same actor", file=sys.stderr, flush=True)
-                        time.sleep(min(0.5 * item.unavailable, 5.0))  # let a restarting actor come back
-                        in_flight[actors[rank].run_batch.remote(item.batch, expected_dtype)] = (rank, item)
-                        item.sent_at, item.ended = time.time(), False
-                        continue
-                    if isinstance(cause, EngineDtypeMismatch):  # no retry helps: the cluster's GPUs differ
-                        raise RayExtractError(str(cause)) from cause
-                    died = isinstance(exc, ray.exceptions.RayActorError)  # ActorDiedError and the like
-                    st = stats[rank]
-                    st["failures"] += 1
-                    st["engine_may_start"] = True  # restarted, or its failed engine is not reused
-                    st["died_errors"] += died
-                    st["deaths"] = max(st["died_errors"], st["restarts_seen"])
-                    # dead for good: more deaths than restarts, however Ray reported them; or ActorDiedError twice
-                    # in a row (a restarting actor answers ActorUnavailableError, a live one answers)
-                    st["died_in_a_row"] = st.get("died_in_a_row", 0) + 1 if died else 0
-                    out_of_restarts = died and (st["died_errors"] > MAX_RESTARTS or st["restarts_seen"] >= MAX_RESTARTS
-                                                or st["died_in_a_row"] >= 2)
-                    if out_of_restarts:
-                        alive.discard(rank)  # however Ray reported its earlier deaths
-                    else:  # a dead-for-good actor's refusal says nothing about the batch: not a try
-                        item.tries += 1
-                    item.errors.append(f"actor {rank}: {text}")
-                    print(f"extract: batch {item.number} failed on actor {rank} (try {item.tries} of {MAX_TRIES}): "
-                          f"{text.splitlines()[0][:300] if text else type(exc).__name__}"
-                          f"{'; Ray restarts the actor' if died else ''}", file=sys.stderr, flush=True)
-                    if item.tries >= MAX_TRIES:
-                        raise RayExtractError(
-                            f"batch {item.number} (samples {item.batch[0].index}..{item.batch[-1].index}) failed "
-                            f"{item.tries} times; the worker's errors:\n" + "\n".join(item.errors)) from cause
-                    pending.appendleft(item)  # redone whole, first (its files, if any were written, are complete)
-                else:
-                    if r.get("engine_dtype") and expected_dtype is None:  # the first reply sets the directory's
-                        expected_dtype = manifest["engine_dtype"] = r["engine_dtype"]
-                    elif r.get("engine_dtype") and r["engine_dtype"] != expected_dtype:
-                        # sent before any actor had replied: its files are of another precision; they go
-                        fmt = formats.get(opts.format)
-                        for s in item.batch:
-                            with contextlib.suppress(FileNotFoundError):
-                                os.unlink(fmt.path(opts.out, s.index, s.row))
-                        raise RayExtractError(writer.two_precisions(
-                            f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], opts.dtype,
-                            expected_dtype, opts.out) + " (its batch's files were removed)")
-                    refusal = (versions_refusal(rank, r["host"], r["versions"], driver_versions)
-                               if r.get("versions") else None)
-                    if refusal:
-                        fmt = formats.get(opts.format)
-                        for s in item.batch:
-                            with contextlib.suppress(FileNotFoundError):
-                                os.unlink(fmt.path(opts.out, s.index, s.row))
-                        raise RayExtractError(refusal)
-                    if progress is None:  # rates count from the first engine's first batch, as a local run's
-                        progress = pipeline.Progress(total, opts.progress)
-                        t_work = time.time() - r["forward"]
-                    st = stats[rank]
-                    st["batches"] += 1
-                    st["engine_may_start"], st["died_in_a_row"] = False, 0
-                    st["samples"] += r["samples"]
-                    st["tokens"] += r["tokens"]
-                    this_run.setdefault("left_out_non_finite", []).extend(r.get("left_out_non_finite") or [])
-                    st["busy_s"] = round(st["busy_s"] + r["seconds"], 3)
-                    st["forward_s"] = round(st["forward_s"] + r["forward"], 3)
-                    st["engine_start_s"] = round(r["engine_seconds"], 2)
-                    st["binding"] = r["binding"]
-                    st["eagle_compat"] = r["eagle_compat"]  # where the actor imported it from (PYTHONPATH below)
-                    st["engine_dtype"] = r.get("engine_dtype")
-                    st["versions"] = r.get("versions")  # each node's, recorded (the run's own are the driver's)
-                    if r["pid"] not in st["pids"]:
-                        st["pids"].append(r["pid"])
-                        # one death per restarted incarnation, however Ray reported it (ActorDiedError, or only
-                        # ActorUnavailableError: "Socket closed", then "The actor is restarting"); seen on AMD EPYC
-                        st["restarts_seen"] += bool(r.get("restarted"))
-                        st["deaths"] = max(st["died_errors"], st["restarts_seen"])
-                    if r["host"] not in st["hosts"]:
-                        st["hosts"].append(r["host"])
-                    done_samples += r["samples"]
-                    done_tokens += r["tokens"]
-                    elapsed = max(time.time() - t_work, 1e-9)
-                    progress.update(r["samples"] + len(r.get("left_out_non_finite") or []), done_samples / elapsed,
-                                    done_tokens / elapsed)
-                    if not described:  # the engine's own description, as a local run records it
-                        described = True
-                        try:
-                            manifest.update(ray.get(actors[rank].describe.remote(), timeout=120))
-                        except Exception:  # noqa: BLE001 - a description must not stop the run
-                            pass
-                if rank in alive:
-                    idle.append(rank)
+        pool.run()
     finally:
-        if progress is not None:
-            progress.close()
-        elapsed = time.time() - t0
-        this_run["ray"]["seconds"] = round(elapsed, 2)  # with the engines' start
-        if progress is not None:  # from the first batch's start to the last batch's end: the steady rate's clock
-            this_run["ray"]["work_seconds"] = round(time.time() - t_work, 3)
-            this_run["ray"]["tokens_per_s"] = round(done_tokens / max(time.time() - t_work, 1e-9), 1)
-        try:  # engines closed in order (their workers exit); then the actors go
-            ray.get([a.close.remote() for a in actors], timeout=60)
-        except Exception:  # noqa: BLE001 - dead or busy actors are killed below
-            pass
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        # an actor killed mid-write left its temporary file; the driver still holds the lock and the pool is gone
-        this_run["ray"]["temp_files_swept_at_end"] = len(writer.sweep_temp_files(opts.out))
-        print(summary_lines(stats, elapsed), file=sys.stderr, flush=True)
-    return done_samples, done_tokens
+        pool.close(started)
+    return pool.done_samples, pool.done_tokens
 
 
 def summary_lines(stats: list[dict], elapsed: float) -> str:

@@ -1,0 +1,82 @@
+"""The extract job in named phases (extract/job.py): `plan` decides everything from the options, the model and the
+input and writes nothing; `claim` takes the directory (the batches to do, the record of this run); `run_batches`
+hands the batches to a runner; `finish` checks and describes the set. `job.run` is these four, in order."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_compat import tiny_models
+from eagle_compat.errors import InvalidInput
+from eagle_compat.extract import job, writer
+
+from helpers import prompts
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models.build_tiny_model("llama")
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts(N, 10, 40, seed=5)))
+    return str(path)
+
+
+def _opts(model, data, out, **kw):
+    kw.setdefault("layers", [0, 5])
+    kw.setdefault("batch_size", 4)
+    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+
+
+def test_a_plan_writes_nothing_and_holds_what_the_run_will_do(model, dataset, tmp_path):
+    out = tmp_path / "new" / "out"
+    plan = job.plan(_opts(model, dataset, out, shard=(1, 2), gpu_memory_utilization=None))
+    assert not (tmp_path / "new").exists()  # nothing written: not even the folder
+    assert isinstance(plan, job.RunPlan)
+    assert plan.layer_ids == [0, 5] and plan.settings["layer_ids"] == [0, 5]
+    assert [s.index for s in plan.placed] == list(range(N)) and [s.row for s in plan.placed] == list(range(N))
+    # shard 1 of 2: the odd batches, fixed by position
+    assert [[s.index for s in b] for b in plan.mine] == [list(range(4 * k, 4 * k + 4)) for k in (1, 3, 5)]
+    assert plan.settings["data_sha256"] == writer.file_sha256(dataset)
+    assert plan.opts.gpu_memory_utilization is not None  # the device's default, resolved by the plan
+    assert plan.path_of(plan.placed[3]).endswith("data_3.pt")
+
+
+def test_a_refused_plan_names_the_value_and_leaves_out_as_it_was(model, dataset, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match="layer id 99 out of range; this model has layers 0..5"):
+        job.plan(_opts(model, dataset, out, layers=[0, 99]))
+    assert not out.exists()
+
+
+def test_run_is_its_four_phases_in_order(model, dataset, tmp_path, fake_engine, monkeypatch):
+    calls = []
+    for name in ("plan", "claim", "run_batches", "finish"):
+        def spy(*args, _real=getattr(job, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(job, name, spy)
+    summary = job.run(_opts(model, dataset, tmp_path / "out"))
+    assert calls == ["plan", "claim", "run_batches", "finish"]
+    assert summary["complete"] and summary["written_this_run"] == N
+
+
+def test_a_claim_takes_the_batches_without_files_and_records_this_run(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))  # the even batches: a set half done
+    plan = job.plan(_opts(model, dataset, out, resume=True))
+    with writer.DirectoryLock(plan.out):
+        claim = job.claim(plan)
+    assert isinstance(claim, job.Claim)
+    assert [[s.index for s in b] for b in claim.todo] == [list(range(4 * k, 4 * k + 4)) for k in (1, 3, 5)]
+    assert claim.manifest["runs"][-1] is claim.this_run
+    assert claim.this_run["batches_to_do"] == 3 and claim.this_run["status"] == "running"
+    on_disk = json.loads((out / writer.MANIFEST).read_text())  # written before any sample is
+    assert on_disk["status"] == "running" and on_disk["runs"][-1]["batches_to_do"] == 3
+    assert not claim.was_complete and claim.states.stamp == writer.states_stamp(plan.settings)
