@@ -80,3 +80,18 @@ def test_doctor_says_its_verdict_first_and_the_probes_details_on_request():
     for detail in ("vLLM API features detected", "cuda_available", "Patch units (install())", "worker_capture",
                    "CPU (the flags that decide vLLM's kernels)"):
         assert detail not in short and detail in verbose, detail
+
+
+def test_a_run_stays_quiet_in_a_process_an_earlier_quiet_run_left_its_settings_in(monkeypatch):
+    """extract's quiet mode sets VLLM_LOGGING_LEVEL and its mark in os.environ; a second run in the same process (or
+    a child that inherits them) is quiet too, where it used to read them as the user's and show vLLM's load bar.
+    A level the user set is still theirs: no quiet run then."""
+    from eagle_compat.plugin import QUIET_MARK
+    monkeypatch.setattr(cli, "_quiet_loggers", lambda: None)
+    monkeypatch.setattr("warnings.simplefilter", lambda *a, **k: None)
+    for k in cli.QUIET_ENV:
+        monkeypatch.setenv(k, cli.QUIET_ENV[k])  # as the earlier quiet run left them
+    assert cli.quiet_engine_output() == []  # quiet, nothing more to set
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.delenv(QUIET_MARK)
+    assert cli.quiet_engine_output() is None  # the user's own level: vLLM's logs stay

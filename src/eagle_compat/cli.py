@@ -324,12 +324,14 @@ QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TOR
              "PYTHONWARNINGS": "ignore", QUIET_MARK: "1"}
 
 
-def quiet_engine_output() -> list[str]:
+def quiet_engine_output() -> list[str] | None:
     """Before vLLM is imported: its loggers read VLLM_LOGGING_LEVEL once, and the workers inherit the environment.
-    Returns the variables set here."""
+    Returns the variables set here (none where an earlier quiet run of this process, or its parent, set them all),
+    or None where the user asked for vLLM's logs: the run is not quiet then."""
     import warnings
-    if settings.is_set("VLLM_LOGGING_LEVEL"):  # the user asked for vLLM's logs at some level: keep everything else
-        return []
+    # the user asked for vLLM's logs at some level (not a quiet run's own setting, inherited): keep everything else
+    if settings.is_set("VLLM_LOGGING_LEVEL") and os.environ.get(QUIET_MARK) != "1":
+        return None
     warnings.simplefilter("ignore")
     # the driver: vLLM configures its loggers only inside its own engines; without a handler its warnings reach
     # Python's last-resort handler (stderr)
@@ -376,7 +378,7 @@ def _time_split(summary: dict) -> str:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    quiet = not args.verbose and bool(quiet_engine_output())
+    quiet = not args.verbose and quiet_engine_output() is not None
     if args.preflight:  # the engine the run would build (dtype, tensor parallel), on the config cut short
         return run_preflight(args.model, args.trust_remote_code, dtype=args.dtype,
                              tensor_parallel_size=args.tensor_parallel_size)
