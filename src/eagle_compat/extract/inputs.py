@@ -260,8 +260,9 @@ def _record_of(raw: bytes, where: str) -> dict | None:
 
 def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, where: str, max_len: int, cut: Cut,
                          check_decoded: bool, template_tokens: frozenset[int] | None,
-                         tokenizer_error: str) -> tuple[list[int], list[int]]:
-    """A conversation line's ids and loss mask (UncoveredConversation as raised: the caller may skip it)."""
+                         tokenizer_error: str) -> tuple[list[int], list[int], frozenset[int] | None]:
+    """A conversation line's ids and loss mask, and --validate's special tokens (read at the first conversation,
+    given back for the next); UncoveredConversation as raised: the caller may skip the line."""
     if tokenizer is None:  # the model folder's problem, not the line's
         raise InvalidInput(f"{where} is a conversation, which needs the model's tokenizer: "
                            + (tokenizer_error or "it did not load"))
@@ -271,6 +272,8 @@ def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, whe
             "'chat_template' in tokenizer_config.json, no chat_template.jinja): add the model's own template to its "
             "folder, or give the data as 'input_ids' with 'loss_mask'")
     try:
+        if check_decoded and template_tokens is None:
+            template_tokens = special_ids(tokenizer)
         ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded, cut=cut,
                                           template_tokens=template_tokens)
     except UncoveredConversation:
@@ -288,7 +291,7 @@ def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, whe
                 f"{where}: holds both a conversation and 'input_ids'/'loss_mask', which differ (the conversation "
                 f"gives {len(ids)} tokens {ids[:6]}... with {sum(mask)} loss tokens, the line {len(given)} "
                 f"{given[:6]}... with {sum(given_mask)}); keep one form in each line: {LINE_FORMS}")
-    return ids, mask
+    return ids, mask, template_tokens
 
 
 def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> str:
@@ -321,10 +324,8 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             messages = _messages(record, where, unused_keys)
             cut = Cut()
             if messages is not None:
-                if check_decoded and template_tokens is None and tokenizer is not None:
-                    template_tokens = special_ids(tokenizer)
                 try:
-                    ids, mask = _conversation_tokens(tokenizer, messages, record, where, max_len, cut, check_decoded,
+                    ids, mask, template_tokens = _conversation_tokens(tokenizer, messages, record, where, max_len, cut, check_decoded,
                                                      template_tokens, tokenizer_error)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
