@@ -98,7 +98,7 @@ def test_the_graph_reader_sees_local_and_relative_imports(tmp_path):
 FLOORS = [
     ("leaves: no import of the package's own, or only of each other",
      {"errors", "_version", "rounding", "cpu", "startup", "leftovers", "settings", "capture", "capture.families",
-      "capture.handover", "model_source"}),
+      "capture.handover", "model_source", "options"}),
     ("facts about the installation, the worker's error channel and handshake",
      {"detect", "environment", "remote_errors", "capture.handshake"}),
     ("vLLM's internals behind adapters, and the capture that runs in vLLM's workers",

@@ -18,6 +18,8 @@ from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worke
                             translate)
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput, WorkerError
+from .options import (ENGINE_DTYPES, check_batch_options, check_engine_options,  # noqa: F401 - this module's API
+                      check_generator_options, default_layer_ids, validate_layer_ids)
 
 log = logging.getLogger("eagle_compat.generator")
 
@@ -85,84 +87,10 @@ def model_text_config(model_path: str, trust_remote_code: bool = False) -> Any:
     return text
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """speculators 0.3.0's default [2, N//2, N-3, N-1], each layer once, in ascending order."""
-    return sorted({i for i in (2, num_layers // 2, num_layers - 3, num_layers - 1) if 0 <= i < num_layers})
-
-
-def validate_layer_ids(layer_ids: Sequence[Any], num_layers: int) -> list[int]:
-    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence) or len(layer_ids) == 0:
-        raise InvalidInput(f"layer_ids must be a non-empty list of ints in [0, {num_layers - 1}], got {layer_ids!r}")
-    out = []
-    for i in layer_ids:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise InvalidInput(f"layer id {i!r} is not an int; allowed: ints in [0, {num_layers - 1}]")
-        if not 0 <= int(i) < num_layers:
-            raise InvalidInput(f"layer id {i} out of range; this model has layers 0..{num_layers - 1}")
-        out.append(int(i))
-    dups = sorted({i for i in out if out.count(i) > 1})
-    if dups:
-        raise InvalidInput(f"layer ids {dups} repeated in {list(layer_ids)}; give each layer once")
-    return out
-
-
-ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelConfig.dtype strings
-
-
 def default_gpu_memory_utilization() -> float:
     """The command line's default: on CPU vLLM reserves this fraction of host memory per NUMA node, and 0.8 fails on
     small machines. Asks torch whether CUDA is there (seconds): call it after the cheap checks."""
     return 0.8 if detect.feature("cuda_available") else 0.3
-
-
-def check_engine_options(*, tensor_parallel_size: Any, gpu_memory_utilization: Any, kv_cache_memory_bytes: Any,
-                         dtype: Any, name: Any = lambda option: option) -> None:
-    """What the engine would refuse only once started: checked first, so nothing is written or loaded for a typo.
-    `name(option)` spells an option as its caller's user wrote it (extract: --tensor-parallel-size)."""
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise InvalidInput(f"{name('tensor_parallel_size')}={tensor_parallel_size!r}; must be an int >= 1")
-    if gpu_memory_utilization is not None and (  # None: the device's default (default_gpu_memory_utilization)
-            isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real) or
-            not 0.0 < float(gpu_memory_utilization) <= 1.0):
-        raise InvalidInput(f"{name('gpu_memory_utilization')}={gpu_memory_utilization!r}; must be in (0, 1]")
-    if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool) or not isinstance(
-            kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
-        raise InvalidInput(f"{name('kv_cache_memory_bytes')}={kv_cache_memory_bytes!r}; must be a positive int "
-                           "(bytes)")
-    if isinstance(dtype, str) and dtype not in ENGINE_DTYPES:
-        raise InvalidInput(f"{name('dtype')}={dtype!r}; allowed: {', '.join(ENGINE_DTYPES)}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
-
-
-def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, load_format: Any,
-                            shm_limit_bytes: Any, max_model_len: int) -> None:
-    """The stable generator's own keywords, before anything is loaded (a typo used to surface in the worker, on
-    the first batch, or as a silently used default)."""
-    from .capture.handover import LIMIT_ENV
-    if not _is_int(max_num_seqs) or max_num_seqs < 1:
-        raise InvalidInput(f"max_num_seqs={max_num_seqs!r}; must be an int >= 1")
-    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or
-                                               max_num_batched_tokens < max_model_len):
-        # chunked prefill is always off here, so one step must hold a whole max_model_len prompt
-        raise InvalidInput(f"max_num_batched_tokens={max_num_batched_tokens!r}; must be None (the default) or an "
-                           f"int >= max_model_len ({max_model_len})")
-    if not isinstance(load_format, str) or not load_format:
-        raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or 'dummy'")
-    if shm_limit_bytes is not None and (not _is_int(shm_limit_bytes) or shm_limit_bytes < 0):
-        raise InvalidInput(f"shm_limit_bytes={shm_limit_bytes!r}; must be None (free space in /dev/shm) or an int "
-                           ">= 0 (bytes; 0: every batch through the RPC queue)")
-    if shm_limit_bytes is None:
-        settings.value(LIMIT_ENV)  # refused here, naming the variable, before anything is loaded
-
-
-def check_batch_options(*, truncate: Any, prefetch: Any = 0) -> None:
-    if not isinstance(truncate, bool):
-        raise InvalidInput(f"truncate={truncate!r}; must be True or False")
-    if not _is_int(prefetch) or prefetch < 0:
-        raise InvalidInput(f"prefetch={prefetch!r}; must be an int >= 0")
 
 
 def validate_token_ids(token_ids: Any, *, vocab_size: int, max_len: int, truncate: bool) -> list[list[int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import detect
+from .. import detect, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
@@ -120,11 +120,10 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--out {opts.out!r} cannot be made: {nearest} is a file")
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise InvalidInput(f"--out {opts.out!r}: this user cannot write in {nearest}")
-    from .. import generator
-    generator.check_engine_options(tensor_parallel_size=opts.tensor_parallel_size,
-                                   gpu_memory_utilization=opts.gpu_memory_utilization,
-                                   kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
-                                   name=lambda option: "--" + option.replace("_", "-"))
+    options.check_engine_options(tensor_parallel_size=opts.tensor_parallel_size,
+                                 gpu_memory_utilization=opts.gpu_memory_utilization,
+                                 kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
+                                 name=lambda option: "--" + option.replace("_", "-"))
     if opts.ray is not None:
         from . import ray_runner
         ray_runner.check_options(opts)
@@ -379,9 +378,8 @@ def plan(opts: ExtractOptions) -> RunPlan:
 def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
     """--layers (or the default) checked against the model and for training; an earlier release's directory made
     with layers that would train a drafter wrongly is named as such."""
-    from .. import generator
-    layer_ids = (generator.default_layer_ids(num_layers) if opts.layers is None
-                 else generator.validate_layer_ids(opts.layers, num_layers))
+    layer_ids = (options.default_layer_ids(num_layers) if opts.layers is None
+                 else options.validate_layer_ids(opts.layers, num_layers))
     try:
         layers.check_training_layers(layer_ids, num_layers, "--layers")
     except InvalidInput as exc:
