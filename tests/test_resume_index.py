@@ -125,3 +125,24 @@ def test_a_resume_of_a_finished_set_keeps_its_recorded_command(model, dataset, t
     summary = job.run(_opts(model, dataset, out, resume=True))
     assert summary["complete"] and summary["written_this_run"] == 0
     assert (out / "data_config.json").read_bytes() == before
+
+
+def test_the_token_digest_is_the_same_for_every_way_the_tokens_come():
+    """Indexes written by earlier runs hold digests made one token at a time: the converted-in-C path must give the
+    same digest for lists, and anything else (tensors, bools, out-of-range mask values) goes the old way."""
+    import hashlib
+    from array import array
+
+    import torch
+
+    def per_token(ids, mask):  # the digest as earlier releases computed it
+        h = hashlib.blake2b(digest_size=12)
+        h.update(array("q", [int(t) for t in ids]).tobytes())
+        h.update(b"|" + bytes(int(m) & 1 for m in mask))
+        return h.hexdigest()
+    ids, mask = [5, 150_000, 0, 2**40, 7], [0, 1, 1, 0, 1]
+    cases = [(ids, mask), (torch.tensor(ids), torch.tensor(mask)), (tuple(ids), tuple(mask)),
+             ([True, 3, 4], [True, False, 1]), ([1, 2, 3], [2, 3, 0]), ([1.0, 2, 3], [1, 0, 1])]
+    for case_ids, case_mask in cases:
+        assert writer.tokens_digest(case_ids, case_mask) == per_token(case_ids, case_mask), (case_ids, case_mask)
+    assert writer.tokens_digest(ids, mask) != writer.tokens_digest(ids, [1, 1, 1, 0, 1])

@@ -489,13 +489,35 @@ INDEX_FILE = ".eagle-compat-index.jsonl"
 
 
 def tokens_digest(ids: Any, mask: Any) -> str:
-    from array import array
-
     h = hashlib.blake2b(digest_size=12)
-    h.update(array("q", [int(t) for t in ids]).tobytes())
+    h.update(_int64_bytes(ids))
     if mask is not None:
-        h.update(b"|" + bytes(int(m) & 1 for m in mask))
+        h.update(b"|" + _bit_bytes(mask))
     return h.hexdigest()
+
+
+def _int64_bytes(ids: Any) -> bytes:
+    """The ids as int64 bytes; a list of ints is converted in C (a resume digests every kept sample: a per-token
+    Python loop was most of the check's time)."""
+    from array import array
+    if type(ids) is list:
+        try:
+            return array("q", ids).tobytes()
+        except TypeError:  # not all ints: converted one by one, as before
+            pass
+    return array("q", [int(t) for t in ids]).tobytes()
+
+
+def _bit_bytes(mask: Any) -> bytes:
+    """One byte per mask value, its lowest bit; a list of 0/1 ints is converted in C (the same bytes)."""
+    if type(mask) is list:
+        try:
+            fast = bytes(mask)
+            if not fast.translate(None, b"\x00\x01"):  # only 0 and 1: equal to each value's lowest bit
+                return fast
+        except (TypeError, ValueError):
+            pass
+    return bytes(int(m) & 1 for m in mask)
 
 
 def index_written(out_dir: str, index: int, path: str, ids: Any, mask: Any, stamp: str | None) -> None:
