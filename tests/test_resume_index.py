@@ -146,3 +146,27 @@ def test_the_token_digest_is_the_same_for_every_way_the_tokens_come():
     for case_ids, case_mask in cases:
         assert writer.tokens_digest(case_ids, case_mask) == per_token(case_ids, case_mask), (case_ids, case_mask)
     assert writer.tokens_digest(ids, mask) != writer.tokens_digest(ids, [1, 1, 1, 0, 1])
+
+
+def test_the_completion_of_a_set_counts_every_file_it_checks(model, dataset, tmp_path, fake_engine, monkeypatch):
+    """The completion says its progress like the resume check does: every file of the set counted once, whether
+    this run wrote it, the index vouches for it or it is opened (the other shard's, with --verify-kept)."""
+    import contextlib
+
+    from eagle_compat.extract import stages
+    seen = {}
+    real = stages.counting
+
+    @contextlib.contextmanager
+    def recording(doing, total, unit, **kwargs):
+        with real(doing, total, unit, **kwargs) as count:
+            yield count
+        seen[doing] = (count.n, total)
+    monkeypatch.setattr(stages, "counting", recording)
+    out = tmp_path / "out"
+    _half_done(model, dataset, out)
+    for verify_kept in (True, False):
+        seen.clear()
+        summary = job.run(_opts(model, dataset, out, shard=(1, 2), resume=True, verify_kept=verify_kept))
+        assert summary["complete"]
+        assert seen["completing the set: files checked"] == (N, N), seen

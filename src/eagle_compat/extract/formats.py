@@ -66,15 +66,16 @@ class _Layout:
 
     def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
                         states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
-                        left_out: dict[int, int] | None = None) -> None:
+                        left_out: dict[int, int] | None = None, on_each: Any = None) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens
         (and mask, where the file keeps it) and states made as this run's, and no other sample file may be there
         (speculators 0.3.0 trains on every .pt of its folder; Arrow rows bind files by position). `placed`: (index,
         row, token ids, loss mask, what names the sample); `known`: indices whose files this run wrote or already
-        checked."""
+        checked; `on_each()` after each file read."""
         refuse_strays(self, out, placed, f"{self.finishes_sentence} is not written", left_out)
         wrong = writer.first_mismatch([self.expected(out, index, row, ids, mask, what)
-                                       for index, row, ids, mask, what in placed if index not in known], states)
+                                       for index, row, ids, mask, what in placed if index not in known], states,
+                                      on_each=on_each)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, self.finishes_sentence, self.holds))
 

@@ -1,6 +1,7 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -697,15 +698,25 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole: list[formats.Placed]) -> None
                       or c.states.dtype)
     # lists, not generators: nothing below resumes code of this module (one direction: docs/adr/0039-import-floors.md)
     vouched = _vouched_by_index(p, {} if p.opts.verify_kept else writer.read_index(p.out), c.states.stamp)
-    known = frozenset(s.index for b in p.mine for s in b) | frozenset(s.index for s in whole if vouched(s))
-    p.fmt.check_whole_set(p.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}") for s in whole],
-                          c.states, known=known, left_out=p.left_out_lines)
+    mine = frozenset(s.index for b in p.mine for s in b)
+    # counted from the first second: a set of a million files takes minutes here (quiet: nothing within a tick)
+    with stages.counting("completing the set: files checked", len(whole), "file") as checked:
+        known = []
+        for s in whole:
+            if s.index in mine or vouched(s):
+                known.append(s.index)
+                checked.add()
+        p.fmt.check_whole_set(p.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
+                                      for s in whole], c.states, known=frozenset(known), left_out=p.left_out_lines,
+                              on_each=checked.add)
     # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
     # that made the set)
     already = c.was_complete and not c.todo and not p.fmt.arrow and \
         os.path.exists(os.path.join(p.out, p.fmt.finishes))
     if not already:
-        p.fmt.finish(p.out, [(s.input_ids, s.loss_mask) for s in whole], p.description(len(whole), c.versions))
+        with stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s") \
+                if p.fmt.arrow else contextlib.nullcontext():  # a dataset of every row: minutes on a large set
+            p.fmt.finish(p.out, [(s.input_ids, s.loss_mask) for s in whole], p.description(len(whole), c.versions))
     writer.fsync_renames(p.out)
 
 
