@@ -213,9 +213,9 @@ def test_a_line_with_a_conversation_and_input_ids_that_agree_is_taken(model, tmp
     from eagle_compat.extract import inputs
     tok = AutoTokenizer.from_pretrained(model)
     data = _write_lines(tmp_path / "one.jsonl", [{"conversations": CHAT}])
-    ids = inputs.read_dataset(data, tok, 256, vocab_size=512).samples[0].input_ids
+    ids = list(inputs.read_dataset(data, tok, 256, vocab_size=512).samples[0].input_ids)
     both = _write_lines(tmp_path / "both.jsonl", [{"conversations": CHAT, "input_ids": ids}])
-    assert inputs.read_dataset(both, tok, 256, vocab_size=512).samples[0].input_ids == ids
+    assert list(inputs.read_dataset(both, tok, 256, vocab_size=512).samples[0].input_ids) == ids
     every = _write_lines(tmp_path / "mask.jsonl", [{"conversations": CHAT, "input_ids": ids, "loss_mask": [1] * len(ids)}])
     with pytest.raises(InvalidInput, match=r"mask\.jsonl:1: holds both .* which differ"):
         inputs.read_dataset(every, tok, 256, vocab_size=512)  # the line's own mask: not dropped without a word
@@ -550,7 +550,7 @@ def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(
     def other_tokenizer(*args, **kwargs):  # what another transformers version's chat template does to line 3
         data = real(*args, **kwargs)
         s = data.samples[2]
-        data.samples[2] = inputs.Sample(s.index, s.input_ids[1:] + [s.input_ids[0]], s.loss_mask, s.line)
+        data.samples[2] = inputs.Sample(s.index, list(s.input_ids[1:]) + [s.input_ids[0]], s.loss_mask, s.line)
         return data
     monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
     before = {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"}

@@ -142,7 +142,9 @@ def test_the_token_digest_is_the_same_for_every_way_the_tokens_come():
         return h.hexdigest()
     ids, mask = [5, 150_000, 0, 2**40, 7], [0, 1, 1, 0, 1]
     cases = [(ids, mask), (torch.tensor(ids), torch.tensor(mask)), (tuple(ids), tuple(mask)),
-             ([True, 3, 4], [True, False, 1]), ([1, 2, 3], [2, 3, 0]), ([1.0, 2, 3], [1, 0, 1])]
+             ([True, 3, 4], [True, False, 1]), ([1, 2, 3], [2, 3, 0]), ([1.0, 2, 3], [1, 0, 1]),
+             (array("i", [5, 150_000, 0, 7]), array("b", [0, 1, 1, 0])),  # extract's samples
+             (array("q", [5, 2**40]), array("i", [1, 0])), (array("i", [1, 2]), array("b", [2, 1]))]
     for case_ids, case_mask in cases:
         assert writer.tokens_digest(case_ids, case_mask) == per_token(case_ids, case_mask), (case_ids, case_mask)
     assert writer.tokens_digest(ids, mask) != writer.tokens_digest(ids, [1, 1, 1, 0, 1])

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 from .. import detect
 from ..errors import InvalidInput
@@ -28,8 +28,8 @@ class Placed:
     index: int
     row: int
     line: int
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: Sequence[int]  # the sample's own arrays (inputs.Sample): no copy
+    loss_mask: Sequence[int]
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import collections
 import json
+from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import InvalidInput
 
@@ -32,9 +33,11 @@ class Cut:
 
 @dataclass
 class Sample:
+    """One sample of the input. Its ids and mask are compact arrays (4 bytes a token id, 1 a mask value, against
+    about 36 and 8 in Python lists): the driver holds every sample of the input."""
     index: int
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: Sequence[int]  # array("i")
+    loss_mask: Sequence[int]  # array("b") of 0/1
     line: int = 0
     cut: Cut = field(default_factory=Cut)
 
@@ -345,14 +348,16 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                                    f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
             if not ids:
                 raise InvalidInput(f"{where}: the sample tokenizes to nothing")
-            bad = [t for t in ids if vocab_size and not 0 <= t < vocab_size]
+            # min and max first, in C: a per-token Python test was a fifth of a pre-tokenized input's read
+            bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size and (
+                min(ids) < 0 or max(ids) >= vocab_size) else []
             if bad:
                 raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
             if sum(mask) < min_loss_tokens:
                 data.few_loss_tokens.append({"line": n + 1, "index": index, "loss_tokens": sum(mask),
                                              "reason": _few_loss_tokens_reason(mask, cut, min_loss_tokens), "cut": cut})
             else:
-                data.samples.append(Sample(index, list(ids), list(mask), n + 1, cut))
+                data.samples.append(Sample(index, array("i", ids), array("b", mask), n + 1, cut))
             index += 1
     if not data.samples:
         left = [f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped) + \

@@ -363,7 +363,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
     data = _read_input(opts, max_len, vocab_size)
-    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same lists: no copy
+    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same arrays: no copy
               for row, s in enumerate(data.samples)]
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
     left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}

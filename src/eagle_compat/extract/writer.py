@@ -500,7 +500,7 @@ def _int64_bytes(ids: Any) -> bytes:
     """The ids as int64 bytes; a list of ints is converted in C (a resume digests every kept sample: a per-token
     Python loop was most of the check's time)."""
     from array import array
-    if type(ids) is list:
+    if type(ids) in (list, array):  # extract's samples hold array("i")
         try:
             return array("q", ids).tobytes()
         except TypeError:  # not all ints: converted one by one, as before
@@ -510,7 +510,8 @@ def _int64_bytes(ids: Any) -> bytes:
 
 def _bit_bytes(mask: Any) -> bytes:
     """One byte per mask value, its lowest bit; a list of 0/1 ints is converted in C (the same bytes)."""
-    if type(mask) is list:
+    from array import array
+    if type(mask) is list or (type(mask) is array and mask.typecode in "bB"):  # one byte a value
         try:
             fast = bytes(mask)
             if not fast.translate(None, b"\x00\x01"):  # only 0 and 1: equal to each value's lowest bit
