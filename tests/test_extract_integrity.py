@@ -188,6 +188,8 @@ CHAT = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "
     ({"input_ids": [5, 6], "loss_mask": [1]}, "loss_mask must be a list of 0/1 values, one per input id (2)"),
     ({"input_ids": [5, 6], "loss_mask": "11"}, "got a str"),
     ({"input_ids": [5, 100000]}, "token id 100000 outside the model's vocabulary [0, 511]"),
+    ({"input_ids": [5, -3, 7]}, "token id -3 outside the model's vocabulary [0, 511]"),
+    ({"input_ids": [5, 512, 600]}, "token id 512 outside the model's vocabulary [0, 511]"),  # the first one named
     ({"conversations": []}, "must be a non-empty list of messages"),
     ({"conversations": [{"role": "robot", "content": "hi"}]}, "message needs a role in"),
     ({"conversations": CHAT, "input_ids": [5, 6, 7]}, "holds both a conversation and 'input_ids'/'loss_mask', which"),
