@@ -115,3 +115,19 @@ class FakeEngine:
     def generate_batches(self, batches, prefetch=1):  # the real one pipelines; the files are the same
         for batch in batches:
             yield self.generate(batch)
+
+
+def token_lines(path, n: int, seed: int) -> str:
+    """A JSONL of `n` pre-tokenized samples of 10-40 ids (extract's input)."""
+    import json
+    path.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts(n, 10, 40, seed=seed)))
+    return str(path)
+
+
+def extract_options(model: str, data: str, out, **kw):
+    """extract's options for the tiny Llama: layers [0, 5], batches of 4, no progress bar (unless given)."""
+    from eagle_compat.extract import job
+    kw.setdefault("layers", [0, 5])
+    kw.setdefault("batch_size", 4)
+    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+

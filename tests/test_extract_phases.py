@@ -7,36 +7,25 @@ import json
 
 import pytest
 
-from eagle_compat import tiny_models
 from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import job, writer
 
-from helpers import prompts
+from helpers import extract_options, token_lines
 
 N = 24
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_models.build_tiny_model("llama")
-
-
 @pytest.fixture
 def dataset(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts(N, 10, 40, seed=5)))
-    return str(path)
+    return token_lines(tmp_path / "data.jsonl", N, seed=5)
 
 
-def _opts(model, data, out, **kw):
-    kw.setdefault("layers", [0, 5])
-    kw.setdefault("batch_size", 4)
-    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+_opts = extract_options
 
 
-def test_a_plan_writes_nothing_and_holds_what_the_run_will_do(model, dataset, tmp_path):
+def test_a_plan_writes_nothing_and_holds_what_the_run_will_do(tiny_llama, dataset, tmp_path):
     out = tmp_path / "new" / "out"
-    plan = job.plan(_opts(model, dataset, out, shard=(1, 2), gpu_memory_utilization=None))
+    plan = job.plan(_opts(tiny_llama, dataset, out, shard=(1, 2), gpu_memory_utilization=None))
     assert not (tmp_path / "new").exists()  # nothing written: not even the folder
     assert isinstance(plan, job.RunPlan)
     assert plan.layer_ids == [0, 5] and plan.settings["layer_ids"] == [0, 5]
@@ -48,29 +37,29 @@ def test_a_plan_writes_nothing_and_holds_what_the_run_will_do(model, dataset, tm
     assert plan.path_of(plan.placed[3]).endswith("data_3.pt")
 
 
-def test_a_refused_plan_names_the_value_and_leaves_out_as_it_was(model, dataset, tmp_path):
+def test_a_refused_plan_names_the_value_and_leaves_out_as_it_was(tiny_llama, dataset, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(InvalidInput, match="layer id 99 out of range; this model has layers 0..5"):
-        job.plan(_opts(model, dataset, out, layers=[0, 99]))
+        job.plan(_opts(tiny_llama, dataset, out, layers=[0, 99]))
     assert not out.exists()
 
 
-def test_run_is_its_four_phases_in_order(model, dataset, tmp_path, fake_engine, monkeypatch):
+def test_run_is_its_four_phases_in_order(tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
     calls = []
     for name in ("plan", "claim", "run_batches", "finish"):
         def spy(*args, _real=getattr(job, name), _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
         monkeypatch.setattr(job, name, spy)
-    summary = job.run(_opts(model, dataset, tmp_path / "out"))
+    summary = job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
     assert calls == ["plan", "claim", "run_batches", "finish"]
     assert summary["complete"] and summary["written_this_run"] == N
 
 
-def test_a_claim_takes_the_batches_without_files_and_records_this_run(model, dataset, tmp_path, fake_engine):
+def test_a_claim_takes_the_batches_without_files_and_records_this_run(tiny_llama, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
-    job.run(_opts(model, dataset, out, shard=(0, 2)))  # the even batches: a set half done
-    plan = job.plan(_opts(model, dataset, out, resume=True))
+    job.run(_opts(tiny_llama, dataset, out, shard=(0, 2)))  # the even batches: a set half done
+    plan = job.plan(_opts(tiny_llama, dataset, out, resume=True))
     with writer.DirectoryLock(plan.out):
         claim = job.claim(plan)
     assert isinstance(claim, job.Claim)

@@ -9,31 +9,20 @@ import shutil
 
 import pytest
 
-from eagle_compat import tiny_models
 from eagle_compat.errors import EagleCompatError
 from eagle_compat.extract import job, writer
 
-from helpers import prompts
+from helpers import extract_options, token_lines
 
 N = 24
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_models.build_tiny_model("llama")
-
-
 @pytest.fixture
 def dataset(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts(N, 10, 40, seed=9)))
-    return str(path)
+    return token_lines(tmp_path / "data.jsonl", N, seed=9)
 
 
-def _opts(model, data, out, **kw):
-    kw.setdefault("layers", [0, 5])
-    kw.setdefault("batch_size", 4)
-    return job.ExtractOptions(model=model, data=data, out=str(out), progress=False, **kw)
+_opts = extract_options
 
 
 @pytest.fixture
@@ -49,15 +38,15 @@ def reads(monkeypatch):
     return opened
 
 
-def _half_done(model, dataset, out):
+def _half_done(tiny_llama, dataset, out):
     """Shard 0 of 2 (even batches): a set half done, as a killed run leaves it."""
-    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    job.run(_opts(tiny_llama, dataset, out, shard=(0, 2)))
     return json.loads((out / writer.MANIFEST).read_text())
 
 
-def test_each_file_written_has_its_line(model, dataset, tmp_path, fake_engine):
+def test_each_file_written_has_its_line(tiny_llama, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
-    job.run(_opts(model, dataset, out))
+    job.run(_opts(tiny_llama, dataset, out))
     entries = writer.read_index(str(out))
     assert sorted(entries) == list(range(N))
     for index, entry in entries.items():
@@ -65,36 +54,36 @@ def test_each_file_written_has_its_line(model, dataset, tmp_path, fake_engine):
         assert entry["f"] == f"data_{index}.pt" and (entry["n"], entry["m"]) == (st.st_size, st.st_mtime_ns)
 
 
-def test_a_resume_opens_no_file_the_index_vouches_for(model, dataset, tmp_path, fake_engine, reads):
+def test_a_resume_opens_no_file_the_index_vouches_for(tiny_llama, dataset, tmp_path, fake_engine, reads):
     out = tmp_path / "out"
-    _half_done(model, dataset, out)
+    _half_done(tiny_llama, dataset, out)
     reads.clear()
-    summary = job.run(_opts(model, dataset, out, resume=True))
+    summary = job.run(_opts(tiny_llama, dataset, out, resume=True))
     assert summary["complete"] and summary["written_this_run"] == N // 2
     assert reads == [], reads  # neither the kept files nor, at completion, the other shard's
 
 
-def test_verify_kept_opens_every_kept_file(model, dataset, tmp_path, fake_engine, reads):
+def test_verify_kept_opens_every_kept_file(tiny_llama, dataset, tmp_path, fake_engine, reads):
     out = tmp_path / "out"
-    _half_done(model, dataset, out)
+    _half_done(tiny_llama, dataset, out)
     reads.clear()
-    job.run(_opts(model, dataset, out, resume=True, verify_kept=True))
+    job.run(_opts(tiny_llama, dataset, out, resume=True, verify_kept=True))
     kept = {f"data_{i}.pt" for k in range(0, N // 4, 2) for i in range(4 * k, 4 * k + 4)}
     assert kept <= set(reads)
 
 
 @pytest.mark.parametrize("change", ["rewritten", "copied in", "index line torn"])
-def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(model, dataset, tmp_path, fake_engine, reads,
+def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(tiny_llama, dataset, tmp_path, fake_engine, reads,
                                                                   change):
     out, other = tmp_path / "out", tmp_path / "other"
-    _half_done(model, dataset, out)
+    _half_done(tiny_llama, dataset, out)
     victim = out / "data_1.pt"
     if change == "rewritten":  # other tokens in the same file name: the content check refuses it
         sample = writer.load_sample(str(victim))
         sample["input_ids"] = sample["input_ids"].flip(0)
         writer.save_sample(str(out), 1, sample, "pt", [0, 5], writer.read_facts(str(victim)).stamp)
     elif change == "copied in":  # another directory's file of another model's states (another stamp)
-        job.run(_opts(model, dataset, other, shard=(0, 2), layers=[1, 5]))
+        job.run(_opts(tiny_llama, dataset, other, shard=(0, 2), layers=[1, 5]))
         shutil.copy(other / "data_1.pt", victim)
     else:  # the last write of the index cut short: that file is read, and is fine
         text = (out / writer.INDEX_FILE).read_text().splitlines(keepends=True)
@@ -102,27 +91,27 @@ def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(model, dataset
         (out / writer.INDEX_FILE).write_text("".join(ln for ln in text if ln is not line) + line[:20])
     reads.clear()
     if change == "index line torn":
-        assert job.run(_opts(model, dataset, out, resume=True))["complete"]
+        assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
         assert reads == ["data_1.pt"], reads
         return
     with pytest.raises(EagleCompatError, match="data_1.pt"):
-        job.run(_opts(model, dataset, out, resume=True))
+        job.run(_opts(tiny_llama, dataset, out, resume=True))
     assert reads[-1] == "data_1.pt"
 
 
-def test_the_index_is_not_a_stray_or_a_foreign_file(model, dataset, tmp_path, fake_engine):
+def test_the_index_is_not_a_stray_or_a_foreign_file(tiny_llama, dataset, tmp_path, fake_engine):
     """A directory holding only the index and a lock (the record removed) is still ours to start again."""
     out = tmp_path / "out"
     (out).mkdir()
     (out / writer.INDEX_FILE).write_text("")
-    assert job.run(_opts(model, dataset, out))["complete"]
+    assert job.run(_opts(tiny_llama, dataset, out))["complete"]
 
 
-def test_a_resume_of_a_finished_set_keeps_its_recorded_command(model, dataset, tmp_path, fake_engine):
+def test_a_resume_of_a_finished_set_keeps_its_recorded_command(tiny_llama, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
-    job.run(_opts(model, dataset, out))
+    job.run(_opts(tiny_llama, dataset, out))
     before = (out / "data_config.json").read_bytes()
-    summary = job.run(_opts(model, dataset, out, resume=True))
+    summary = job.run(_opts(tiny_llama, dataset, out, resume=True))
     assert summary["complete"] and summary["written_this_run"] == 0
     assert (out / "data_config.json").read_bytes() == before
 
@@ -150,7 +139,7 @@ def test_the_token_digest_is_the_same_for_every_way_the_tokens_come():
     assert writer.tokens_digest(ids, mask) != writer.tokens_digest(ids, [1, 1, 1, 0, 1])
 
 
-def test_the_completion_of_a_set_counts_every_file_it_checks(model, dataset, tmp_path, fake_engine, monkeypatch):
+def test_the_completion_of_a_set_counts_every_file_it_checks(tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
     """The completion says its progress like the resume check does: every file of the set counted once, whether
     this run wrote it, the index vouches for it or it is opened (the other shard's, with --verify-kept)."""
     import contextlib
@@ -166,9 +155,9 @@ def test_the_completion_of_a_set_counts_every_file_it_checks(model, dataset, tmp
         seen[doing] = (count.n, total)
     monkeypatch.setattr(stages, "counting", recording)
     out = tmp_path / "out"
-    _half_done(model, dataset, out)
+    _half_done(tiny_llama, dataset, out)
     for verify_kept in (True, False):
         seen.clear()
-        summary = job.run(_opts(model, dataset, out, shard=(1, 2), resume=True, verify_kept=verify_kept))
+        summary = job.run(_opts(tiny_llama, dataset, out, shard=(1, 2), resume=True, verify_kept=verify_kept))
         assert summary["complete"]
         assert seen["completing the set: files checked"] == (N, N), seen
