@@ -161,3 +161,28 @@ def test_the_completion_of_a_set_counts_every_file_it_checks(tiny_llama, dataset
         summary = job.run(_opts(tiny_llama, dataset, out, shard=(1, 2), resume=True, verify_kept=verify_kept))
         assert summary["complete"]
         assert seen["completing the set: files checked"] == (N, N), seen
+
+
+@pytest.mark.parametrize("storage_bound", [True, False])
+def test_verify_kept_reads_on_threads_only_where_reads_wait_on_storage(monkeypatch, storage_bound):
+    """The first files are read on the calling thread; threads take the rest only where those reads were slow (the
+    threshold stands in for the storage here). Either way the same first mismatch is found, and every file is read."""
+    import threading
+
+    readers = []
+
+    def fake_read_facts(path):
+        readers.append(threading.current_thread().name)
+        k = int(path)
+        return writer.SampleFacts([k, 99 if k == 35 else k], [1, 1], "stamp", 2, 8, "torch.bfloat16")
+    monkeypatch.setattr(writer, "read_facts", fake_read_facts)
+    monkeypatch.setattr(writer, "THREADS_PAY_FROM_S", -1.0 if storage_bound else float("inf"))
+    expected = [(str(k), [k, k], [1, 1], f"line {k}") for k in range(40)]
+    seen = []
+    wrong = writer.first_mismatch(expected, writer.StatesExpected("stamp", 2, 8, "torch.bfloat16"), threads=4,
+                                  on_each=lambda: seen.append(1))
+    assert wrong.path == "35" and "line 35" in wrong.why and not wrong.states
+    assert len(seen) == 36  # counted up to the mismatch
+    on_threads = [r for r in readers if r.startswith("eagle-compat-check")]
+    assert readers[:writer.PROBE_FILES] == [threading.current_thread().name] * writer.PROBE_FILES
+    assert bool(on_threads) == storage_bound, readers

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -433,30 +434,42 @@ class Mismatch(NamedTuple):
     states: bool  # the file's states were made otherwise (its tokens may well be right)
 
 
+# --verify-kept reads on threads only where a file's read waits on storage (a cold cache, a network file system):
+# the first files are read on one thread, and threads take the rest only if those took longer than this each. On a
+# warm page cache a read is CPU work under the GIL, and 8 threads on 2 cores were 3x slower than one
+# (benchmarks/results/resume-index.md).
+THREADS_PAY_FROM_S, PROBE_FILES = 0.002, 32
+
+
 def first_mismatch(expected: Any, states: StatesExpected | None = None, threads: int = 1,
                    on_each: Any = None) -> Mismatch | None:
     """(path, what) of the first file that is not the sample it stands for: other token ids or loss mask, or states
     made otherwise (`states`). `expected` yields (path, token ids, loss mask or None, what names the sample). Files
     are bound to samples by position; a resume with another tokenizer, transformers, chat template or option that
     changes the sample set would pair them wrongly, and a file copied in from another run's directory would pass its
-    states off as this run's. `threads` > 1 reads ahead on that many threads (the same first mismatch is found);
-    `on_each()` after each file."""
+    states off as this run's. `threads` > 1 may read ahead on that many threads, where reads wait on storage (the
+    same first mismatch is found); `on_each()` after each file."""
     def facts_or_error(path: str) -> Any:
         try:
             return read_facts(path)
         except Exception as exc:  # noqa: BLE001 - an unreadable file is not this sample's either
             return exc
 
+    import time
     expected = list(expected)
+    started = time.monotonic()
+    head = [facts_or_error(e[0]) for e in expected[:PROBE_FILES if threads > 1 else 0]]
+    waits_on_storage = bool(head) and (time.monotonic() - started) / len(head) > THREADS_PAY_FROM_S
+    rest = [e[0] for e in expected[len(head):]]
     pool = None
-    if threads > 1 and len(expected) > 1:
+    if waits_on_storage and len(rest) > 1:
         from concurrent.futures import ThreadPoolExecutor
         pool = ThreadPoolExecutor(threads, thread_name_prefix="eagle-compat-check")
-        read = pool.map(facts_or_error, [e[0] for e in expected])
+        read = pool.map(facts_or_error, rest)
     else:
-        read = map(facts_or_error, (e[0] for e in expected))
+        read = map(facts_or_error, rest)
     try:
-        return _first_mismatch(expected, read, states, on_each)
+        return _first_mismatch(expected, itertools.chain(head, read), states, on_each)
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
