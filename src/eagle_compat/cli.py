@@ -531,9 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--verify-kept", action="store_true",
-                   help="with --resume: open every kept file to check it (8 threads) instead of trusting the files "
-                        "the directory's index says its runs wrote, unchanged since (the default: a restart in "
-                        "seconds)")
+                   help="with --resume: open every kept file to check it (on 8 threads where reads wait on storage) "
+                        "instead of trusting the files the directory's index says its runs wrote, unchanged since "
+                        "(the default: a restart in seconds)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="this machine's share of the batches: every N-th batch, starting at batch I; I counts from 0 "
                         "(0 <= I < N); run each I into the same --out (default 0/1: all)")
