@@ -144,7 +144,8 @@ def render(results: list[dict]) -> str:
 GPU_RESULTS = os.path.join(HERE, "results", "gpu")
 BENCH_RESULTS = os.path.join(os.path.dirname(HERE), "benchmarks", "results")
 # each release's throughput run: benchmarks/throughput.py's JSON from scripts/gpu_throughput.sh
-THROUGHPUT_RUN = re.compile(r"h200-llama8b-256x1024-vllm-(\d+\.\d+\.\d+)(-[\w-]+)?\.json$")
+# (the GPU kind first: h200-... or h100-..., as the run's file is named)
+THROUGHPUT_RUN = re.compile(r"^h[12]00-llama8b-256x1024-vllm-(\d+\.\d+\.\d+)(-[\w-]+)?\.json$")
 
 
 def _release_key(release: str) -> tuple:
@@ -278,7 +279,7 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
     """Each CUDA release's 8B-shaped throughput runs (256 prompts x 1024 tokens): every phase as a ratio to plain
     vLLM prefill in the same run, the only comparison a shared machine, another one each time, allows."""
     runs = []
-    for path in glob.glob(os.path.join(directory, "h200-llama8b-256x1024-vllm-*.json")):
+    for path in glob.glob(os.path.join(directory, "h[12]00-llama8b-256x1024-vllm-*.json")):
         match = THROUGHPUT_RUN.search(os.path.basename(path))
         if match:
             with open(path) as f:
@@ -287,8 +288,8 @@ def gpu_throughput_table(directory: str = BENCH_RESULTS) -> list[str]:
             if shape != (256, 1024, 8):  # the name says what the table promises: a file that lies is refused
                 raise ValueError(f"{path}: prompts, tokens, batch {shape}, not (256, 1024, 8) as its name says")
             runs.append((_release_key(match.group(1)), match.group(1), os.path.basename(path), run))
-    lines = ["", "### Throughput on the H200 (8B-shaped Llama, 256 prompts x 1024 tokens)", "",
-             "From `benchmarks/results/h200-llama8b-256x1024-vllm-*.json` (`scripts/gpu_throughput.sh`, "
+    lines = ["", "### Throughput on the GPU (8B-shaped Llama, 256 prompts x 1024 tokens; the GPU starts the run's name)", "",
+             "From `benchmarks/results/{h200,h100}-llama8b-256x1024-vllm-*.json` (`scripts/gpu_throughput.sh`, "
              "`benchmarks/throughput.py`, dummy weights, 8 prompts per batch): tokens per second of each phase over "
              "plain vLLM prefill in the same run. delivered = the states handed to the caller; written = also "
              "written to local disk and fsynced; native = vLLM's own `extract_hidden_states` writing its files "

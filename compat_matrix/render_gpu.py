@@ -55,8 +55,8 @@ Whether a release can be carried is measured against this machine's package regi
 every manylinux tag from 2_17 to 2_35: the first probe, 2026-12-02, skipped NCCL's and llguidance's tags and wrongly
 reported them not served). Every requirement of 0.21.0-0.33.0 is served; 0.34.0 pins flashinfer-python 0.7.3, which is
 not: its bundle carries 0.7.4, the next patch of that minor, and transformers 5.22.2 for the huggingface_hub>=2 it
-asks (`scripts/gpu_bundle.sh`; built as a delta over 0.33.0's; carried twice, no cell result yet: each attempt's
-note in `results/gpu/attempts/h100-vllm-0.34.0-*` says why). The GPU tables of docs/compatibility.md
+asks (`scripts/gpu_bundle.sh`; built as a delta over 0.33.0's; two carries without a cell result, each attempt's
+note in `results/gpu/attempts/h100-vllm-0.34.0-*` says why; the third ran every cell, `h100-vllm-0.34.0-*`). The GPU tables of docs/compatibility.md
 show each check's verdict per family and release, and each release's status.
 """
 

@@ -94,7 +94,7 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
         "skipped": "ImportError: no extract_hidden_states", "error": "..."}}}
     runs = {"h200-llama8b-256x1024-vllm-0.22.1.json": finished, "h200-llama8b-256x1024-vllm-0.10.0-run2.json": cut_off,
             "h200-llama8b-256x1024-vllm-0.9.0.json": no_plain, "h200-llama8b-256x1024-vllm-0.10.0-b.json": skipped,
-            "h200-llama8b-256x1024-vllm-0.24.0.json": fsynced,
+            "h200-llama8b-256x1024-vllm-0.24.0.json": fsynced, "h100-llama8b-256x1024-vllm-0.24.0.json": finished,
             "h200-llama8b-256x1024-vllm-0.11.0.json": before_phases_asked,
             "h200-llama8b-256x1024-vllm-0.12.0.json": no_plain_no_disk,
             "h200-llama8b-32x8192-vllm-0.22.1.json": finished}  # another shape: not this table's
@@ -112,6 +112,7 @@ def test_the_gpu_throughput_table_gives_each_phase_over_plain_of_the_same_run(ma
                     "| 0.12.0 | `h200-llama8b-256x1024-vllm-0.12.0.json` | error: Exception: no LLM | not run | not run | "
                     "43,690 tok/s (no plain) | 32,768 tok/s (no plain) | error: OSError: [Errno 28] No space left on device |",
                     "| 0.22.1 | `h200-llama8b-256x1024-vllm-0.22.1.json` | 40,000 | 0.97 | 0.75 | 0.40 | not timed | not run |",
+                    "| 0.24.0 | `h100-llama8b-256x1024-vllm-0.24.0.json` | 40,000 | 0.97 | 0.75 | 0.40 | not timed | not run |",
                     "| 0.24.0 | `h200-llama8b-256x1024-vllm-0.24.0.json` | 40,000 | 0.97 | 0.75 | 1.09 | 0.82 | 0.90 |"]
     (tmp_path / "h200-llama8b-256x1024-vllm-0.23.0.json").write_text(json.dumps({**finished, "batch": 2}))
     with pytest.raises(ValueError, match="0.23.0.json: prompts, tokens, batch"):
