@@ -157,3 +157,38 @@ print("EQUAL", len(pairs), all(torch.equal(a, b) for a, b in pairs))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "EQUAL 4 True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.engine
+@ON_0_32
+def test_check_preflight_prints_why_vllm_cannot_plan_a_models_kv_cache(monkeypatch, capsys):
+    # The combination no engine plans: local layers whose KV heads differ from the global layers' (Gemma-3n-style),
+    # where vLLM's hybrid KV-cache manager is off (a KV connector, chunked local attention). The driver's KV planning
+    # is fed that spec mix on a real tiny Gemma 3; the preflight must print the refusal's words, not vLLM's bare
+    # AssertionError.
+    import dataclasses
+
+    import vllm
+
+    from eagle_compat import cli, engine
+
+    real_rpc_all = engine.rpc_all
+
+    def specs_of_another_head_size(executor, method, *args, **kwargs):
+        replies = real_rpc_all(executor, method, *args, **kwargs)
+        if method != "get_kv_cache_spec":
+            return replies
+        return [{name: dataclasses.replace(spec, head_size=spec.head_size * 2)
+                 if getattr(spec, "sliding_window", None) else spec for name, spec in reply.items()}
+                for reply in replies]
+
+    monkeypatch.setattr(engine, "rpc_all", specs_of_another_head_size)
+    monkeypatch.setattr(engine, "hybrid_kv_cache_manager_on", lambda config: False)
+    code = cli.main(["check", "--model", tiny_models.build_tiny_model("gemma3"), "--preflight"])
+    out = capsys.readouterr().out
+    assert code == 1 and "FAILED" in out, out[-3000:]
+    error = next(line for line in out.splitlines() if line.startswith("  error: "))
+    assert error.startswith("  error: UnsupportedModel: Gemma3ForCausalLM on vLLM " + vllm.__version__), error
+    assert "SlidingWindowSpec" in error and "FullAttentionSpec" in error, error  # which layers
+    assert "vLLM: AssertionError" in error or "vLLM: ValueError" in error, error  # vLLM's own words, after ours
+    assert "--preflight" in error and "docs/compatibility.md" in error, error  # the way on

@@ -370,10 +370,10 @@ def kv_groups_refused(exc: BaseException, vllm_config: Any, kv_cache_spec: dict[
     kinds: dict[str, list[str]] = {}
     for name, s in kv_cache_spec.items():
         kinds.setdefault(type(s).__name__, []).append(name)
-    first = next(iter(kv_cache_spec.values()), None)
-    differ = sorted({f.name for s in kv_cache_spec.values() if dataclasses.is_dataclass(s) and first is not None
-                     and type(s) is type(first) for f in dataclasses.fields(s)
-                     if f.init and getattr(s, f.name) != getattr(first, f.name)})
+    # the fields every layer's spec has, whose values differ between layers (head_size for Gemma-3n-style layers)
+    specs = [s for s in kv_cache_spec.values() if dataclasses.is_dataclass(s)]
+    common = set.intersection(*({f.name for f in dataclasses.fields(s) if f.init} for s in specs)) if specs else set()
+    differ = sorted(name for name in common if len({repr(getattr(s, name)) for s in specs}) > 1)
     archs = ",".join(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or ["the model"])
     return UnsupportedModel(
         f"{archs} on vLLM {vllm.__version__}: vLLM's KV-cache planning refused this model's layers as the "
@@ -403,6 +403,7 @@ def plan_kv_cache_groups(vllm_config: Any, kv_cache_spec: dict[str, Any]) -> lis
     There vLLM's own `get_kv_cache_groups` plans them (local layers in their own groups); elsewhere, and for models
     whose layers are all of one kind, speculators' plan stands."""
     kcu = detect.kv_planning_module()
+    as_the_model_made_them = dict(kv_cache_spec)  # for the refusal: the unification below replaces local layers' specs
     try:
         if hybrid_kv_cache_manager_on(vllm_config) and not kv_planning_function("is_kv_cache_spec_uniform")(
                 kv_cache_spec):
@@ -412,7 +413,7 @@ def plan_kv_cache_groups(vllm_config: Any, kv_cache_spec: dict[str, Any]) -> lis
     except (AssertionError, ValueError, NotImplementedError) as exc:
         if not raised_by_kv_planning(exc):  # an unmet precondition (e.g. an unpublished KV layout) is a bug of ours,
             raise                           # never to be read as a limit of the model
-        raise kv_groups_refused(exc, vllm_config, kv_cache_spec) from exc
+        raise kv_groups_refused(exc, vllm_config, as_the_model_made_them) from exc
 
 
 # where vLLM decides whether layers' KV specs can be planned (spec merge, unify, grouping)
