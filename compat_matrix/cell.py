@@ -183,6 +183,8 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     out["env"], unread = recorded_env()
     if unread:
         out["env_unread"] = unread
+    if allowed := os.environ.get("EAGLE_COMPAT_ALLOW_UNVERIFIED"):  # a family the resolver refuses by default
+        out["allowed_unverified"] = allowed
     from eagle_compat.quantized_models import QUANTIZED
     if family in QUANTIZED:  # quantized checkpoints run in the dtype they ship in (bf16), as users run them
         dtype = "auto"

