@@ -555,12 +555,16 @@ def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(
         data.samples[2] = inputs.Sample(s.index, list(s.input_ids[1:]) + [s.input_ids[0]], s.loss_mask, s.line)
         return data
     monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
+    import transformers  # another release: the input kept tokenized in --out does not stand for its reading
+    real_version = transformers.__version__
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
     before = {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"}
     with pytest.raises(writer.OutputDirectoryConflict, match=r"data_2\.pt is not the sample it stands for: input "
                                                              r"line 3: the file holds"):
         job.run(_opts(model, dataset, out, resume=True))
     assert {k: v for k, v in _snapshot(out).items() if k != ".eagle-compat.lock"} == before
     monkeypatch.setattr(inputs, "read_dataset", real)  # (not undo(): that would put the real engine back too)
+    monkeypatch.setattr(transformers, "__version__", real_version)
     job.run(_opts(model, dataset, out, resume=True))  # the same environment completes it
 
 
@@ -1257,6 +1261,8 @@ def test_the_record_describes_the_set_the_completing_run_read(model, tmp_path, f
         def uncovered(*args, **kwargs):
             raise inputs.UncoveredConversation("assistant message 1 is not in the chat-templated text")
         m.setattr(inputs, "tokenize_conversation", uncovered)
+        import transformers  # that older release: its tokenized input kept in --out is not this one's
+        m.setattr(transformers, "__version__", "4.0.0")
         job.run(_opts(model, data, out, skip_uncovered=True, batch_size=1, shard=(0, 3)))
     first = json.load(open(out / "manifest.json"))
     assert first["num_samples"] == 2 and len(first["skipped_uncovered"]) == 1

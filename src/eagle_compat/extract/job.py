@@ -18,7 +18,7 @@ from .. import detect, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
-from . import formats, inputs, layers, local_runner, pipeline, report, stages, writer
+from . import formats, inputs, layers, local_runner, pipeline, report, spool, stages, writer
 
 FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -321,6 +321,8 @@ class RunPlan:
     placed: list[formats.Placed]  # the set's samples with their places (index; row: rank in input order)
     mine: list[list[formats.Placed]]  # this shard's batches, fixed by position
     left_out_lines: dict[int, int]  # samples the input has but the set leaves out: index -> input line
+    spool_key: dict  # what made this read of the input (spool.key): a spool in --out with this key stands for it
+    from_spool: bool  # the input was read back from --out's spool, not tokenized again
 
     @property
     def out(self) -> str:
@@ -362,7 +364,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    data = _read_input(opts, max_len, vocab_size)
+    data, spool_key, from_spool = _read_input(opts, max_len, vocab_size, settings)
     placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same arrays: no copy
               for row, s in enumerate(data.samples)]
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
@@ -371,7 +373,8 @@ def plan(opts: ExtractOptions) -> RunPlan:
     batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed,
-                       [b for k, b in enumerate(batches) if k % shard_n == shard_i], left_out_lines)
+                       [b for k, b in enumerate(batches) if k % shard_n == shard_i], left_out_lines, spool_key,
+                       from_spool)
     the_plan.refuse_without_resume()
     return the_plan
 
@@ -397,9 +400,11 @@ def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
     return layer_ids
 
 
-def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int) -> inputs.Dataset:
+def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
+                settings: dict) -> tuple[inputs.Dataset, dict, bool]:
     """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none), with its stage
-    lines and notes."""
+    lines and notes; or read back from the spool an earlier run of this set left in --out, where everything that
+    made it is unchanged (spool.py). Returns (data, the spool's key for this read, whether it came from the spool)."""
     tokenizer_error = ""
     reading_started = time.monotonic()
     from transformers import AutoTokenizer
@@ -407,11 +412,20 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int) -> inputs.D
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
         tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
-    with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
-        data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
-                                   skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                                   min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
-                                   on_line=lines_read.add)
+    spool_key = spool.key(settings["data_sha256"], settings["model_checksums"], {
+        "max_len": max_len, "vocab_size": vocab_size, "skip_uncovered": opts.skip_uncovered,
+        "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens, "tokenizer_loaded": tokenizer is not None})
+    data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
+    from_spool = data is not None
+    if from_spool:
+        stages.say(f"input read back from {spool.SPOOL_FILE} in --out (tokenized by an earlier run of this set, "
+                   "from the same input, tokenizer and options)")
+    else:
+        with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
+            data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
+                                       skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
+                                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
+                                       on_line=lines_read.add)
     left_out = [*data.skipped, *data.few_loss_tokens]
     stages.say(f"input read: {stages.plural(len(data.samples), 'sample')}, "
                f"{stages.plural(sum(len(s.input_ids) for s in data.samples), 'token')}"
@@ -419,7 +433,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int) -> inputs.D
                + f" ({time.monotonic() - reading_started:.1f} s)")
     for note in inputs.describe_notes(data.notes):
         print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
-    return data
+    return data, spool_key, from_spool
 
 
 def _make_out(opts: ExtractOptions) -> None:
@@ -504,7 +518,19 @@ def claim(p: RunPlan) -> Claim:
     manifest["status"] = "running"
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
+    if not p.from_spool:
+        _keep_spool(p)
     return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
+
+
+def _keep_spool(p: RunPlan) -> None:
+    """The tokenized input into --out, for a --resume or another --shard of this set to read back. A spool that
+    cannot be written costs the next run its tokenizing, nothing else: said, never fatal."""
+    try:
+        spool.save(p.out, p.spool_key, p.data)
+    except OSError as exc:
+        print(f"extract: NOTE: the tokenized input could not be kept in --out ({exc.strerror or exc}); a --resume "
+              "will tokenize the input again", file=sys.stderr, flush=True)
 
 
 def _states_expected(p: RunPlan, record: dict | None, kept_files: list[str]) -> writer.StatesExpected:

@@ -499,6 +499,7 @@ def _first_mismatch(expected: list, read: Any, states: StatesExpected | None, on
 # file whose line still matches it instead of opening it (1.5-3 ms a file: most of a million-file restart). A line
 # cut short by a killed writer is skipped: its file is read instead. Anything but a match is read as before.
 INDEX_FILE = ".eagle-compat-index.jsonl"
+SPOOL_FILE = ".eagle-compat-input.bin"  # the tokenized input (spool.py)
 
 
 def tokens_digest(ids: Any, mask: Any) -> str:
@@ -613,7 +614,7 @@ def refuse_foreign_folder(out_dir: str) -> None:
     if not os.path.isdir(out_dir) or os.path.exists(os.path.join(out_dir, MANIFEST)):
         return
     others = sorted(n for n in os.listdir(out_dir)
-                    if n not in (LOCK_FILE, WRITERS_LOCK, INDEX_FILE) and not TEMP_FILE.search(n))
+                    if n not in (LOCK_FILE, WRITERS_LOCK, INDEX_FILE, SPOOL_FILE) and not TEMP_FILE.search(n))
     if others and not sample_files(out_dir):  # sample files without a record: check_directory says more
         names = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise OutputDirectoryConflict(

@@ -1,0 +1,110 @@
+"""The tokenized input kept in --out (extract/spool.py): a --resume, or another --shard of the set, reads it back
+instead of tokenizing the input again, only where the input's bytes, the tokenizer's files, the releases and the
+reading options are those that made it; anything else (a changed folder, a cut or foreign file) is read as no spool."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from eagle_compat.extract import inputs, job, spool, writer
+
+from helpers import extract_options, write_dataset
+
+N = 24
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    # conversations and pre-tokenized lines; --min-loss-tokens 8 leaves some out (listed with their cuts)
+    return write_dataset(tmp_path / "data.jsonl", N, 10, 40, seed=13, conversations_every=3)
+
+
+def _opts(model, data, out, **kw):
+    kw.setdefault("min_loss_tokens", 8)
+    kw.setdefault("max_len", 32)
+    return extract_options(model, data, out, **kw)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """How many times the input was read and tokenized."""
+    calls: list[str] = []
+    real = inputs.read_dataset
+
+    def counting(path, *args, **kwargs):
+        calls.append(path)
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(inputs, "read_dataset", counting)
+    return calls
+
+
+def _files(out) -> dict[str, bytes]:
+    return {f: (out / f).read_bytes() for f in sorted(os.listdir(out)) if f.startswith("data_") and f.endswith(".pt")}
+
+
+def test_the_spool_holds_exactly_what_the_read_returned(tiny_llama, dataset, tmp_path):
+    from transformers import AutoTokenizer
+    data = inputs.read_dataset(dataset, AutoTokenizer.from_pretrained(tiny_llama), 32, min_loss_tokens=8)
+    assert data.few_loss_tokens and any(s.cut.tokens for s in data.samples)  # the case is there to be kept
+    key = spool.key(writer.file_sha256(dataset), writer.model_checksums(tiny_llama), {"max_len": 32})
+    spool.save(str(tmp_path), key, data)
+    back = spool.load(str(tmp_path), key)
+    assert back == data  # samples (index, ids, mask, line, cut), left-out lines with their cuts, notes
+    assert [type(s.input_ids) for s in back.samples[:1]] == [type(data.samples[0].input_ids)]
+
+
+def test_a_spool_made_otherwise_or_cut_short_is_no_spool(tiny_llama, dataset, tmp_path):
+    from transformers import AutoTokenizer
+    data = inputs.read_dataset(dataset, AutoTokenizer.from_pretrained(tiny_llama), 32)
+    key = spool.key(writer.file_sha256(dataset), writer.model_checksums(tiny_llama), {"max_len": 32})
+    path = spool.save(str(tmp_path), key, data)
+    assert spool.load(str(tmp_path), {**key, "reading": {"max_len": 33}}) is None
+    assert spool.load(str(tmp_path), {**key, "data_sha256": "0" * 64}) is None
+    whole = open(path, "rb").read()
+    for broken in (whole[:-1], whole + b"\0", b"not a spool", whole[:20]):
+        with open(path, "wb") as f:
+            f.write(broken)
+        assert spool.load(str(tmp_path), key) is None, len(broken)
+    assert spool.load(str(tmp_path), {**key, "model_checksums": {}}) is None
+
+
+def test_a_resume_reads_the_input_back_and_writes_the_same_files(tiny_llama, dataset, tmp_path, fake_engine,
+                                                                 tokenized, capsys):
+    full, out = tmp_path / "full", tmp_path / "out"
+    job.run(_opts(tiny_llama, dataset, full))
+    job.run(_opts(tiny_llama, dataset, out))
+    assert (out / writer.SPOOL_FILE).exists() and len(tokenized) == 2
+    for name in list(_files(out))[::3]:  # a killed run's set: some files missing
+        os.unlink(out / name)
+    capsys.readouterr()
+    summary = job.run(_opts(tiny_llama, dataset, out, resume=True))
+    assert len(tokenized) == 2, "the resume tokenized the input again"
+    assert "input read back from .eagle-compat-input.bin" in capsys.readouterr().err
+    assert summary["complete"] and _files(out) == _files(full)
+    record = json.loads((out / writer.MANIFEST).read_text())
+    assert record["left_out_few_loss_tokens"] == json.loads((full / writer.MANIFEST).read_text())[
+        "left_out_few_loss_tokens"]
+
+
+def test_another_transformers_release_tokenizes_again(tiny_llama, dataset, tmp_path, fake_engine, tokenized,
+                                                     monkeypatch):
+    import transformers
+    out = tmp_path / "out"
+    job.run(_opts(tiny_llama, dataset, out, shard=(0, 2)))
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")  # its tokenizers may cut the text otherwise
+    job.run(_opts(tiny_llama, dataset, out, shard=(1, 2)))
+    assert len(tokenized) == 2
+    job.run(_opts(tiny_llama, dataset, out, resume=True))  # the second run kept its own reading
+    assert len(tokenized) == 2
+
+
+def test_a_spool_that_cannot_be_written_costs_only_the_next_read(tiny_llama, dataset, tmp_path, fake_engine,
+                                                                 monkeypatch, capsys):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(spool, "save", full_disk)
+    summary = job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
+    assert summary["complete"]
+    assert "the tokenized input could not be kept in --out (No space left on device)" in capsys.readouterr().err
