@@ -280,7 +280,7 @@ def _fake_engine_actor():
 def _files(d):
     """Sample files and the Arrow data, not the records (their times and paths differ from run to run)."""
     skip = {"manifest.json", "data_config.json", "state.json", "dataset_info.json", writer.LOCK_FILE,
-            writer.WRITERS_LOCK, writer.INDEX_FILE}
+            writer.WRITERS_LOCK, writer.INDEX_FILE, writer.SPOOL_FILE}
     return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name not in skip
                   and not p.name.endswith(".arrow"))
 

@@ -135,7 +135,8 @@ def refuse_strays(fmt: _Layout, out: str, placed: list, finishes: str,
     """A sample file that stands for no sample of the set (copied in from a larger set, another format's, or of a
     sample the input now leaves out) would be trained on or mistaken for part of it. `placed`: (index, row, ...);
     `left_out`: index -> input line of the samples the set leaves out."""
-    expected = {os.path.relpath(fmt.path(out, index, row), out) for index, row, *_ in placed}
+    prefix = os.path.join(out, "")  # each path is out + its name in the set: no relpath per sample (a million)
+    expected = {fmt.path(out, index, row)[len(prefix):] for index, row, *_ in placed}
     strays = [name for name in writer.sample_files(out) if name != "state.json" and name not in expected]
     if not strays:
         return

@@ -142,7 +142,7 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dic
     position, so any layout writes the same files (tested), and shards may finish in any order. Large weight files
     are hashed the way the directory's record says, where it has one."""
     try:
-        earlier = (writer.read_manifest(opts.out) if writer.sample_files(opts.out) else None) or {}
+        earlier = (writer.read_manifest(opts.out) if writer.any_sample_file(opts.out) else None) or {}
     except InvalidInput:  # a record that cannot be read is refused, with its reason, by check_directory
         earlier = {}
     recorded = (earlier.get("settings") or {}).get("model_checksums")
@@ -332,6 +332,8 @@ class RunPlan:
         return self.fmt.path(self.opts.out, s.index, s.row)
 
     def refuse_without_resume(self) -> None:
+        if self.opts.resume:
+            return
         present = [os.path.basename(self.path_of(s)) for b in self.mine for s in b if os.path.exists(self.path_of(s))]
         if present and not self.opts.resume:
             raise writer.OutputDirectoryConflict(

@@ -397,7 +397,7 @@ class _Pool:
         self.described = False
         self.driver_versions = states_versions()
         # the directory's engine precision: its files' (the record's), else the first actor's to reply
-        self.expected_dtype = manifest.get("engine_dtype") if writer.sample_files(opts.out) else None
+        self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(opts.out) else None
 
     def send(self, rank: int, item: _Item) -> None:
         self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)

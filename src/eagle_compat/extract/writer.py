@@ -108,7 +108,7 @@ def check_engine_dtype(out_dir: str, recorded: str | None, engine_dtype: str | N
     """One directory, one engine precision: `--dtype auto` resolves per machine (bfloat16 on Ampere or newer GPUs and
     on CPU, float16 on older GPUs), so a resume, a shard or a Ray actor elsewhere could add files of another dtype
     under a record that names one. Refused before anything of it is written, where files are already there."""
-    if not recorded or not engine_dtype or engine_dtype == recorded or not sample_files(out_dir):
+    if not recorded or not engine_dtype or engine_dtype == recorded or not any_sample_file(out_dir):
         return
     raise OutputDirectoryConflict(two_precisions(f"{where}'s engine", engine_dtype, requested, recorded, out_dir))
 
@@ -580,6 +580,19 @@ def trusted_by_index(entries: dict[int, dict], out_dir: str, index: int, path: s
         entry.get("d") == tokens_digest(ids, mask)
 
 
+def any_sample_file(out_dir: str) -> bool:
+    """Whether `sample_files` would find any, without listing them all (a set of a million files is seconds of
+    listing, and a run asked several times)."""
+    if not os.path.isdir(out_dir):
+        return False
+    for folder in (out_dir, os.path.join(out_dir, "hidden_states")):
+        if os.path.isdir(folder):
+            with os.scandir(folder) as entries:
+                if any(SAMPLE_FILE.match(e.name) for e in entries):
+                    return True
+    return os.path.exists(os.path.join(out_dir, "state.json"))
+
+
 def sample_files(out_dir: str) -> list[str]:
     """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
     if not os.path.isdir(out_dir):
@@ -615,7 +628,7 @@ def refuse_foreign_folder(out_dir: str) -> None:
         return
     others = sorted(n for n in os.listdir(out_dir)
                     if n not in (LOCK_FILE, WRITERS_LOCK, INDEX_FILE, SPOOL_FILE) and not TEMP_FILE.search(n))
-    if others and not sample_files(out_dir):  # sample files without a record: check_directory says more
+    if others and not any_sample_file(out_dir):  # sample files without a record: check_directory says more
         names = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise OutputDirectoryConflict(
             f"--out {out_dir} is not empty and holds no record of an extraction ({MANIFEST}): {len(others)} "
@@ -640,7 +653,7 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
         refuse_foreign_folder(out_dir)
         return None
     diffs = settings_differences(record["settings"], settings)
-    no_files = not sample_files(out_dir)
+    no_files = not any_sample_file(out_dir)
     # its runs wrote nothing and each of them ended (one refused at start-up, say): nothing there to mix with. A run
     # still marked running may be alive where the lock cannot see it (a file system whose locks are per machine).
     if diffs and no_files and record.get("status") != "running" and \
