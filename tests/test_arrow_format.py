@@ -12,6 +12,7 @@ import torch
 
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.extract import arrow, convert, job, writer
+from eagle_compat import options as options_mod
 from eagle_compat.extract import layers as layers_mod
 
 from test_extract_integrity import THINK_TEMPLATE, _opts, _with_template, _write_lines
@@ -190,6 +191,7 @@ def test_convert_refuses_files_without_the_final_layer_and_puts_layers_in_ascend
     order: without the final pre-norm state they are refused, otherwise their slots are put in ascending order."""
     with monkeypatch.context() as m:
         m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an extract of an earlier release
+        m.setattr(options_mod, "check_training_layers", lambda *a: None)
         job.run(_opts(model, dataset, tmp_path / "no_last", layers=[0, 2], skip_uncovered=True))
         job.run(_opts(model, dataset, tmp_path / "last_first", layers=[5, 0, 2], skip_uncovered=True))
         job.run(_opts(model, dataset, tmp_path / "aux_swapped", layers=[2, 0, 5], skip_uncovered=True))
@@ -400,6 +402,7 @@ def test_convert_resume_refuses_an_earlier_releases_conversion_in_another_slot_o
     """An earlier release converted `--layers 2,0,5` keeping that order; resuming it now would add ascending files."""
     with monkeypatch.context() as m:
         m.setattr(layers_mod, "check_training_layers", lambda *a: None)
+        m.setattr(options_mod, "check_training_layers", lambda *a: None)
         job.run(_opts(model, dataset, tmp_path / "pt", layers=[2, 0, 5], skip_uncovered=True))
     dst = tmp_path / "dst"
     convert.convert(str(tmp_path / "pt"), str(dst))

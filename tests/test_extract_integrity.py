@@ -946,10 +946,12 @@ def test_a_record_of_a_run_still_marked_running_does_not_give_way(model, dataset
 
 def test_resuming_an_earlier_releases_run_with_layers_now_refused_says_to_start_anew(model, dataset, tmp_path,
                                                                                     fake_engine, monkeypatch):
+    from eagle_compat import options as options_mod
     from eagle_compat.extract import layers as layers_mod
     out = tmp_path / "out"
     with monkeypatch.context() as m:
         m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an earlier release's run, cut short
+        m.setattr(options_mod, "check_training_layers", lambda *a: None)
         job.run(_opts(model, dataset, out, layers=[0, 1], shard=(0, 2)))
     with pytest.raises(InvalidInput, match=r"the last layer must be .* was made with these layers by an earlier "
                                            r"release, which did not check them: .* Start a new --out"):

@@ -69,3 +69,16 @@ def test_a_claim_takes_the_batches_without_files_and_records_this_run(tiny_llama
     on_disk = json.loads((out / writer.MANIFEST).read_text())  # written before any sample is
     assert on_disk["status"] == "running" and on_disk["runs"][-1]["batches_to_do"] == 3
     assert not claim.was_complete and claim.states.stamp == writer.states_stamp(plan.settings)
+
+
+def test_layers_checked_by_the_job_are_not_checked_again_by_the_generator(tiny_llama, dataset, tmp_path, monkeypatch):
+    # --layers is checked once in the driver (options.py): the plan's ids say so, and the generator takes them as
+    # they are; a plain list (the generator's own API) is checked as before
+    from eagle_compat import options
+    plan = job.plan(_opts(tiny_llama, dataset, tmp_path / "out"))
+    assert options.checked_for(plan.layer_ids, plan.num_layers) and plan.layer_ids == [0, 5]
+    assert not options.checked_for(plan.layer_ids, plan.num_layers + 1) and not options.checked_for([0, 5], 6)
+    assert json.loads(json.dumps(plan.settings))["layer_ids"] == [0, 5]  # recorded as a plain list
+    import pickle
+    again = pickle.loads(pickle.dumps(plan.layer_ids))  # as the Ray actors receive it
+    assert options.checked_for(again, plan.num_layers) and again == [0, 5]

@@ -139,9 +139,11 @@ def test_report_names_files_that_would_train_a_drafter_wrongly(model, chats, tmp
     """Directories written before extract checked the layers, and conversions of speculators 0.3.0's own output that
     read its data_config.json's order: `report` says so and exits 1."""
     from eagle_compat import cli
+    from eagle_compat import options as options_mod
     from eagle_compat.extract import layers as layers_mod
     with monkeypatch.context() as m:
         m.setattr(layers_mod, "check_training_layers", lambda *a: None)  # an earlier release
+        m.setattr(options_mod, "check_training_layers", lambda *a: None)
         job.run(_opts(model, chats, tmp_path / "old", layers=[2, 0, 5], max_len=MAX_LEN))
     assert cli.main(["report", str(tmp_path / "old")]) == 1
     assert re.search(r"PROBLEM: its layers: layers \[2, 0, 5\] .* not in ascending order: .* \(written by an earlier "

@@ -19,7 +19,7 @@ from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worke
 from .capture.handover import HostRing, sample_block_bytes, tensors_from_lease
 from .errors import InvalidInput, WorkerError
 from .options import (ENGINE_DTYPES, check_batch_options, check_engine_options,  # noqa: F401 - this module's API
-                      check_generator_options, default_layer_ids, validate_layer_ids)
+                      check_generator_options, checked_for, default_layer_ids, validate_layer_ids)
 
 log = logging.getLogger("eagle_compat.generator")
 
@@ -209,6 +209,7 @@ class VllmHiddenStatesGenerator:
             raise InvalidInput(f"model {model_path!r}: its config says vocab_size={text_config.vocab_size!r}; "
                                "a positive vocabulary size is needed to check token ids")
         self.layer_ids = (default_layer_ids(self.num_layers) if layer_ids is None
+                          else list(layer_ids) if checked_for(layer_ids, self.num_layers)  # by the extract job
                           else validate_layer_ids(layer_ids, self.num_layers))
         from transformers import AutoTokenizer
         try:

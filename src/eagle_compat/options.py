@@ -9,9 +9,24 @@ from . import settings
 from .errors import InvalidInput
 
 
+class CheckedLayerIds(list):
+    """Layer ids already checked against a model of `num_layers` layers (`validate_layer_ids`, `default_layer_ids`):
+    the stable generator takes them as they are, so one list is checked once in a process (the extract job checks
+    --layers, then hands them to the generator)."""
+
+    def __init__(self, ids: Sequence[int], num_layers: int) -> None:
+        super().__init__(ids)
+        self.num_layers = num_layers
+
+
+def checked_for(layer_ids: Any, num_layers: int) -> bool:
+    return isinstance(layer_ids, CheckedLayerIds) and layer_ids.num_layers == num_layers
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """speculators 0.3.0's default [2, N//2, N-3, N-1], each layer once, in ascending order."""
-    return sorted({i for i in (2, num_layers // 2, num_layers - 3, num_layers - 1) if 0 <= i < num_layers})
+    return CheckedLayerIds(sorted({i for i in (2, num_layers // 2, num_layers - 3, num_layers - 1)
+                                   if 0 <= i < num_layers}), num_layers)
 
 
 def validate_layer_ids(layer_ids: Sequence[Any], num_layers: int) -> list[int]:
@@ -27,7 +42,35 @@ def validate_layer_ids(layer_ids: Sequence[Any], num_layers: int) -> list[int]:
     dups = sorted({i for i in out if out.count(i) > 1})
     if dups:
         raise InvalidInput(f"layer ids {dups} repeated in {list(layer_ids)}; give each layer once")
-    return out
+    return CheckedLayerIds(out, num_layers)
+
+
+def to_entering(leaving: list[int]) -> list[int]:
+    """speculators 0.3.0's layer ids (leaving layer k) in vLLM's native convention (entering layer k+1)."""
+    return [int(k) + 1 for k in leaving]
+
+
+def check_training_layers(layer_ids: list[int], num_layers: int, what: str) -> None:
+    """The layers of training files, in every format (speculators' trainers read slots by position):
+    * ascending: the trainers concatenate the auxiliary slots in file order, and vLLM hands a drafter its auxiliary
+      states in model order at inference (`SupportsEagle3._set_aux_hidden_state_layers` sorts them), so another order
+      trains the drafter on permuted features, with no error anywhere;
+    * the last slot the final pre-norm state (leaving N-1): speculators 0.3.0's `standardize_data_v1` and 0.8-0.9's
+      Arrow reader train on the last slot as the verifier's last hidden state."""
+    want = sorted({*layer_ids, num_layers - 1})
+    entering = f"(entering, vLLM's native 'entering' convention: {to_entering(layer_ids)})"
+    if list(layer_ids) != sorted(layer_ids):
+        raise InvalidInput(
+            f"{what}: layers {list(layer_ids)} {entering} are not in ascending order: speculators' trainers read the "
+            "auxiliary slots in file order and vLLM feeds a drafter its auxiliary states in model order at "
+            f"inference, so the drafter would learn permuted features. Give them ascending, e.g. --layers "
+            f"{','.join(map(str, want))}")
+    if layer_ids[-1] != num_layers - 1:
+        raise InvalidInput(
+            f"{what}: the last layer must be the final pre-norm state, layer {num_layers - 1} in --layers' "
+            f"convention (leaving layer k; = id {num_layers} in vLLM's native 'entering' convention): speculators' "
+            f"trainers (0.3.0's data_{{i}} files, 0.8-0.9's Arrow layout) train on the last slot as the verifier's "
+            f"last hidden state. Got layers {list(layer_ids)} {entering}; e.g. --layers {','.join(map(str, want))}")
 
 
 ENGINE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelConfig.dtype strings

@@ -387,7 +387,7 @@ def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
     layer_ids = (options.default_layer_ids(num_layers) if opts.layers is None
                  else options.validate_layer_ids(opts.layers, num_layers))
     try:
-        layers.check_training_layers(layer_ids, num_layers, "--layers")
+        options.check_training_layers(layer_ids, num_layers, "--layers")
     except InvalidInput as exc:
         try:
             earlier = (writer.read_manifest(opts.out) if os.path.isdir(opts.out) else None) or {}

@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidInput
-
-def to_entering(leaving: list[int]) -> list[int]:
-    return [int(k) + 1 for k in leaving]
+# checked where the job checks its other options (options.py, a leaf); convert and report take them from here
+from ..options import check_training_layers, to_entering  # noqa: F401
 
 
 def record(layer_ids: list[int], num_layers: int) -> dict[str, Any]:
@@ -41,29 +40,6 @@ def record(layer_ids: list[int], num_layers: int) -> dict[str, Any]:
             "not defined: the last slot is not the final pre-norm state (leaving N-1), so these files have no "
             "verifier-last slot in the layout speculators' trainers read"),
     }
-
-
-def check_training_layers(layer_ids: list[int], num_layers: int, what: str) -> None:
-    """The layers of training files, in every format (speculators' trainers read slots by position):
-    * ascending: the trainers concatenate the auxiliary slots in file order, and vLLM hands a drafter its auxiliary
-      states in model order at inference (`SupportsEagle3._set_aux_hidden_state_layers` sorts them), so another order
-      trains the drafter on permuted features, with no error anywhere;
-    * the last slot the final pre-norm state (leaving N-1): speculators 0.3.0's `standardize_data_v1` and 0.8-0.9's
-      Arrow reader train on the last slot as the verifier's last hidden state."""
-    want = sorted({*layer_ids, num_layers - 1})
-    entering = f"(entering, vLLM's native 'entering' convention: {to_entering(layer_ids)})"
-    if list(layer_ids) != sorted(layer_ids):
-        raise InvalidInput(
-            f"{what}: layers {list(layer_ids)} {entering} are not in ascending order: speculators' trainers read the "
-            "auxiliary slots in file order and vLLM feeds a drafter its auxiliary states in model order at "
-            f"inference, so the drafter would learn permuted features. Give them ascending, e.g. --layers "
-            f"{','.join(map(str, want))}")
-    if layer_ids[-1] != num_layers - 1:
-        raise InvalidInput(
-            f"{what}: the last layer must be the final pre-norm state, layer {num_layers - 1} in --layers' "
-            f"convention (leaving layer k; = id {num_layers} in vLLM's native 'entering' convention): speculators' "
-            f"trainers (0.3.0's data_{{i}} files, 0.8-0.9's Arrow layout) train on the last slot as the verifier's "
-            f"last hidden state. Got layers {list(layer_ids)} {entering}; e.g. --layers {','.join(map(str, want))}")
 
 
 def problems_of(record: dict) -> list[str]:
