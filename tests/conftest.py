@@ -9,6 +9,21 @@ import pytest  # noqa: E402
 from eagle_compat import tiny_models  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def every_record_written_is_declared(monkeypatch):
+    """Each manifest.json a test's run writes holds only keys extract/record.py declares, of their declared types
+    (the record's schema, checked wherever the suite writes one: local and Ray runs, shards, resumes, conversions)."""
+    from eagle_compat.extract import record, writer
+    real = writer.atomic_write_json
+
+    def checked(path, obj):
+        if os.path.basename(path) == writer.MANIFEST and isinstance(obj, dict):
+            wrong = record.problems(obj)
+            assert not wrong, "\n".join(wrong)
+        return real(path, obj)
+    monkeypatch.setattr(writer, "atomic_write_json", checked)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_models.build_tiny_model("llama")

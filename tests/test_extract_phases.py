@@ -82,3 +82,19 @@ def test_layers_checked_by_the_job_are_not_checked_again_by_the_generator(tiny_l
     import pickle
     again = pickle.loads(pickle.dumps(plan.layer_ids))  # as the Ray actors receive it
     assert options.checked_for(again, plan.num_layers) and again == [0, 5]
+
+
+def test_the_record_is_typed_and_its_checker_names_what_it_does_not_declare(tiny_llama, dataset, tmp_path,
+                                                                             fake_engine):
+    # every record a test writes is checked against extract/record.py (tests/conftest.py); the checker itself:
+    from eagle_compat.extract import record
+    out = tmp_path / "out"
+    job.run(_opts(tiny_llama, dataset, out))
+    written = json.loads((out / writer.MANIFEST).read_text())
+    assert record.problems(written) == [] and written["runs"] and written["status"] == "complete"
+    assert record.problems({**written, "num_sample": 3}) == [
+        "manifest: 'num_sample' is not declared in extract/record.py:Manifest"]
+    assert record.problems({**written, "num_samples": "24"}) == [
+        "manifest: 'num_samples' is str, declared <class 'int'>"]
+    assert record.problems({**written, "runs": [{**written["runs"][0], "pid": True}]}) == [
+        "manifest.runs[0]: 'pid' is bool, declared <class 'int'>"]

@@ -46,28 +46,64 @@ def _files(out) -> dict[str, bytes]:
 
 def test_the_spool_holds_exactly_what_the_read_returned(tiny_llama, dataset, tmp_path):
     from transformers import AutoTokenizer
-    data = inputs.read_dataset(dataset, AutoTokenizer.from_pretrained(tiny_llama), 32, min_loss_tokens=8)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    data = inputs.read_dataset(dataset, tokenizer, 32, min_loss_tokens=8)
     assert data.few_loss_tokens and any(s.cut.tokens for s in data.samples)  # the case is there to be kept
-    key = spool.key(writer.file_sha256(dataset), writer.model_checksums(tiny_llama), {"max_len": 32})
+    key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     spool.save(str(tmp_path), key, data)
     back = spool.load(str(tmp_path), key)
     assert back == data  # samples (index, ids, mask, line, cut), left-out lines with their cuts, notes
     assert [type(s.input_ids) for s in back.samples[:1]] == [type(data.samples[0].input_ids)]
 
 
-def test_a_spool_made_otherwise_or_cut_short_is_no_spool(tiny_llama, dataset, tmp_path):
+def test_a_spool_made_otherwise_cut_short_or_damaged_is_no_spool(tiny_llama, dataset, tmp_path):
     from transformers import AutoTokenizer
-    data = inputs.read_dataset(dataset, AutoTokenizer.from_pretrained(tiny_llama), 32)
-    key = spool.key(writer.file_sha256(dataset), writer.model_checksums(tiny_llama), {"max_len": 32})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    data = inputs.read_dataset(dataset, tokenizer, 32)
+    key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     path = spool.save(str(tmp_path), key, data)
-    assert spool.load(str(tmp_path), {**key, "reading": {"max_len": 33}}) is None
-    assert spool.load(str(tmp_path), {**key, "data_sha256": "0" * 64}) is None
+    assert spool.load(str(tmp_path), key) == data
+    for other in ({"reading": {"max_len": 33}}, {"data_sha256": "0" * 64}, {"tokenizer_files_sha256": ""},
+                  {"chat_template_sha256": ""}, {"reading_code_sha256": ""}):
+        assert spool.load(str(tmp_path), {**key, **other}) is None, other
     whole = open(path, "rb").read()
-    for broken in (whole[:-1], whole + b"\0", b"not a spool", whole[:20]):
+    flipped = bytearray(whole)
+    flipped[-3] ^= 1  # a mask byte of the last sample: the payload's digest no longer matches
+    huge_header = whole[:8] + (2**62).to_bytes(8, "little") + whole[16:]
+    for broken in (whole[:-1], whole + b"\0", b"not a spool", whole[:20], bytes(flipped), huge_header):
         with open(path, "wb") as f:
             f.write(broken)
         assert spool.load(str(tmp_path), key) is None, len(broken)
-    assert spool.load(str(tmp_path), {**key, "model_checksums": {}}) is None
+
+
+def test_the_key_covers_every_tokenizer_file_of_the_model_folder(tiny_llama, tmp_path):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    before = spool.tokenizer_files_sha256(str(model))
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    with_template = spool.tokenizer_files_sha256(str(model))
+    assert with_template != before
+    (model / "merges.txt").write_text("a b")
+    assert spool.tokenizer_files_sha256(str(model)) != with_template
+    weights_before = spool.tokenizer_files_sha256(str(model))
+    (model / "model.safetensors").write_bytes(b"other weights")  # weights do not tokenize
+    assert spool.tokenizer_files_sha256(str(model)) == weights_before
+
+
+def test_an_edited_chat_template_tokenizes_again(tiny_llama, dataset, tmp_path, fake_engine, tokenized):
+    # the settings record does not hash chat_template.jinja; a resume after an edit must not reuse the old reading
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    template = model / "chat_template.jinja"
+    assert template.exists()
+    out = tmp_path / "out"
+    job.run(_opts(str(model), dataset, out, shard=(0, 2)))
+    template.write_text(template.read_text() + "\n")
+    job.run(_opts(str(model), dataset, out, shard=(1, 2)))
+    assert len(tokenized) == 2
 
 
 def test_a_resume_reads_the_input_back_and_writes_the_same_files(tiny_llama, dataset, tmp_path, fake_engine,

@@ -414,9 +414,10 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
         tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
-    spool_key = spool.key(settings["data_sha256"], settings["model_checksums"], {
+    spool_key = spool.key(settings["data_sha256"], opts.model, tokenizer, {
         "max_len": max_len, "vocab_size": vocab_size, "skip_uncovered": opts.skip_uncovered,
-        "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens, "tokenizer_loaded": tokenizer is not None})
+        "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens,
+        "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
     from_spool = data is not None
     if from_spool:
@@ -518,16 +519,22 @@ def claim(p: RunPlan) -> Claim:
               file=sys.stderr, flush=True)
     manifest.setdefault("runs", []).append(this_run)
     manifest["status"] = "running"
+    if not p.from_spool:  # before the record says "running": a stop while it is written leaves the record as it was
+        _keep_spool(p)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
-    if not p.from_spool:
-        _keep_spool(p)
     return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
+
+
+SPOOL_SAID_FROM_TOKENS = 50_000_000
 
 
 def _keep_spool(p: RunPlan) -> None:
     """The tokenized input into --out, for a --resume or another --shard of this set to read back. A spool that
     cannot be written costs the next run its tokenizing, nothing else: said, never fatal."""
+    tokens = sum(len(s.input_ids) for s in p.data.samples)
+    if tokens >= SPOOL_SAID_FROM_TOKENS:  # seconds of writing: said, so the run does not look hung
+        stages.say(f"keeping the tokenized input in --out for a resume ({stages.plural(tokens, 'token')})")
     try:
         spool.save(p.out, p.spool_key, p.data)
     except OSError as exc:
