@@ -42,7 +42,7 @@ def measure(kind: str, path: str, tokenizer, model: str, out_dir: str) -> dict:
     started = time.monotonic()
     data = inputs.read_dataset(path, tokenizer, 4096, vocab_size=512)
     tokenized_s = time.monotonic() - started
-    key = spool.key(writer.file_sha256(path), writer.model_checksums(model), {"max_len": 4096})
+    key = spool.key(writer.file_sha256(path), model, tokenizer, {"max_len": 4096})
     started = time.monotonic()
     spool.save(out_dir, key, data)
     save_s = time.monotonic() - started
