@@ -30,11 +30,12 @@ BATCH = 8  # extract's default batch size
 
 CHILD = r"""
 import json, os, resource, sys, time
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), "benchmarks")]
 model, data, out, resume = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "resume"
-import torch
+import torch  # noqa: F401 - imported before the baseline RSS, as in an engine's driver
 import eagle_compat.generator
 from eagle_compat.extract import job
+from resume_index import StandInEngine  # the resume benchmark's stand-in: states of the model's shape
 
 def rss_mib():
     for line in open("/proc/self/status"):
@@ -46,28 +47,15 @@ class FirstBatch(KeyboardInterrupt):
 
 seen = {}
 
-class StandIn:
-    def __init__(self, model_path, layer_ids=None, **kwargs):
-        self.layer_ids = list(layer_ids)
-        self.vllm_config = type("C", (), {"model_config": type("M", (), {"dtype": "torch.float32"})()})()
-    def __enter__(self):
-        return self
-    def __exit__(self, *exc):
-        pass
-    def describe(self):
-        return {"stand_in": True}
-    def generate(self, token_ids):
+class StandIn(StandInEngine):
+    def generate(self, batch):
         if "first_batch_s" not in seen:
             seen["first_batch_s"] = time.monotonic() - started
             seen["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         seen["batches"] = seen.get("batches", 0) + 1
         if seen["batches"] > int(os.environ.get("BENCH_BATCHES", "1")):
             raise FirstBatch()
-        return [{"input_ids": torch.tensor(ids), "hidden_states": [torch.zeros(len(ids), 64) for _ in self.layer_ids]}
-                for ids in token_ids]
-    def generate_batches(self, batches, prefetch=1):
-        for batch in batches:
-            yield self.generate(batch)
+        return super().generate(batch)
 
 eagle_compat.generator.VllmHiddenStatesGenerator = StandIn
 base = rss_mib()

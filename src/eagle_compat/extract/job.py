@@ -335,7 +335,7 @@ class RunPlan:
         if self.opts.resume:
             return
         present = [os.path.basename(self.path_of(s)) for b in self.mine for s in b if os.path.exists(self.path_of(s))]
-        if present and not self.opts.resume:
+        if present:
             raise writer.OutputDirectoryConflict(
                 f"{self.out} already holds {len(present)} of this run's {sum(map(len, self.mine))} files "
                 f"({present[0]}, ...), made with these same settings; pass --resume to continue (batches with a "
