@@ -313,10 +313,13 @@ def test_shards_made_from_differing_sample_sets_do_not_become_one_dataset(model,
     job.run(_opts(model, dataset, out, layers=LAYERS, format=fmt, skip_uncovered=True, shard=(0, 2)))
     real = inputs.read_dataset
 
-    def other_tokenizer(*args, **kwargs):
-        data = real(*args, **kwargs)
+    def other_tokenizer(*args, into, **kwargs):
+        data = real(*args, **kwargs)  # into a list, changed, then where extract keeps its samples
         s = data.samples[0]  # row 0: written by shard 0
         data.samples[0] = inputs.Sample(s.index, s.input_ids[::-1], s.loss_mask, s.line)
+        for sample in data.samples:
+            into.append(sample)
+        data.samples = into
         return data
     monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
     import transformers  # another release: the input kept tokenized in --out does not stand for its reading

@@ -549,10 +549,13 @@ def test_a_resume_whose_samples_tokenize_differently_is_refused_naming_the_file(
     os.unlink(writer.sample_path(str(out), 9, "pt"))  # something left to do
     real = inputs.read_dataset
 
-    def other_tokenizer(*args, **kwargs):  # what another transformers version's chat template does to line 3
-        data = real(*args, **kwargs)
+    def other_tokenizer(*args, into, **kwargs):  # what another transformers version's chat template does to line 3
+        data = real(*args, **kwargs)  # into a list, changed, then where extract keeps its samples
         s = data.samples[2]
         data.samples[2] = inputs.Sample(s.index, list(s.input_ids[1:]) + [s.input_ids[0]], s.loss_mask, s.line)
+        for sample in data.samples:
+            into.append(sample)
+        data.samples = into
         return data
     monkeypatch.setattr(inputs, "read_dataset", other_tokenizer)
     import transformers  # another release: the input kept tokenized in --out does not stand for its reading

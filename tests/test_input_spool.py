@@ -3,8 +3,10 @@ instead of tokenizing the input again, only where the input's bytes, the tokeniz
 reading options are those that made it; anything else (a changed folder, a cut or foreign file) is read as no spool."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import sys
 
 import pytest
 
@@ -40,6 +42,11 @@ def tokenized(monkeypatch):
     return calls
 
 
+def _held(data: inputs.Dataset) -> inputs.Dataset:
+    """A spool's dataset with its samples read into a list (a spool reads them from its file when asked for)."""
+    return dataclasses.replace(data, samples=list(data.samples))
+
+
 def _files(out) -> dict[str, bytes]:
     return {f: (out / f).read_bytes() for f in sorted(os.listdir(out)) if f.startswith("data_") and f.endswith(".pt")}
 
@@ -52,8 +59,10 @@ def test_the_spool_holds_exactly_what_the_read_returned(tiny_llama, dataset, tmp
     key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     spool.save(str(tmp_path), key, data)
     back = spool.load(str(tmp_path), key)
-    assert back == data  # samples (index, ids, mask, line, cut), left-out lines with their cuts, notes
+    assert _held(back) == data  # samples (index, ids, mask, line, cut), left-out lines with their cuts, notes
     assert [type(s.input_ids) for s in back.samples[:1]] == [type(data.samples[0].input_ids)]
+    assert list(back.samples) == [back.samples[k] for k in range(len(back.samples))]  # read in order, or one by one
+    assert len(back.samples.indices) == len(data.samples)  # what memory holds of it: an index per sample
 
 
 def test_a_spool_made_otherwise_cut_short_or_damaged_is_no_spool(tiny_llama, dataset, tmp_path):
@@ -62,14 +71,14 @@ def test_a_spool_made_otherwise_cut_short_or_damaged_is_no_spool(tiny_llama, dat
     data = inputs.read_dataset(dataset, tokenizer, 32)
     key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     path = spool.save(str(tmp_path), key, data)
-    assert spool.load(str(tmp_path), key) == data
+    assert _held(spool.load(str(tmp_path), key)) == data
     for other in ({"reading": {"max_len": 33}}, {"data_sha256": "0" * 64}, {"tokenizer_files_sha256": ""},
                   {"chat_template_sha256": ""}, {"reading_code_sha256": ""}):
         assert spool.load(str(tmp_path), {**key, **other}) is None, other
     whole = open(path, "rb").read()
     flipped = bytearray(whole)
-    flipped[-3] ^= 1  # a mask byte of the last sample: the payload's digest no longer matches
-    huge_header = whole[:8] + (2**62).to_bytes(8, "little") + whole[16:]
+    flipped[len(spool.MAGIC) + spool._RECORD.size + 1] ^= 1  # a token of the first sample: the digest no longer matches
+    huge_header = whole[:-16] + (2**62).to_bytes(8, sys.byteorder) + spool.MAGIC
     for broken in (whole[:-1], whole + b"\0", b"not a spool", whole[:20], bytes(flipped), huge_header):
         with open(path, "wb") as f:
             f.write(broken)
@@ -140,7 +149,23 @@ def test_a_spool_that_cannot_be_written_costs_only_the_next_read(tiny_llama, dat
                                                                  monkeypatch, capsys):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(spool, "save", full_disk)
+    monkeypatch.setattr(spool.Builder, "keep", full_disk)
     summary = job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
     assert summary["complete"]
     assert "the tokenized input could not be kept in --out (No space left on device)" in capsys.readouterr().err
+
+
+def test_an_input_the_disk_cannot_hold_is_refused_before_out_is_made(tiny_llama, dataset, tmp_path, fake_engine,
+                                                                     monkeypatch):
+    """The samples are held on --out's file system while the run goes (not in memory): where it is full, the run
+    says so before anything is written."""
+    real_write = spool.io.BufferedWriter.write
+
+    def full_disk(self, data):
+        if getattr(self, "name", None) is not None and len(data) > 0 and self.tell() > 64:
+            raise OSError(28, "No space left on device")
+        return real_write(self, data)
+    monkeypatch.setattr(spool.io, "BufferedWriter", type("Full", (spool.io.BufferedWriter,), {"write": full_disk}))
+    with pytest.raises(writer.OutputWriteError, match=r"tokenized input cannot be written in .*No space left"):
+        job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

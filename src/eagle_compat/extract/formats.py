@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -64,17 +64,22 @@ class _Layout:
         """(path, token ids, loss mask or None, what names the sample), as writer.first_mismatch reads it."""
         raise NotImplementedError
 
-    def check_whole_set(self, out: str, placed: list[tuple[int, int, list[int], list[int], str]],
-                        states: writer.StatesExpected | None = None, known: frozenset = frozenset(),
-                        left_out: dict[int, int] | None = None, on_each: Any = None) -> None:
+    def check_whole_set(self, out: str, placed: Iterable[tuple[int, int, Sequence[int], Sequence[int], str]],
+                        states: writer.StatesExpected | None = None, known: Container = frozenset(),
+                        left_out: dict[int, int] | None = None, on_each: Any = None,
+                        members: Members | None = None) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens
         (and mask, where the file keeps it) and states made as this run's, and no other sample file may be there
         (speculators 0.3.0 trains on every .pt of its folder; Arrow rows bind files by position). `placed`: (index,
-        row, token ids, loss mask, what names the sample); `known`: indices whose files this run wrote or already
-        checked; `on_each()` after each file read."""
-        refuse_strays(self, out, placed, f"{self.finishes_sentence} is not written", left_out)
-        wrong = writer.first_mismatch([self.expected(out, index, row, ids, mask, what)
-                                       for index, row, ids, mask, what in placed if index not in known], states,
+        row, token ids, loss mask, what names the sample), read once; `known`: indices whose files this run wrote or
+        already checked; `members`: the set's samples, where `placed` is not all of them (a list is); `on_each()`
+        after each file read."""
+        if members is None:
+            placed = list(placed)
+            members = Members.of(placed)
+        refuse_strays(self, out, members, f"{self.finishes_sentence} is not written", left_out)
+        wrong = writer.first_mismatch((self.expected(out, index, row, ids, mask, what)
+                                       for index, row, ids, mask, what in placed if index not in known), states,
                                       on_each=on_each)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, self.finishes_sentence, self.holds))
@@ -130,22 +135,46 @@ class ArrowLayout(_Layout):
         arrow.write_dataset(out, rows)
 
 
-def refuse_strays(fmt: _Layout, out: str, placed: list, finishes: str,
+@dataclass(frozen=True)
+class Members:
+    """Which samples a set has, without a list of them: `count` samples (rows 0..count-1), `has_index(i)` whether
+    input index i is one."""
+    count: int
+    has_index: Callable[[int], bool]
+
+    @classmethod
+    def of(cls, placed: list) -> "Members":
+        """From (index, row, ...) tuples or `Placed`s."""
+        indices = frozenset(p.index if isinstance(p, Placed) else p[0] for p in placed)
+        return cls(len(indices), indices.__contains__)
+
+
+def refuse_strays(fmt: _Layout, out: str, members: Members, finishes: str,
                   left_out: dict[int, int] | None = None) -> None:
     """A sample file that stands for no sample of the set (copied in from a larger set, another format's, or of a
-    sample the input now leaves out) would be trained on or mistaken for part of it. `placed`: (index, row, ...);
-    `left_out`: index -> input line of the samples the set leaves out."""
-    prefix = os.path.join(out, "")  # each path is out + its name in the set: no relpath per sample (a million)
-    expected = {fmt.path(out, index, row)[len(prefix):] for index, row, *_ in placed}
-    strays = [name for name in writer.sample_files(out) if name != "state.json" and name not in expected]
+    sample the input now leaves out) would be trained on or mistaken for part of it. `left_out`: index -> input line
+    of the samples the set leaves out. Each file's name is read as the number it carries (an index, or a row for
+    Arrow) and must be the name this set gives that number (nothing is listed per sample: a million)."""
+    prefix = os.path.join(out, "")
+    strays = []
+    for name in writer.iter_sample_files(out):
+        if name == "state.json":
+            continue
+        try:
+            number = int(name.rsplit("_", 1)[1].split(".")[0])
+        except ValueError:
+            number = -1
+        ours = 0 <= number < members.count if fmt.arrow else number >= 0 and members.has_index(number)
+        if not ours or fmt.path(out, number, number)[len(prefix):] != name:  # a path takes the index or the row
+            strays.append(name)
     if not strays:
         return
-    name = strays[0]
+    name = min(strays, key=lambda f: (len(f), f))
     index = int(name.rsplit("_", 1)[1].split(".")[0])
     why = (f"input line {left_out[index]} is now left out (--skip-uncovered / --min-loss-tokens), but an earlier run "
            "wrote its file: the samples tokenize differently than they did then"
            if not fmt.arrow and index in (left_out or {}) else
-           f"the input has {len(placed)} samples, their files named by "
+           f"the input has {members.count} samples, their files named by "
            f"{'row' if fmt.arrow else 'index'}; copied in from a larger set or another format?")
     raise writer.OutputDirectoryConflict(
         f"{os.path.join(out, name)} (and {len(strays) - 1} more) stands for no sample of this set: {why}. A trainer "

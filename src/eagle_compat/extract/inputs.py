@@ -51,6 +51,7 @@ class Dataset:
     few_loss_tokens: list[dict] = field(default_factory=list)
     # what the input gave that the samples do not use, said once: {note: count or {key: count}}
     notes: dict = field(default_factory=dict)
+    report: dict | None = None  # the data report of the samples (report.of_samples), where it was made with them
 
 
 MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
@@ -307,11 +308,11 @@ def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
                  check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
-                 on_line: Any = None) -> Dataset:
+                 on_line: Any = None, into: Any = None) -> Dataset:
     """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
-    line (the run's progress)."""
-    data = Dataset([])
+    line (the run's progress); `into`: where the samples go (anything with append and len; a list by default)."""
+    data = Dataset(into if into is not None else [])
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
     template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
@@ -359,7 +360,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             else:
                 data.samples.append(Sample(index, array("i", ids), array("b", mask), n + 1, cut))
             index += 1
-    if not data.samples:
+    if not len(data.samples):
         left = [f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped) + \
             [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * \
             bool(data.few_loss_tokens)

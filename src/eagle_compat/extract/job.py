@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -10,15 +11,16 @@ import socket
 import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from .. import detect, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
-from . import formats, inputs, layers, local_runner, pipeline, report, spool, stages, writer
+from . import formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
 
 FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -317,12 +319,16 @@ class RunPlan:
     max_len: int
     max_len_note: dict  # where --max-len came from (the manifest's "max_len")
     settings: dict  # what every run adding files to the directory must share (settings_of)
-    data: inputs.Dataset
-    placed: list[formats.Placed]  # the set's samples with their places (index; row: rank in input order)
-    mine: list[list[formats.Placed]]  # this shard's batches, fixed by position
+    data: inputs.Dataset  # its samples read from the spool (spool.Samples) when asked for
+    placed: placement.PlacedSamples  # the set's samples with their places (index; row: rank in input order)
+    mine: placement.Batches  # this shard's batches, fixed by position
     left_out_lines: dict[int, int]  # samples the input has but the set leaves out: index -> input line
     spool_key: dict  # what made this read of the input (spool.key): a spool in --out with this key stands for it
-    from_spool: bool  # the input was read back from --out's spool, not tokenized again
+    spool_made: spool.Builder | None  # this run's reading of the input, to keep in --out; None: read back from it
+
+    @property
+    def from_spool(self) -> bool:  # the input was read back from --out's spool, not tokenized again
+        return self.spool_made is None
 
     @property
     def out(self) -> str:
@@ -331,18 +337,27 @@ class RunPlan:
     def path_of(self, s: formats.Placed) -> str:
         return self.fmt.path(self.opts.out, s.index, s.row)
 
+    def path_at(self, index: int, row: int) -> str:
+        return self.fmt.path(self.opts.out, index, row)
+
     def refuse_without_resume(self) -> None:
         if self.opts.resume:
             return
-        present = [os.path.basename(self.path_of(s)) for b in self.mine for s in b if os.path.exists(self.path_of(s))]
+        present = [os.path.basename(path) for path in itertools.starmap(self.path_at, self.mine.all_places())
+                   if os.path.exists(path)]
         if present:
             raise writer.OutputDirectoryConflict(
-                f"{self.out} already holds {len(present)} of this run's {sum(map(len, self.mine))} files "
+                f"{self.out} already holds {len(present)} of this run's {self.mine.sample_count()} files "
                 f"({present[0]}, ...), made with these same settings; pass --resume to continue (batches with a "
                 "missing file are redone), or choose another --out")
 
-    def files_present(self, placed: list[formats.Placed]) -> int:
-        return sum(os.path.exists(self.path_of(s)) for s in placed)
+    def every_place(self, leaving_out: Any = ()) -> Iterator[tuple[int, int]]:
+        """(index, row) of each sample of the set but those whose index is in `leaving_out`."""
+        return ((index, row) for row, index in enumerate(self.placed.indices) if index not in leaving_out)
+
+    def files_present(self, places: Any) -> int:
+        """How many of `places` ((index, row) pairs) have their file."""
+        return sum(os.path.exists(self.path_at(index, row)) for index, row in places)
 
     def description(self, num_samples: int, versions: dict) -> formats.DataDescription:
         return data_description(self.opts, self.layer_ids, self.hidden_size, num_samples, versions, self.max_len)
@@ -366,17 +381,16 @@ def plan(opts: ExtractOptions) -> RunPlan:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    data, spool_key, from_spool = _read_input(opts, max_len, vocab_size, settings)
-    placed = [formats.Placed(s.index, row, s.line, s.input_ids, s.loss_mask)  # the same arrays: no copy
-              for row, s in enumerate(data.samples)]
+    data, spool_key, spool_made = _read_input(opts, max_len, vocab_size, settings)
+    placed = placement.PlacedSamples(data.samples)
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
     left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
     shard_i, shard_n = opts.shard
-    batches = [placed[k: k + opts.batch_size] for k in range(0, len(placed), opts.batch_size)]
+    batch_count = -(-len(placed) // opts.batch_size)
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed,
-                       [b for k, b in enumerate(batches) if k % shard_n == shard_i], left_out_lines, spool_key,
-                       from_spool)
+                       placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n)),
+                       left_out_lines, spool_key, spool_made)
     the_plan.refuse_without_resume()
     return the_plan
 
@@ -403,10 +417,12 @@ def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
 
 
 def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
-                settings: dict) -> tuple[inputs.Dataset, dict, bool]:
+                settings: dict) -> tuple[inputs.Dataset, dict, spool.Builder | None]:
     """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none), with its stage
     lines and notes; or read back from the spool an earlier run of this set left in --out, where everything that
-    made it is unchanged (spool.py). Returns (data, the spool's key for this read, whether it came from the spool)."""
+    made it is unchanged (spool.py). Either way the samples stay on disk (an unnamed file beside --out until the run
+    claims it), read when asked for. Returns (data, the spool's key for this read, this read's spool to keep in --out,
+    or None where it came from there)."""
     tokenizer_error = ""
     reading_started = time.monotonic()
     from transformers import AutoTokenizer
@@ -419,24 +435,46 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
         "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens,
         "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
-    from_spool = data is not None
-    if from_spool:
+    made = None
+    if data is not None:
         stages.say(f"input read back from {spool.SPOOL_FILE} in --out (tokenized by an earlier run of this set, "
                    "from the same input, tokenizer and options)")
     else:
-        with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
-            data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
-                                       skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
-                                       on_line=lines_read.add)
+        tally = report.Tally()  # the data report, made as the samples go by (none is held)
+        made = _new_spool(opts.out, tally.add)
+        try:
+            with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
+                data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
+                                           skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
+                                           min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
+                                           on_line=lines_read.add, into=made)
+            data.report = tally.report(max_len, {"--skip-uncovered": data.skipped,
+                                                 "--min-loss-tokens": data.few_loss_tokens})
+            data.samples = made.done(spool_key, data, data.report)
+        except BaseException:
+            made.close()
+            raise
     left_out = [*data.skipped, *data.few_loss_tokens]
     stages.say(f"input read: {stages.plural(len(data.samples), 'sample')}, "
-               f"{stages.plural(sum(len(s.input_ids) for s in data.samples), 'token')}"
+               f"{stages.plural(data.samples.tokens, 'token')}"
                + (f"; {len(left_out):,} left out ({stages.lines_of(left_out)})" if left_out else "")
                + f" ({time.monotonic() - reading_started:.1f} s)")
     for note in inputs.describe_notes(data.notes):
         print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
-    return data, spool_key, from_spool
+    return data, spool_key, made
+
+
+def _new_spool(out: str, on_append: Any) -> spool.Builder:
+    """An unnamed file for the tokenized input, on --out's file system (in --out, or the folder it will be made in):
+    nothing is visible there until the run claims --out, and it is gone if the run stops before."""
+    folder = os.path.abspath(out)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return spool.Builder(folder, on_append)
+    except OSError as exc:
+        raise writer.OutputWriteError(f"--out {out!r}: the tokenized input cannot be written in {folder} "
+                                      f"({exc.strerror or exc}); the run keeps it there, beside its files") from None
 
 
 def _make_out(opts: ExtractOptions) -> None:
@@ -456,7 +494,7 @@ class Claim:
     record: dict | None  # the directory's record before this run (None: a new set)
     manifest: dict
     this_run: dict
-    todo: list[list[formats.Placed]]
+    todo: placement.Batches
     non_finite: dict[int, dict]  # samples left out for non-finite states (--skip-non-finite), this run's included
     states: writer.StatesExpected
     was_complete: bool
@@ -472,13 +510,20 @@ class Claim:
             self.manifest["left_out_non_finite"] = sorted(self.non_finite.values(), key=lambda e: e["index"])
 
 
-def _vouched_by_index(p: RunPlan, entries: dict, stamp: str | None) -> Any:
-    """Whether the directory's index vouches for a sample's file (written by one of its runs, unchanged since)."""
-    def vouched(s: formats.Placed) -> bool:
-        if not entries:
-            return False
-        _, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
-        return writer.trusted_by_index(entries, p.out, s.index, p.path_of(s), ids, mask, stamp)
+def _vouched_by_index(p: RunPlan, stamp: str | None) -> bytearray:
+    """For each row of the set, whether the directory's index vouches for its file (written by one of its runs for
+    these tokens, unchanged since): the index's lines are read in the order written, the last of a sample deciding
+    (a batch redone wrote it again); one byte a sample is held. Nothing is vouched for under --verify-kept."""
+    vouched = bytearray(len(p.placed))
+    if p.opts.verify_kept:
+        return vouched
+    for entry in writer.index_entries(p.out):
+        row = p.placed.position_of(entry["i"])
+        if row is None:
+            continue
+        s = p.placed[row]
+        path, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
+        vouched[row] = writer.entry_vouches(entry, p.out, path, ids, mask, stamp)
     return vouched
 
 
@@ -497,10 +542,13 @@ def claim(p: RunPlan) -> Claim:
     swept = writer.sweep_temp_files(opts.out)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
-    todo = [b for b in p.mine if not all(os.path.exists(p.path_of(s)) or s.index in non_finite for s in b)]
-    redo = {id(b) for b in todo}
-    kept = [b for b in p.mine if id(b) not in redo]
-    states = _states_expected(p, record, [p.path_of(s) for b in kept for s in b if s.index not in non_finite])
+    whole = [all(index in non_finite or os.path.exists(p.path_at(index, row)) for index, row in p.mine.places(j))
+             for j in range(len(p.mine))]  # a batch with every file (or left out) is kept; any other is redone
+    todo = p.mine.select([j for j, done in enumerate(whole) if not done])
+    kept = p.mine.select([j for j, done in enumerate(whole) if done])
+    del whole
+    first_kept = next((p.path_at(index, row) for index, row in kept.all_places() if index not in non_finite), None)
+    states = _states_expected(p, record, first_kept)
     _check_kept(p, kept, non_finite, states, record, todo)
     manifest = _manifest_for(p, record, replaced, versions, states.dtype)
     shard_i, shard_n = opts.shard
@@ -510,7 +558,7 @@ def claim(p: RunPlan) -> Claim:
                 "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
                 "waited_for_earlier_writers_s": round(waited, 1), "skip_non_finite": opts.skip_non_finite,
                 "left_out_non_finite": []}  # filled by the runner under --skip-non-finite
-    mixed = report.versions_that_differ(manifest, versions) if record and todo else {}  # files of both
+    mixed = report.versions_that_differ(manifest, versions) if record and len(todo) else {}  # files of both
     if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
         print("extract: NOTE: this directory's files so far were written with "
               + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
@@ -519,7 +567,7 @@ def claim(p: RunPlan) -> Claim:
               file=sys.stderr, flush=True)
     manifest.setdefault("runs", []).append(this_run)
     manifest["status"] = "running"
-    if not p.from_spool:  # before the record says "running": a stop while it is written leaves the record as it was
+    if p.spool_made is not None:  # before the record says "running": a stop while it is kept leaves the record as it was
         _keep_spool(p)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
@@ -532,26 +580,26 @@ SPOOL_SAID_FROM_TOKENS = 50_000_000
 def _keep_spool(p: RunPlan) -> None:
     """The tokenized input into --out, for a --resume or another --shard of this set to read back. A spool that
     cannot be written costs the next run its tokenizing, nothing else: said, never fatal."""
-    tokens = sum(len(s.input_ids) for s in p.data.samples)
-    if tokens >= SPOOL_SAID_FROM_TOKENS:  # seconds of writing: said, so the run does not look hung
+    tokens = p.data.samples.tokens
+    if tokens >= SPOOL_SAID_FROM_TOKENS:  # seconds where it cannot be linked but is copied: said, never a hang
         stages.say(f"keeping the tokenized input in --out for a resume ({stages.plural(tokens, 'token')})")
     try:
-        spool.save(p.out, p.spool_key, p.data)
+        p.spool_made.keep(p.out)
     except OSError as exc:
         print(f"extract: NOTE: the tokenized input could not be kept in --out ({exc.strerror or exc}); a --resume "
               "will tokenize the input again", file=sys.stderr, flush=True)
 
 
-def _states_expected(p: RunPlan, record: dict | None, kept_files: list[str]) -> writer.StatesExpected:
+def _states_expected(p: RunPlan, record: dict | None, first_kept: str | None) -> writer.StatesExpected:
     """What every file must hold besides its tokens: the run's stamp, layers, hidden size, and the engine's dtype as
     the set's record (or, for an earlier release's record, its first kept file) says, known before this run's
     engine starts (and refused if it differs). A set converted from fp8 holds bfloat16 whatever its engine ran."""
     recorded_dtype = (record or {}).get("states_dtype") or (record or {}).get("engine_dtype")
     dtype_from = "the directory's engine ran"
-    if not recorded_dtype and kept_files:
+    if not recorded_dtype and first_kept:
         try:
-            recorded_dtype = writer.read_facts(kept_files[0]).dtype
-            dtype_from = f"{os.path.basename(kept_files[0])} (the record names none) holds"
+            recorded_dtype = writer.read_facts(first_kept).dtype
+            dtype_from = f"{os.path.basename(first_kept)} (the record names none) holds"
         except Exception:  # noqa: BLE001 - an unreadable file is named by the kept-file check
             recorded_dtype = None
     # every file of a set begun by this release carries a stamp (an earlier record cannot say: a set begun before
@@ -561,27 +609,26 @@ def _states_expected(p: RunPlan, record: dict | None, kept_files: list[str]) -> 
                                  dtype_from, stamped=stamped)
 
 
-def _check_kept(p: RunPlan, kept: list[list[formats.Placed]], non_finite: dict, states: writer.StatesExpected,
-                record: dict | None, todo: list) -> None:
+def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: writer.StatesExpected,
+                record: dict | None, todo: placement.Batches) -> None:
     """The files kept must be of these very samples (their token ids) and made as this run's would be; the index
     vouches for those the directory's runs wrote, unchanged since: only the others are opened (every one, on
     several threads, with --verify-kept). No stray file of another set, and no extracting into a lossy conversion."""
     opts = p.opts
-    vouched = _vouched_by_index(p, {} if opts.verify_kept else writer.read_index(opts.out), states.stamp)
-    to_read = [s for b in kept for s in b if s.index not in non_finite and not vouched(s)]
+    vouched = _vouched_by_index(p, states.stamp) if len(kept) else bytearray()
+    to_read = array("q", (row for index, row in kept.all_places() if index not in non_finite and not vouched[row]))
+    del vouched
     with stages.counting("resume check: kept files read", len(to_read), "file") as read:
-        wrong = writer.first_mismatch([(p.path_of(s), s.input_ids, s.loss_mask, f"input line {s.line}")
-                                       for s in to_read], states, threads=8 if opts.verify_kept else 1,
-                                      on_each=read.add)
+        wrong = writer.first_mismatch(p.placed.files_at(p.fmt, opts.out, to_read), states,
+                                      threads=8 if opts.verify_kept else 1, on_each=read.add)
     if wrong and wrong.states:
         raise writer.OutputDirectoryConflict(
             f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
             "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
             "another --out")
-    formats.refuse_strays(p.fmt, opts.out, [(s.index, s.row) for s in p.placed], "Nothing was written",
-                          left_out=p.left_out_lines)
+    formats.refuse_strays(p.fmt, opts.out, p.placed.members(), "Nothing was written", left_out=p.left_out_lines)
     converted = (record or {}).get("converted_from") or {}
-    if todo and converted.get("lossy"):
+    if len(todo) and converted.get("lossy"):
         raise writer.OutputDirectoryConflict(
             f"{opts.out} was converted from {converted.get('format')} with loss ({converted['lossy']}): files "
             "extracted now would sit beside states of another precision. Complete the source and convert it "
@@ -592,8 +639,8 @@ def _check_kept(p: RunPlan, kept: list[list[formats.Placed]], non_finite: dict, 
             "sample set that differs from this run's (another tokenizer, transformers version, chat template "
             "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
             "samples' states. Use the same environment and options, or choose another --out")
-    if kept:
-        stages.say(f"resume: {stages.plural(sum(map(len, kept)), 'file')} of this run's kept (each checked), "
+    if len(kept):
+        stages.say(f"resume: {stages.plural(kept.sample_count(), 'file')} of this run's kept (each checked), "
                    f"{stages.plural(len(todo), 'batch', 'batches')} to do")
 
 
@@ -619,7 +666,7 @@ def _manifest_for(p: RunPlan, record: dict | None, replaced: dict | None, versio
         manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
                                                      "runs": replaced.get("runs", [])}
     left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
-    manifest["report"] = report.of_samples(data.samples, p.max_len, left_out)  # the directory's: the whole input
+    manifest["report"] = data.report or report.of_samples(data.samples, p.max_len, left_out)  # the whole input's
     manifest["input_notes"] = data.notes
     manifest.setdefault("layers", layers.record(p.layer_ids, p.num_layers))
     for key, note in p.fmt.manifest_notes.items():
@@ -639,7 +686,7 @@ def runner_for(opts: ExtractOptions) -> Any:
 
 def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
     """Phase 3: the batches to do, through the runner; a stop (Ctrl-C, an error) is recorded before it is raised."""
-    if not c.todo:
+    if not len(c.todo):
         return 0, 0
     previous_handler = None
     if threading.current_thread() is threading.main_thread():
@@ -652,15 +699,15 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         c.this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
         c.manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
         _best_effort_json(c.manifest_path, c.manifest)
-        present = sum(p.files_present(b) for b in p.mine)
-        raise Interrupted(f"interrupted; {present} of this run's {sum(map(len, p.mine))} files are complete in "
+        present = p.files_present(p.mine.all_places())
+        raise Interrupted(f"interrupted; {present} of this run's {p.mine.sample_count()} files are complete in "
                           f"{p.out} (no partial file is left); rerun the same command with --resume to "
                           "continue") from None
     except BaseException as exc:
         c.record_non_finite()
         c.this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
                           finished=datetime.now(timezone.utc).isoformat())
-        c.manifest.update(status="incomplete", samples_present=p.files_present(p.placed))
+        c.manifest.update(status="incomplete", samples_present=p.files_present(p.every_place()))
         _best_effort_json(c.manifest_path, c.manifest)
         raise
     finally:
@@ -675,16 +722,16 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
     c.record_non_finite()
     elapsed = time.time() - started
     present, complete = None, False
-    whole = [s for s in p.placed if s.index not in c.non_finite]  # the set: every sample but those left out
-    sample_of = {s.index: s for s in p.data.samples}
+    # the set: every sample but those left out
+    whole_count = p.placed.members(c.non_finite).count
     try:
-        present = p.files_present(whole)
-        complete = present == len(whole)
+        present = p.files_present(p.every_place(c.non_finite))
+        complete = present == whole_count
         c.this_run.update(status="complete", finished=datetime.now(timezone.utc).isoformat(),
                           samples_written=done_samples, tokens=done_tokens, seconds=round(elapsed, 2),
-                          report=report.of_samples([sample_of[s.index] for b in c.todo for s in b], p.max_len))
+                          report=report.of_samples(c.todo.samples(), p.max_len))
         if complete:
-            _finish_whole_set(p, c, whole)
+            _finish_whole_set(p, c, whole_count)
     except writer.OutputDirectoryConflict as exc:
         c.manifest.update(status="incomplete", samples_present=present)
         c.this_run.update(status=f"failed: {str(exc)[:500]}")
@@ -708,11 +755,11 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
                               "to finish it") from None
         raise
     c.manifest.update(status="complete" if complete else "incomplete", samples_present=present,
-                      num_samples=len(whole))
+                      num_samples=whole_count)
     _write_json(c.manifest_path, c.manifest)
     if not complete and p.opts.shard[1] == 1:  # every batch was this run's, and each reported its files written
         raise writer.OutputWriteError(
-            f"{present} of {len(whole)} samples have their file in {p.out} after a run that wrote every "
+            f"{present} of {whole_count} samples have their file in {p.out} after a run that wrote every "
             "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
             "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
     return {"samples": present, "samples_in_data": len(p.data.samples), "complete": complete,
@@ -724,34 +771,28 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
             "report": c.manifest["report"]}
 
 
-def _finish_whole_set(p: RunPlan, c: Claim, whole: list[formats.Placed]) -> None:
+def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     """Every file of the set (other shards' too) checked, then the set described (data_config.json, or the Arrow
     dataset). The files of this run's batches were checked (kept) or written by it, and the index vouches for those
-    the directory's runs wrote, unchanged since: only the others are read."""
+    the directory's runs wrote, unchanged since: only the others are read (one sample at a time, from the spool)."""
     writer.fsync_renames(p.out)
     c.states.dtype = (c.manifest.get("states_dtype") or c.manifest.get("engine_dtype")  # this run's engine's
                       or c.states.dtype)
-    # lists, not generators: nothing below resumes code of this module (one direction: docs/adr/0039-import-floors.md)
-    vouched = _vouched_by_index(p, {} if p.opts.verify_kept else writer.read_index(p.out), c.states.stamp)
-    mine = frozenset(s.index for b in p.mine for s in b)
+    vouched = _vouched_by_index(p, c.states.stamp)
+    non_finite = c.non_finite
     # counted from the first second: a set of a million files takes minutes here (quiet: nothing within a tick)
-    with stages.counting("completing the set: files checked", len(whole), "file") as checked:
-        known = []
-        for s in whole:
-            if s.index in mine or vouched(s):
-                known.append(s.index)
-                checked.add()
-        p.fmt.check_whole_set(p.out, [(s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}")
-                                      for s in whole], c.states, known=frozenset(known), left_out=p.left_out_lines,
-                              on_each=checked.add)
+    with stages.counting("completing the set: files checked", whole_count, "file") as checked:
+        p.fmt.check_whole_set(p.out, p.placed.to_check(non_finite, p.mine, vouched, checked.add), c.states,
+                              left_out=p.left_out_lines, on_each=checked.add, members=p.placed.members(non_finite))
+    del vouched
     # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
     # that made the set)
-    already = c.was_complete and not c.todo and not p.fmt.arrow and \
+    already = c.was_complete and not len(c.todo) and not p.fmt.arrow and \
         os.path.exists(os.path.join(p.out, p.fmt.finishes))
     if not already:
         with stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s") \
                 if p.fmt.arrow else contextlib.nullcontext():  # a dataset of every row: minutes on a large set
-            p.fmt.finish(p.out, [(s.input_ids, s.loss_mask) for s in whole], p.description(len(whole), c.versions))
+            p.fmt.finish(p.out, p.placed.ids_and_masks(non_finite), p.description(whole_count, c.versions))
     writer.fsync_renames(p.out)
 
 

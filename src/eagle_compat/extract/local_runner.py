@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import formats, pipeline, stages, writer
+from . import formats, pipeline, placement, stages, writer
 
 
 def _ignore_sigint(worker: Any) -> None:
@@ -67,7 +67,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         writer.check_engine_dtype(opts.out, manifest.get("engine_dtype"), engine_dtype, opts.dtype, "this machine")
         manifest["engine_dtype"] = this_run["engine_dtype"] = engine_dtype
         t_engine = time.time()
-        progress = pipeline.Progress(sum(map(len, todo)), opts.progress)  # after the engine start: rates mean work
+        # after the engine start: rates mean work
+        progress = pipeline.Progress(placement.sample_count(todo), opts.progress)
         # The driver's time goes to waiting for the engine's next batch or for a writer slot. Which of the two it
         # waits for says which sets the run's pace (not by how much: the engine thread keeps one batch ready and more
         # in flight on the workers while the driver waits). Slot waits at the last batch are left out: no engine

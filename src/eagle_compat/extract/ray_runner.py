@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import detect, engine, settings
 from ..errors import EagleCompatError, InvalidInput
-from . import formats, pipeline, stages, writer
+from . import formats, pipeline, placement, stages, writer
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -303,12 +303,16 @@ class ExtractActor:
 @dataclass
 class _Item:
     number: int
-    batch: list
+    batches: Any  # the run's batches: batch `number` is made when asked for (read from the spool: a view)
     tries: int = 0
     unavailable: int = 0  # ActorUnavailableError replies (not failures: the batch is retried on the same actor)
     errors: list = field(default_factory=list)
     sent_at: float = 0.0
     ended: bool = False  # its actor was ended as hung
+
+    @property
+    def batch(self) -> list:
+        return self.batches[self.number]
 
 
 def batch_deadline(engine_may_start: bool) -> float:
@@ -386,8 +390,8 @@ class _Pool:
                  todo: list[list[formats.Placed]]):
         self.ray, self.opts, self.actors, self.stats = ray, opts, actors, stats
         self.manifest, self.this_run = manifest, this_run
-        self.total = sum(map(len, todo))
-        self.pending = collections.deque(_Item(k, b) for k, b in enumerate(todo))
+        self.total = placement.sample_count(todo)
+        self.pending = collections.deque(_Item(k, todo) for k in range(len(todo)))
         self.alive = set(range(len(actors)))
         self.idle = collections.deque(range(len(actors)))
         self.in_flight: dict[Any, tuple[int, _Item]] = {}

@@ -1,31 +1,45 @@
-"""The tokenized input, kept in --out (`.eagle-compat-input.bin`) so that a `--resume` or another `--shard` of the same
-set reads it back in seconds instead of tokenizing the input again (minutes for a million conversations).
+"""The tokenized input, on disk: the driver holds each sample's place in a file, not its tokens, so its memory does not
+grow with the input (`Builder` while the input is read, `Samples` to read it). Kept in --out (`.eagle-compat-input.bin`)
+so that a `--resume` or another `--shard` of the same set reads it back in seconds instead of tokenizing the input
+again (minutes for a million conversations).
 
 It is used only where everything that made it is unchanged: the input's bytes (SHA-256), the model folder's files
 other than weights (tokenizer files, chat templates), the tokenizer as loaded, the transformers, tokenizers and jinja2
-releases, the reading code itself, and every option that changes how lines become samples (`key`). Anything else, a file cut short or of another layout included, is read as "no spool": the input is then read
-and tokenized as if there were none, and the spool written again. It holds exactly what `inputs.read_dataset`
-returned: the samples' ids, masks, lines and cuts, the left-out lines, the input's notes.
+releases, the reading code itself, and every option that changes how lines become samples (`key`). Anything else, a
+file cut short or of another layout included, is read as "no spool": the input is then read and tokenized as if there
+were none, and the spool written again. It holds exactly what `inputs.read_dataset` returned: the samples' ids, masks,
+lines and cuts, the left-out lines, the input's notes, and the input's data report.
 
-Layout: MAGIC, the header's length (8 bytes, little-endian), the header (JSON: key, counts, the payload's digest,
-left-out lines, notes), then arrays in native byte order: index (int64 x n), line (int64 x n), cut (int32 x 5n),
-offsets (int64 x n+1), each sample's ids (int32), each sample's masks (int8)."""
+Layout, native byte order: MAGIC; per sample a record (index, line: int64; length, the cut's fields: int32) followed by
+its ids (int32 x length) and mask (int8 x length); the records' offsets and the samples' input indices (int64 x n
+each); the header (JSON: key, counts,
+the payload's digest, left-out lines, notes, report); the header's length (int64); MAGIC again. Written front to back
+as the input is read (the header last), into an unnamed temporary file beside --out that becomes the spool only when
+the run claims --out."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
+import shutil
 import struct
 import sys
+import tempfile
 from array import array
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import inputs, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
-MAGIC = b"EGCSPL02"
+MAGIC = b"EGCSPL03"
 _CUT_FIELDS = [f.name for f in dataclasses.fields(inputs.Cut)]
+_RECORD = struct.Struct("=qqi" + "i" * len(_CUT_FIELDS))  # index, line, length, cut
+_FOOTER = struct.Struct("=q8s")  # the header's length, MAGIC
+_READ_CHUNK = 1 << 20
 # files of a model folder that are weights; every other file (tokenizer files, chat templates, vocabularies, code)
 # goes into the key
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".pdparams")
@@ -71,85 +85,217 @@ def key(data_sha256: str, model: str, tokenizer: Any, reading: dict[str, Any]) -
             "jinja2": jinja2.__version__, "reading_code_sha256": reading_code_sha256(), "reading": reading}
 
 
-def _arrays(data: inputs.Dataset) -> tuple[array, array, array, array]:
-    offsets = array("q", [0])
-    for s in data.samples:
-        offsets.append(offsets[-1] + len(s.input_ids))
-    return (array("q", (s.index for s in data.samples)), array("q", (s.line for s in data.samples)),
-            array("i", (getattr(s.cut, name) for s in data.samples for name in _CUT_FIELDS)), offsets)
-
-
 def _as(typecode: str, values: Any) -> array:
     return values if isinstance(values, array) and values.typecode == typecode else array(typecode, values)
 
 
-def save(out_dir: str, spool_key: dict, data: inputs.Dataset) -> str:
-    """Writes the spool (a temporary file, then renamed over the old one: a reader sees a whole spool or none), its
-    payload's digest in its header (a spool damaged since is no spool)."""
-    table = _arrays(data)
-    digest = hashlib.blake2b(digest_size=16)
-    for a in table:
-        digest.update(a)
+class Samples(Sequence):
+    """The samples of a spool, read from its file when asked for (each an `inputs.Sample` of its own arrays). In
+    memory: each sample's offset and input index (16 bytes a sample), whatever the input's size."""
+
+    def __init__(self, f: Any, offsets: array, indices: array, tokens: int):
+        self._f, self._fd = f, f.fileno()
+        self.offsets, self.indices, self.tokens = offsets, indices, tokens
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _parse(self, head: bytes, body: bytes) -> inputs.Sample:
+        index, line, length, *cut = _RECORD.unpack(head)
+        ids, mask = array("i"), array("b")
+        ids.frombytes(body[:4 * length])
+        mask.frombytes(body[4 * length:5 * length])
+        return inputs.Sample(index, ids, mask, line, inputs.Cut(*cut))
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        head = os.pread(self._fd, _RECORD.size, self.offsets[k])
+        length = _RECORD.unpack(head)[2]
+        return self._parse(head, os.pread(self._fd, 5 * length, self.offsets[k] + _RECORD.size))
+
+    def __iter__(self) -> Iterator[inputs.Sample]:
+        """Front to back, a MiB at a time (positioned reads: threads may read other samples meanwhile)."""
+        buf, at, pos = b"", 0, self.offsets[0] if len(self) else 0
+        for _ in range(len(self)):
+            if len(buf) - at < _RECORD.size:
+                buf, at = buf[at:] + os.pread(self._fd, _READ_CHUNK, pos), 0
+                pos += _READ_CHUNK
+            head = buf[at: at + _RECORD.size]
+            need = _RECORD.size + 5 * _RECORD.unpack(head)[2]
+            if len(buf) - at < need:
+                more = max(_READ_CHUNK, need)
+                buf, at = buf[at:] + os.pread(self._fd, more, pos), 0
+                pos += more
+                if len(buf) < need:
+                    raise EOFError(f"the spool ends inside a sample ({len(buf)} of {need} bytes)")
+            yield self._parse(head, buf[at + _RECORD.size: at + need])
+            at += need
+
+    def length_of(self, k: int) -> int:
+        return _RECORD.unpack(os.pread(self._fd, _RECORD.size, self.offsets[k]))[2]
+
+    def position_of(self, index: int) -> int | None:
+        """The sample with input index `index` (its rank in the set), or None where the set has none."""
+        import bisect
+        k = bisect.bisect_left(self.indices, index)
+        return k if k < len(self.indices) and self.indices[k] == index else None
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Builder:
+    """The spool written as the input is read: `append` each sample (its tokens go to the file at once), then `done`.
+    The file is unnamed (removed by the system when the run ends) until `keep` links it into --out."""
+
+    def __init__(self, folder: str, on_append: Any = None):
+        self.folder = folder
+        self._f = tempfile.TemporaryFile(dir=folder)  # O_TMPFILE where the file system has it
+        self._on_append = on_append
+        self._out = io.BufferedWriter(io.FileIO(os.dup(self._f.fileno()), "w"), _READ_CHUNK)
+        self._digest = hashlib.blake2b(digest_size=16)
+        self._offsets, self._indices = array("q"), array("q")
+        self._pos = self._tokens = 0
+        self._put(MAGIC)
+        self.header: dict | None = None
+
+    def _put(self, data: bytes) -> None:
+        try:
+            self._out.write(data)
+        except OSError as exc:
+            raise writer.OutputWriteError(
+                f"the tokenized input cannot be written in {self.folder} ({exc.strerror or exc}): a run keeps it on "
+                f"--out's file system (5 bytes a token) instead of in memory; free space there") from None
+        if self._pos:  # the payload: everything after the first MAGIC
+            self._digest.update(data)
+        self._pos += len(data)
+
+    def append(self, s: inputs.Sample) -> None:
+        self._offsets.append(self._pos)
+        self._indices.append(s.index)
+        length = len(s.input_ids)
+        self._put(_RECORD.pack(s.index, s.line, length, *(getattr(s.cut, f) for f in _CUT_FIELDS)))
+        self._put(_as("i", s.input_ids).tobytes())
+        self._put(_as("b", s.loss_mask).tobytes())
+        self._tokens += length
+        if self._on_append is not None:
+            self._on_append(s)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def done(self, spool_key: dict, data: inputs.Dataset, report: dict) -> Samples:
+        """Ends the file (offsets, header, footer) and returns its samples, read from it."""
+        self._put(self._offsets.tobytes() + self._indices.tobytes())
+        payload_digest = self._digest.hexdigest()
+        self.header = {"key": spool_key, "samples": len(self._offsets), "tokens": self._tokens,
+                       "payload_blake2b": payload_digest, "skipped": data.skipped,
+                       "few_loss_tokens": [{**e, "cut": dataclasses.asdict(e["cut"])} if "cut" in e else e
+                                           for e in data.few_loss_tokens],
+                       "notes": data.notes, "report": report}
+        header = json.dumps(self.header).encode()
+        self._out.write(header + _FOOTER.pack(len(header), MAGIC))
+        self._out.close()
+        return Samples(self._f, self._offsets, self._indices, self._tokens)
+
+    def close(self) -> None:
+        """The file dropped (a read that failed: nothing of it is kept)."""
+        with contextlib.suppress(OSError):
+            self._out.close()
+        self._f.close()
+
+    def keep(self, out_dir: str) -> str:
+        """The finished spool into `out_dir` under its name, whole or not at all: linked where the system can (no
+        copy), copied otherwise."""
+        path = os.path.join(out_dir, SPOOL_FILE)
+        fd = self._f.fileno()
+        os.fsync(fd)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)  # an O_TMPFILE file gets a name
+        except OSError:
+            def copy(target: str) -> None:
+                with open(target, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
+                    src.seek(0)
+                    shutil.copyfileobj(src, dst, _READ_CHUNK)
+            writer.atomic_write_file(path, copy)
+            return path
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return path
+
+
+def save(out_dir: str, spool_key: dict, data: inputs.Dataset, report: dict | None = None) -> str:
+    """A read input (`inputs.read_dataset`) as the spool in `out_dir`."""
+    b = Builder(out_dir)
     for s in data.samples:
-        digest.update(_as("i", s.input_ids))
-    for s in data.samples:
-        digest.update(_as("b", s.loss_mask))
-    header = json.dumps({"key": spool_key, "samples": len(data.samples), "tokens": table[3][-1],
-                         "payload_blake2b": digest.hexdigest(), "skipped": data.skipped,
-                         "few_loss_tokens": [{**e, "cut": dataclasses.asdict(e["cut"])} if "cut" in e else e
-                                             for e in data.few_loss_tokens],
-                         "notes": data.notes}).encode()
-    path = os.path.join(out_dir, SPOOL_FILE)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            for a in table:
-                a.tofile(f)
-            for s in data.samples:
-                _as("i", s.input_ids).tofile(f)
-            for s in data.samples:
-                _as("b", s.loss_mask).tofile(f)
-    writer.atomic_write_file(path, write)
-    return path
-
-
-def _read(f: Any, typecode: str, count: int, digest: Any) -> array:
-    a = array(typecode)
-    a.fromfile(f, count)  # EOFError if the file is cut short
-    digest.update(a)
-    return a
+        b.append(s)
+    b.done(spool_key, data, report or {})
+    return b.keep(out_dir)
 
 
 def load(out_dir: str, spool_key: dict) -> inputs.Dataset | None:
-    """The input as an earlier run of this set read it, or None where there is no whole, undamaged spool made with
-    `spool_key`. Each sample's arrays are read on their own (no second copy of the whole input at any time)."""
+    """The input as an earlier run of this set read it (its samples read from the file when asked for; its data
+    report as `.report`), or None where there is no whole, undamaged spool made with `spool_key`. The payload's digest
+    is checked here, in one pass that holds no sample."""
     path = os.path.join(out_dir, SPOOL_FILE)
     try:
-        with os.fdopen(writer.open_no_follow(path, os.O_RDONLY), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if f.read(len(MAGIC)) != MAGIC:
-                return None
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size:
-                return None
-            header = json.loads(f.read(header_len))
-            if header.get("key") != spool_key:
-                return None
-            n, digest = int(header["samples"]), hashlib.blake2b(digest_size=16)
-            index, line = _read(f, "q", n, digest), _read(f, "q", n, digest)
-            cuts, offsets = _read(f, "i", len(_CUT_FIELDS) * n, digest), _read(f, "q", n + 1, digest)
-            lengths = [offsets[k + 1] - offsets[k] for k in range(n)]
-            if offsets[0] != 0 or min(lengths, default=0) < 0 or offsets[n] != header["tokens"]:
-                return None
-            ids = [_read(f, "i", length, digest) for length in lengths]
-            masks = [_read(f, "b", length, digest) for length in lengths]
-            if f.read(1) or digest.hexdigest() != header["payload_blake2b"]:
-                return None
-            width = len(_CUT_FIELDS)
-            samples = [inputs.Sample(index[k], ids[k], masks[k], line[k],
-                                     inputs.Cut(*cuts[width * k: width * (k + 1)])) for k in range(n)]
-            few = [{**e, "cut": inputs.Cut(**e["cut"])} if "cut" in e else e for e in header["few_loss_tokens"]]
-            return inputs.Dataset(samples, header["skipped"], few, header["notes"])
+        f = os.fdopen(writer.open_no_follow(path, os.O_RDONLY), "rb")
+    except OSError:
+        return None
+    try:
+        data = _opened(f, spool_key)
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error):
-        return None  # no spool, or not one this release can read: the input is read again
+        data = None  # not one this release can read: the input is read again
+    if data is None:
+        f.close()
+    return data
+
+
+def _opened(f: Any, spool_key: dict) -> inputs.Dataset | None:
+    size = os.fstat(f.fileno()).st_size
+    if size < len(MAGIC) + _FOOTER.size or f.read(len(MAGIC)) != MAGIC:
+        return None
+    f.seek(size - _FOOTER.size)
+    header_len, magic = _FOOTER.unpack(f.read(_FOOTER.size))
+    if magic != MAGIC or not 0 < header_len <= size - len(MAGIC) - _FOOTER.size:
+        return None
+    f.seek(size - _FOOTER.size - header_len)
+    header = json.loads(f.read(header_len))
+    if header.get("key") != spool_key:
+        return None
+    n, tokens = int(header["samples"]), int(header["tokens"])
+    table_at = size - _FOOTER.size - header_len - 16 * n
+    if n < 0 or tokens < 0 or table_at != len(MAGIC) + n * _RECORD.size + 5 * tokens:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    f.seek(len(MAGIC))
+    left = table_at + 16 * n - len(MAGIC)
+    while left:
+        chunk = f.read(min(left, 16 * _READ_CHUNK))
+        if not chunk:
+            return None
+        digest.update(chunk)
+        left -= len(chunk)
+    if digest.hexdigest() != header["payload_blake2b"]:
+        return None
+    f.seek(table_at)
+    offsets, indices = array("q"), array("q")
+    offsets.fromfile(f, n)
+    indices.fromfile(f, n)
+    if n and (offsets[0] != len(MAGIC) or any(b <= a for a, b in zip(offsets, offsets[1:]))
+              or any(b <= a for a, b in zip(indices, indices[1:]))):
+        return None
+    few = [{**e, "cut": inputs.Cut(**e["cut"])} if "cut" in e else e for e in header["few_loss_tokens"]]
+    data = inputs.Dataset(Samples(f, offsets, indices, tokens), header["skipped"], few, header["notes"])
+    data.report = header.get("report") or None
+    return data

@@ -20,6 +20,7 @@ import os
 import re
 import socket
 from datetime import datetime, timezone
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .. import settings
@@ -456,27 +457,41 @@ def first_mismatch(expected: Any, states: StatesExpected | None = None, threads:
             return exc
 
     import time
-    expected = list(expected)
+    expected = iter(expected)  # a million samples' tokens are never held at once: read one by one, or a window ahead
     started = time.monotonic()
-    head = [facts_or_error(e[0]) for e in expected[:PROBE_FILES if threads > 1 else 0]]
+    head = list(itertools.islice(expected, PROBE_FILES if threads > 1 else 0))
+    head_facts = [facts_or_error(e[0]) for e in head]
     waits_on_storage = bool(head) and (time.monotonic() - started) / len(head) > THREADS_PAY_FROM_S
-    rest = [e[0] for e in expected[len(head):]]
     pool = None
-    if waits_on_storage and len(rest) > 1:
+    if waits_on_storage:
         from concurrent.futures import ThreadPoolExecutor
         pool = ThreadPoolExecutor(threads, thread_name_prefix="eagle-compat-check")
-        read = pool.map(facts_or_error, rest)
+        rest = _read_ahead(pool, facts_or_error, expected, 4 * threads)
     else:
-        read = map(facts_or_error, rest)
+        rest = ((e, facts_or_error(e[0])) for e in expected)
     try:
-        return _first_mismatch(expected, itertools.chain(head, read), states, on_each)
+        return _first_mismatch(itertools.chain(zip(head, head_facts), rest), states, on_each)
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _first_mismatch(expected: list, read: Any, states: StatesExpected | None, on_each: Any) -> Mismatch | None:
-    for (path, ids, mask, what), facts in zip(expected, read):
+def _read_ahead(pool: Any, read: Any, expected: Any, window: int) -> Any:
+    """(e, read(e's path)) in order, at most `window` reads in flight."""
+    import collections
+    pending: collections.deque = collections.deque()
+    for e in expected:
+        pending.append((e, pool.submit(read, e[0])))
+        if len(pending) >= window:
+            e0, future = pending.popleft()
+            yield e0, future.result()
+    while pending:
+        e0, future = pending.popleft()
+        yield e0, future.result()
+
+
+def _first_mismatch(pairs: Any, states: StatesExpected | None, on_each: Any) -> Mismatch | None:
+    for (path, ids, mask, what), facts in pairs:
         if on_each is not None:
             on_each()
         if isinstance(facts, Exception):
@@ -548,21 +563,26 @@ def index_written(out_dir: str, index: int, path: str, ids: Any, mask: Any, stam
         os.close(fd)
 
 
-def read_index(out_dir: str) -> dict[int, dict]:
-    """The index's lines by sample index (the last line of a sample wins: a batch redone wrote it again)."""
-    entries: dict[int, dict] = {}
+def index_entries(out_dir: str) -> Iterator[dict]:
+    """The index's lines in the order they were written (a sample's later line is a later write of it: a batch
+    redone); a line cut short is left out (its file is read instead)."""
     try:
         f = open(os.path.join(out_dir, INDEX_FILE), encoding="utf-8", errors="replace")
     except FileNotFoundError:
-        return entries
+        return
     with f:
         for line in f:
             try:
                 entry = json.loads(line)
-                entries[int(entry["i"])] = entry
-            except (ValueError, KeyError, TypeError):  # a line cut short: its file is read instead
+                entry["i"] = int(entry["i"])
+            except (ValueError, KeyError, TypeError):
                 continue
-    return entries
+            yield entry
+
+
+def read_index(out_dir: str) -> dict[int, dict]:
+    """The index's lines by sample index (the last line of a sample wins: a batch redone wrote it again)."""
+    return {entry["i"]: entry for entry in index_entries(out_dir)}
 
 
 def trusted_by_index(entries: dict[int, dict], out_dir: str, index: int, path: str, ids: Any, mask: Any,
@@ -570,7 +590,12 @@ def trusted_by_index(entries: dict[int, dict], out_dir: str, index: int, path: s
     """Whether the index vouches for `path` as sample `index` with these tokens and mask and states of `stamp`: the
     same file (name, size, modification time to the nanosecond) that was written for them."""
     entry = entries.get(index)
-    if entry is None or stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
+    return entry is not None and entry_vouches(entry, out_dir, path, ids, mask, stamp)
+
+
+def entry_vouches(entry: dict, out_dir: str, path: str, ids: Any, mask: Any, stamp: str | None) -> bool:
+    """Whether one index line vouches for `path` (see trusted_by_index)."""
+    if stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
         return False
     try:
         st = os.stat(path)
@@ -593,16 +618,26 @@ def any_sample_file(out_dir: str) -> bool:
     return os.path.exists(os.path.join(out_dir, "state.json"))
 
 
+def iter_sample_files(out_dir: str) -> Iterator[str]:
+    """`sample_files`, in no order and without holding the list (a set of a million files)."""
+    if not os.path.isdir(out_dir):
+        return
+    for folder, prefix in ((out_dir, ""), (os.path.join(out_dir, "hidden_states"), "hidden_states/")):
+        if os.path.isdir(folder):
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    if SAMPLE_FILE.match(e.name):
+                        yield prefix + e.name
+    if os.path.exists(os.path.join(out_dir, "state.json")):
+        yield "state.json"
+
+
 def sample_files(out_dir: str) -> list[str]:
     """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
-    if not os.path.isdir(out_dir):
-        return []
-    found = sorted((f for f in os.listdir(out_dir) if SAMPLE_FILE.match(f)), key=lambda f: (len(f), f))
-    hs_dir = os.path.join(out_dir, "hidden_states")
-    if os.path.isdir(hs_dir):
-        found += [f"hidden_states/{f}" for f in sorted((f for f in os.listdir(hs_dir) if SAMPLE_FILE.match(f)),
-                                                       key=lambda f: (len(f), f))]
-    return found + (["state.json"] if os.path.exists(os.path.join(out_dir, "state.json")) else [])
+    found = list(iter_sample_files(out_dir))
+    return sorted((f for f in found if f.startswith("data") or f.startswith("hs")), key=lambda f: (len(f), f)) + \
+        sorted((f for f in found if f.startswith("hidden_states/")), key=lambda f: (len(f), f)) + \
+        (["state.json"] if "state.json" in found else [])
 
 
 def read_manifest(out_dir: str) -> dict | None:
