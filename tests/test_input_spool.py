@@ -169,3 +169,21 @@ def test_an_input_the_disk_cannot_hold_is_refused_before_out_is_made(tiny_llama,
     with pytest.raises(writer.OutputWriteError, match=r"tokenized input cannot be written in .*No space left"):
         job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_spool_is_linked_into_out_not_copied_where_the_file_system_can(tiny_llama, dataset, tmp_path,
+                                                                           fake_engine, monkeypatch):
+    try:
+        os.close(os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600))
+    except OSError:
+        pytest.skip("this file system has no O_TMPFILE: the spool is copied in")
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the spool was copied")
+    monkeypatch.setattr(spool.shutil, "copyfileobj", no_copy)
+    out = tmp_path / "out"
+    job.run(_opts(tiny_llama, dataset, out))
+    assert (out / spool.SPOOL_FILE).stat().st_nlink == 1
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+    with open(out / spool.SPOOL_FILE, "rb") as f:
+        assert spool.header_of(f)[0]["samples"] == 20

@@ -137,16 +137,18 @@ class ArrowLayout(_Layout):
 
 @dataclass(frozen=True)
 class Members:
-    """Which samples a set has, without a list of them: `count` samples (rows 0..count-1), `has_index(i)` whether
-    input index i is one."""
+    """Which samples a set has, without a list of them: `count` samples, `has_index(i)` whether input index i is
+    one, `has_row(r)` whether row r is one's (rows left out leave gaps)."""
     count: int
     has_index: Callable[[int], bool]
+    has_row: Callable[[int], bool]
 
     @classmethod
     def of(cls, placed: list) -> "Members":
         """From (index, row, ...) tuples or `Placed`s."""
-        indices = frozenset(p.index if isinstance(p, Placed) else p[0] for p in placed)
-        return cls(len(indices), indices.__contains__)
+        pairs = [(p.index, p.row) if isinstance(p, Placed) else (p[0], p[1]) for p in placed]
+        indices, rows = frozenset(i for i, _ in pairs), frozenset(r for _, r in pairs)
+        return cls(len(indices), indices.__contains__, rows.__contains__)
 
 
 def refuse_strays(fmt: _Layout, out: str, members: Members, finishes: str,
@@ -164,7 +166,7 @@ def refuse_strays(fmt: _Layout, out: str, members: Members, finishes: str,
             number = int(name.rsplit("_", 1)[1].split(".")[0])
         except ValueError:
             number = -1
-        ours = 0 <= number < members.count if fmt.arrow else number >= 0 and members.has_index(number)
+        ours = number >= 0 and (members.has_row(number) if fmt.arrow else members.has_index(number))
         if not ours or fmt.path(out, number, number)[len(prefix):] != name:  # a path takes the index or the row
             strays.append(name)
     if not strays:

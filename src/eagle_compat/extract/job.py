@@ -343,12 +343,14 @@ class RunPlan:
     def refuse_without_resume(self) -> None:
         if self.opts.resume:
             return
-        present = [os.path.basename(path) for path in itertools.starmap(self.path_at, self.mine.all_places())
-                   if os.path.exists(path)]
+        first, present = "", 0
+        for path in itertools.starmap(self.path_at, self.mine.all_places()):
+            if os.path.exists(path):
+                first, present = first or os.path.basename(path), present + 1
         if present:
             raise writer.OutputDirectoryConflict(
-                f"{self.out} already holds {len(present)} of this run's {self.mine.sample_count()} files "
-                f"({present[0]}, ...), made with these same settings; pass --resume to continue (batches with a "
+                f"{self.out} already holds {present} of this run's {self.mine.sample_count()} files "
+                f"({first}, ...), made with these same settings; pass --resume to continue (batches with a "
                 "missing file are redone), or choose another --out")
 
     def every_place(self, leaving_out: Any = ()) -> Iterator[tuple[int, int]]:
@@ -510,20 +512,23 @@ class Claim:
             self.manifest["left_out_non_finite"] = sorted(self.non_finite.values(), key=lambda e: e["index"])
 
 
-def _vouched_by_index(p: RunPlan, stamp: str | None) -> bytearray:
-    """For each row of the set, whether the directory's index vouches for its file (written by one of its runs for
-    these tokens, unchanged since): the index's lines are read in the order written, the last of a sample deciding
-    (a batch redone wrote it again); one byte a sample is held. Nothing is vouched for under --verify-kept."""
+def _vouched_by_index(p: RunPlan, stamp: str | None, wanted: bytearray | None = None) -> bytearray:
+    """For each row of the set (those `wanted` marks, or all), whether the directory's index vouches for its file
+    (written by one of its runs for these tokens, unchanged since): the index's lines are read in the order written,
+    the last of a sample deciding (a batch redone wrote it again); one byte a sample is held, and a sample's tokens
+    are read only where its file is the line's. Nothing is vouched for under --verify-kept."""
     vouched = bytearray(len(p.placed))
     if p.opts.verify_kept:
         return vouched
     for entry in writer.index_entries(p.out):
         row = p.placed.position_of(entry["i"])
-        if row is None:
+        if row is None or (wanted is not None and not wanted[row]):
             continue
-        s = p.placed[row]
-        path, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
-        vouched[row] = writer.entry_vouches(entry, p.out, path, ids, mask, stamp)
+        vouched[row] = writer.entry_matches_file(entry, p.out, p.path_at(entry["i"], row), stamp)
+        if vouched[row]:
+            s = p.placed[row]
+            _, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
+            vouched[row] = entry.get("d") == writer.tokens_digest(ids, mask)
     return vouched
 
 
@@ -615,7 +620,11 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
     vouches for those the directory's runs wrote, unchanged since: only the others are opened (every one, on
     several threads, with --verify-kept). No stray file of another set, and no extracting into a lossy conversion."""
     opts = p.opts
-    vouched = _vouched_by_index(p, states.stamp) if len(kept) else bytearray()
+    kept_rows = bytearray(len(p.placed))
+    for _, row in kept.all_places():
+        kept_rows[row] = 1
+    vouched = _vouched_by_index(p, states.stamp, kept_rows) if len(kept) else bytearray()
+    del kept_rows
     to_read = array("q", (row for index, row in kept.all_places() if index not in non_finite and not vouched[row]))
     del vouched
     with stages.counting("resume check: kept files read", len(to_read), "file") as read:

@@ -41,7 +41,8 @@ class PlacedSamples(Sequence):
     def members(self, leaving_out: Container[int] = ()) -> formats.Members:
         """The set's samples but those whose index is in `leaving_out` (a list of indices is never made)."""
         count = len(self) - sum(self.position_of(index) is not None for index in leaving_out)
-        return formats.Members(count, lambda index: index not in leaving_out and self.position_of(index) is not None)
+        return formats.Members(count, lambda index: index not in leaving_out and self.position_of(index) is not None,
+                               lambda row: 0 <= row < len(self) and self.indices[row] not in leaving_out)
 
     def files_at(self, fmt: Any, out: str, rows: Iterable[int]) -> Iterator[tuple]:
         """(path, token ids, loss mask, what names it) of the samples at `rows`, as writer.first_mismatch reads them."""

@@ -391,7 +391,9 @@ class _Pool:
         self.ray, self.opts, self.actors, self.stats = ray, opts, actors, stats
         self.manifest, self.this_run = manifest, this_run
         self.total = placement.sample_count(todo)
-        self.pending = collections.deque(_Item(k, todo) for k in range(len(todo)))
+        self.todo = todo
+        # batch numbers not yet sent, or a failed batch's item to send again (an item is made when first sent)
+        self.pending: collections.deque = collections.deque(range(len(todo)))
         self.alive = set(range(len(actors)))
         self.idle = collections.deque(range(len(actors)))
         self.in_flight: dict[Any, tuple[int, _Item]] = {}
@@ -412,7 +414,8 @@ class _Pool:
             while self.idle and self.pending:
                 rank = self.idle.popleft()
                 if rank in self.alive:
-                    self.send(rank, self.pending.popleft())
+                    item = self.pending.popleft()
+                    self.send(rank, item if isinstance(item, _Item) else _Item(item, self.todo))
             if not self.in_flight:
                 raise RayExtractError(f"every actor of the pool died ({MAX_RESTARTS} restarts each); "
                                       f"{len(self.pending)} batches not done")

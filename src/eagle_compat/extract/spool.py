@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import inputs, writer
+from . import inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
 MAGIC = b"EGCSPL03"
@@ -59,10 +59,11 @@ def tokenizer_files_sha256(model: str) -> str:
 
 
 def reading_code_sha256() -> str:
-    """The code that turns lines into samples (inputs.py) and lays the spool out (this file): a fix to either,
+    """The code that turns lines into samples (inputs.py), tallies their report (report.py, kept in the header) and
+    lays the spool out (this file): a fix to any,
     in any release or checkout, is another key (eagle_compat's version number alone would not say so)."""
     h = hashlib.sha256()
-    for module in (inputs, sys.modules[__name__]):
+    for module in (inputs, report, sys.modules[__name__]):
         with open(module.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -123,14 +124,17 @@ class Samples(Sequence):
         buf, at, pos = b"", 0, self.offsets[0] if len(self) else 0
         for _ in range(len(self)):
             if len(buf) - at < _RECORD.size:
-                buf, at = buf[at:] + os.pread(self._fd, _READ_CHUNK, pos), 0
-                pos += _READ_CHUNK
+                chunk = os.pread(self._fd, _READ_CHUNK, pos)
+                buf, at = buf[at:] + chunk, 0
+                pos += len(chunk)
             head = buf[at: at + _RECORD.size]
+            if len(head) < _RECORD.size:
+                raise EOFError("the spool ends inside a sample's record")
             need = _RECORD.size + 5 * _RECORD.unpack(head)[2]
             if len(buf) - at < need:
-                more = max(_READ_CHUNK, need)
-                buf, at = buf[at:] + os.pread(self._fd, more, pos), 0
-                pos += more
+                chunk = os.pread(self._fd, max(_READ_CHUNK, need), pos)
+                buf, at = buf[at:] + chunk, 0
+                pos += len(chunk)
                 if len(buf) < need:
                     raise EOFError(f"the spool ends inside a sample ({len(buf)} of {need} bytes)")
             yield self._parse(head, buf[at + _RECORD.size: at + need])
@@ -155,7 +159,10 @@ class Builder:
 
     def __init__(self, folder: str, on_append: Any = None):
         self.folder = folder
-        self._f = tempfile.TemporaryFile(dir=folder)  # O_TMPFILE where the file system has it
+        try:  # unnamed, and linkable later (tempfile's O_TMPFILE adds O_EXCL: never linkable)
+            self._f = os.fdopen(os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600), "w+b")
+        except (AttributeError, OSError):  # no O_TMPFILE here (NFS, say): a named file, unlinked at once
+            self._f = tempfile.TemporaryFile(dir=folder)
         self._on_append = on_append
         self._out = io.BufferedWriter(io.FileIO(os.dup(self._f.fileno()), "w"), _READ_CHUNK)
         self._digest = hashlib.blake2b(digest_size=16)
@@ -164,14 +171,16 @@ class Builder:
         self._put(MAGIC)
         self.header: dict | None = None
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, data: bytes, flush: bool = False) -> None:
         try:
             self._out.write(data)
+            if flush:
+                self._out.close()
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"the tokenized input cannot be written in {self.folder} ({exc.strerror or exc}): a run keeps it on "
                 f"--out's file system (5 bytes a token) instead of in memory; free space there") from None
-        if self._pos:  # the payload: everything after the first MAGIC
+        if self._pos and self._digest is not None:  # the payload: after the first MAGIC, before the header
             self._digest.update(data)
         self._pos += len(data)
 
@@ -199,8 +208,10 @@ class Builder:
                                            for e in data.few_loss_tokens],
                        "notes": data.notes, "report": report}
         header = json.dumps(self.header).encode()
-        self._out.write(header + _FOOTER.pack(len(header), MAGIC))
-        self._out.close()
+        self._digest = None
+        self._put(header + _FOOTER.pack(len(header), MAGIC))
+        self._put(b"", flush=True)
+        self._on_append = None  # what it kept alive (a report's tally) is no longer needed
         return Samples(self._f, self._offsets, self._indices, self._tokens)
 
     def close(self) -> None:
@@ -215,10 +226,12 @@ class Builder:
         path = os.path.join(out_dir, SPOOL_FILE)
         fd = self._f.fileno()
         os.fsync(fd)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)  # an O_TMPFILE file gets a name
+        tmp = f"{SPOOL_FILE}.tmp-{os.getpid()}"
+        folder = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # an O_TMPFILE file gets a name (linkat with AT_SYMLINK_FOLLOW: a dir fd makes Python call linkat)
+            os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=folder, follow_symlinks=True)
         except OSError:
+            os.close(folder)
             def copy(target: str) -> None:
                 with open(target, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
                     src.seek(0)
@@ -226,11 +239,14 @@ class Builder:
             writer.atomic_write_file(path, copy)
             return path
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, SPOOL_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+            os.fsync(folder)
         except OSError:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=folder)
             raise
+        finally:
+            os.close(folder)
         return path
 
 
@@ -261,8 +277,10 @@ def load(out_dir: str, spool_key: dict) -> inputs.Dataset | None:
     return data
 
 
-def _opened(f: Any, spool_key: dict) -> inputs.Dataset | None:
+def header_of(f: Any) -> tuple[dict, int] | None:
+    """A spool file's header and its length (None: not a spool of this layout)."""
     size = os.fstat(f.fileno()).st_size
+    f.seek(0)
     if size < len(MAGIC) + _FOOTER.size or f.read(len(MAGIC)) != MAGIC:
         return None
     f.seek(size - _FOOTER.size)
@@ -270,9 +288,15 @@ def _opened(f: Any, spool_key: dict) -> inputs.Dataset | None:
     if magic != MAGIC or not 0 < header_len <= size - len(MAGIC) - _FOOTER.size:
         return None
     f.seek(size - _FOOTER.size - header_len)
-    header = json.loads(f.read(header_len))
-    if header.get("key") != spool_key:
+    return json.loads(f.read(header_len)), header_len
+
+
+def _opened(f: Any, spool_key: dict) -> inputs.Dataset | None:
+    size = os.fstat(f.fileno()).st_size
+    found = header_of(f)
+    if found is None or found[0].get("key") != spool_key:
         return None
+    header, header_len = found
     n, tokens = int(header["samples"]), int(header["tokens"])
     table_at = size - _FOOTER.size - header_len - 16 * n
     if n < 0 or tokens < 0 or table_at != len(MAGIC) + n * _RECORD.size + 5 * tokens:

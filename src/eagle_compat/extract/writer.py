@@ -595,14 +595,19 @@ def trusted_by_index(entries: dict[int, dict], out_dir: str, index: int, path: s
 
 def entry_vouches(entry: dict, out_dir: str, path: str, ids: Any, mask: Any, stamp: str | None) -> bool:
     """Whether one index line vouches for `path` (see trusted_by_index)."""
+    return entry_matches_file(entry, out_dir, path, stamp) and entry.get("d") == tokens_digest(ids, mask)
+
+
+def entry_matches_file(entry: dict, out_dir: str, path: str, stamp: str | None) -> bool:
+    """Whether one index line is `path`'s as it is now (name, size, modification time) with states of `stamp`: the
+    part of `entry_vouches` that needs no tokens."""
     if stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
         return False
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m") and \
-        entry.get("d") == tokens_digest(ids, mask)
+    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m")
 
 
 def any_sample_file(out_dir: str) -> bool:
