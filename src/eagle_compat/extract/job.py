@@ -325,6 +325,10 @@ class RunPlan:
     left_out_lines: dict[int, int]  # samples the input has but the set leaves out: index -> input line
     spool_key: dict  # what made this read of the input (spool.key): a spool in --out with this key stands for it
     spool_made: spool.Builder | None  # this run's reading of the input, to keep in --out; None: read back from it
+    # the input is still being read (a new set of more than READ_AHEAD_LINES lines): `data` holds the samples read so
+    # far, `mine` waits for the rest; its left-out lines, notes and report come with `end_reading`
+    streaming: bool = False
+    reading_started: float = 0.0
 
     @property
     def from_spool(self) -> bool:  # the input was read back from --out's spool, not tokenized again
@@ -383,16 +387,18 @@ def plan(opts: ExtractOptions) -> RunPlan:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    data, spool_key, spool_made = _read_input(opts, max_len, vocab_size, settings)
+    reading_started = time.monotonic()
+    data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings)
     placed = placement.PlacedSamples(data.samples)
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
     left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
     shard_i, shard_n = opts.shard
     batch_count = -(-len(placed) // opts.batch_size)
+    mine = placement.StreamedBatches(placed, opts.batch_size, opts.shard, spool_made) if streaming else \
+        placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n))
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
-                       max_len, max_len_note, settings, data, placed,
-                       placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n)),
-                       left_out_lines, spool_key, spool_made)
+                       max_len, max_len_note, settings, data, placed, mine, left_out_lines, spool_key, spool_made,
+                       streaming, reading_started)
     the_plan.refuse_without_resume()
     return the_plan
 
@@ -418,15 +424,22 @@ def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
     return layer_ids
 
 
+# An input of more lines than this is read while the batches run (the first batch waits for its samples, not for the
+# whole input); a smaller one is read and checked whole before --out is touched.
+READ_AHEAD_LINES = 20_000
+
+
 def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
-                settings: dict) -> tuple[inputs.Dataset, dict, spool.Builder | None]:
-    """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none), with its stage
-    lines and notes; or read back from the spool an earlier run of this set left in --out, where everything that
-    made it is unchanged (spool.py). Either way the samples stay on disk (an unnamed file beside --out until the run
-    claims it), read when asked for. Returns (data, the spool's key for this read, this read's spool to keep in --out,
-    or None where it came from there)."""
+                settings: dict) -> tuple[inputs.Dataset, dict, spool.Builder | None, bool]:
+    """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none) on a thread of its
+    own, with its stage lines and notes; or read back from the spool an earlier run of this set left in --out, where
+    everything that made it is unchanged (spool.py). Either way the samples stay on disk (an unnamed file beside
+    --out until the run claims it), read when asked for. A new set (no sample file in --out, run here) whose input
+    has more than READ_AHEAD_LINES lines is not waited for: its reading goes on while the batches run (`streaming`).
+    Returns (data, the spool's key for this read, this read's spool to keep in --out, or None where it came from
+    there, whether the reading goes on)."""
     tokenizer_error = ""
-    reading_started = time.monotonic()
+    reading_started = time.monotonic()  # (plan's, to the same tenth of a second)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
@@ -437,25 +450,39 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
         "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens,
         "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
-    made = None
     if data is not None:
         stages.say(f"input read back from {spool.SPOOL_FILE} in --out (tokenized by an earlier run of this set, "
                    "from the same input, tokenizer and options)")
-    else:
-        tally = report.Tally()  # the data report, made as the samples go by (none is held)
-        made = _new_spool(opts.out, tally.add)
-        try:
-            with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
-                data = inputs.read_dataset(opts.data, tokenizer, max_len, vocab_size=vocab_size,
-                                           skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                                           min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error,
-                                           on_line=lines_read.add, into=made)
-            data.report = tally.report(max_len, {"--skip-uncovered": data.skipped,
-                                                 "--min-loss-tokens": data.few_loss_tokens})
-            data.samples = made.done(spool_key, data, data.report)
-        except BaseException:
-            made.close()
-            raise
+        _say_input(opts, data, reading_started)
+        return data, spool_key, None, False
+    made = _new_spool(opts.out)
+    streamable = opts.ray is None and not writer.any_sample_file(opts.out)
+    try:
+        with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
+            made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
+                       skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
+                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add)
+            ended = made.wait_lines(READ_AHEAD_LINES if streamable else None)
+        if not ended:
+            stages.say(f"input: the first {made.lines:,} lines read ({stages.plural(len(made.samples), 'sample')}); "
+                       "the rest is read while the batches run, and a line it cannot take stops the run there")
+            return inputs.Dataset(made.samples), spool_key, made, True
+        return _input_read(opts, made, spool_key, reading_started), spool_key, made, False
+    except BaseException:
+        made.close()
+        raise
+
+
+def _input_read(opts: ExtractOptions, made: spool.Builder, spool_key: dict, reading_started: float) -> inputs.Dataset:
+    """The reading's end: its left-out lines and notes, the data report of every sample, the spool's header."""
+    data = made.join()
+    data.samples = made.done(spool_key, data)
+    data.report = made.header["report"]
+    _say_input(opts, data, reading_started)
+    return data
+
+
+def _say_input(opts: ExtractOptions, data: inputs.Dataset, reading_started: float) -> None:
     left_out = [*data.skipped, *data.few_loss_tokens]
     stages.say(f"input read: {stages.plural(len(data.samples), 'sample')}, "
                f"{stages.plural(data.samples.tokens, 'token')}"
@@ -463,17 +490,16 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
                + f" ({time.monotonic() - reading_started:.1f} s)")
     for note in inputs.describe_notes(data.notes):
         print(f"extract: NOTE: {opts.data}: {note}", file=sys.stderr, flush=True)
-    return data, spool_key, made
 
 
-def _new_spool(out: str, on_append: Any) -> spool.Builder:
+def _new_spool(out: str) -> spool.Builder:
     """An unnamed file for the tokenized input, on --out's file system (in --out, or the folder it will be made in):
     nothing is visible there until the run claims --out, and it is gone if the run stops before."""
     folder = os.path.abspath(out)
     while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
     try:
-        return spool.Builder(folder, on_append)
+        return spool.Builder(folder, report.Tally())
     except OSError as exc:
         raise writer.OutputWriteError(f"--out {out!r}: the tokenized input cannot be written in {folder} "
                                       f"({exc.strerror or exc}); the run keeps it there, beside its files") from None
@@ -547,23 +573,21 @@ def claim(p: RunPlan) -> Claim:
     swept = writer.sweep_temp_files(opts.out)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
-    whole = [all(index in non_finite or os.path.exists(p.path_at(index, row)) for index, row in p.mine.places(j))
-             for j in range(len(p.mine))]  # a batch with every file (or left out) is kept; any other is redone
-    todo = p.mine.select([j for j, done in enumerate(whole) if not done])
-    kept = p.mine.select([j for j, done in enumerate(whole) if done])
-    del whole
+    todo, kept = _todo_and_kept(p, non_finite)
     first_kept = next((p.path_at(index, row) for index, row in kept.all_places() if index not in non_finite), None)
     states = _states_expected(p, record, first_kept)
-    _check_kept(p, kept, non_finite, states, record, todo)
+    if not p.streaming:  # (a set whose input is still being read is new: no file to keep or check)
+        _check_kept(p, kept, non_finite, states, record, todo)
     manifest = _manifest_for(p, record, replaced, versions, states.dtype)
     shard_i, shard_n = opts.shard
     this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
                 "versions": {**versions, "eagle_compat": __version__},
-                "batches_to_do": len(todo), "temp_files_swept": len(swept), "status": "running",
+                "batches_to_do": None if p.streaming else len(todo), "temp_files_swept": len(swept),
+                "status": "running",
                 "waited_for_earlier_writers_s": round(waited, 1), "skip_non_finite": opts.skip_non_finite,
                 "left_out_non_finite": []}  # filled by the runner under --skip-non-finite
-    mixed = report.versions_that_differ(manifest, versions) if record and len(todo) else {}  # files of both
+    mixed = report.versions_that_differ(manifest, versions) if record and (p.streaming or len(todo)) else {}
     if mixed:  # allowed (a kernel or capture fix may be why the run resumes), but never unsaid
         print("extract: NOTE: this directory's files so far were written with "
               + ", ".join(f"{k} {' / '.join(old)}" for k, (old, _) in mixed.items()) + "; this run uses "
@@ -572,11 +596,38 @@ def claim(p: RunPlan) -> Claim:
               file=sys.stderr, flush=True)
     manifest.setdefault("runs", []).append(this_run)
     manifest["status"] = "running"
-    if p.spool_made is not None:  # before the record says "running": a stop while it is kept leaves the record as it was
-        _keep_spool(p)
+    if p.spool_made is not None and not p.streaming:  # before the record says "running": a stop while it is kept
+        _keep_spool(p)  # leaves the record as it was (a streamed input's is kept when its reading ends)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
     return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
+
+
+def _todo_and_kept(p: RunPlan, non_finite: dict) -> tuple[placement.Batches, placement.Batches]:
+    """This shard's batches to do and those kept: a batch with every file (or left out for non-finite states) is
+    kept, any other redone whole. A set whose input is still being read is new: all of its batches are to do."""
+    if p.streaming:
+        if writer.any_sample_file(p.out):
+            raise writer.OutputDirectoryConflict(
+                f"{p.out} got sample files while this run read its input (another run wrote there since); rerun the "
+                "same command with --resume")
+        return p.mine, p.mine.select(())
+    whole = [all(index in non_finite or os.path.exists(p.path_at(index, row)) for index, row in p.mine.places(j))
+             for j in range(len(p.mine))]
+    return (p.mine.select([j for j, done in enumerate(whole) if not done]),
+            p.mine.select([j for j, done in enumerate(whole) if done]))
+
+
+def end_reading(p: RunPlan, c: Claim) -> None:
+    """A streamed input's reading, ended (its batches all ran): its left-out lines, notes and data report join the
+    plan and the record, and the spool is kept in --out."""
+    p.data = _input_read(p.opts, p.spool_made, p.spool_key, p.reading_started)
+    p.left_out_lines.update({i["index"]: i["line"] for i in [*p.data.skipped, *p.data.few_loss_tokens]
+                             if "index" in i})
+    p.streaming = False
+    _describe_input(c.manifest, p)
+    c.this_run["batches_to_do"] = len(c.todo)
+    _keep_spool(p)
 
 
 SPOOL_SAID_FROM_TOKENS = 50_000_000
@@ -658,29 +709,35 @@ def _manifest_for(p: RunPlan, record: dict | None, replaced: dict | None, versio
     """The directory's record as this run extends it (a new one for a new set), with this run's reading of the
     input, which every kept file was checked against (a newer transformers may cover a conversation an earlier run
     skipped): the record describes the set this run completes."""
-    data = p.data
     manifest = record or {
         "eagle_compat": __version__, "layer_convention": writer.LAYER_CONVENTION,
         "layer_ids": p.layer_ids, "num_layers": p.num_layers, "settings": p.settings, "max_len": p.max_len_note,
         "model_config": p.text_config.__dict__ if hasattr(p.text_config, "__dict__") else {},
         # every file of a set begun now carries a stamp: one without is foreign to it
         "stamped_files": True, "versions": versions, "runs": []}
-    manifest.update({
-        "num_samples_in_data": len(data.samples) + len(data.skipped) + len(data.few_loss_tokens),
-        "num_samples": len(data.samples), "skipped_uncovered": data.skipped,
-        "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
+    if not p.streaming:  # a streamed input's is described when its reading ends
+        _describe_input(manifest, p)
     if recorded_dtype and not manifest.get("engine_dtype") and not manifest.get("states_dtype"):
         manifest["engine_dtype"] = recorded_dtype  # read from the kept files (_states_expected)
     if replaced is not None:
         manifest["replaced_record_without_files"] = {"settings": replaced.get("settings"),
                                                      "runs": replaced.get("runs", [])}
-    left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
-    manifest["report"] = data.report or report.of_samples(data.samples, p.max_len, left_out)  # the whole input's
-    manifest["input_notes"] = data.notes
     manifest.setdefault("layers", layers.record(p.layer_ids, p.num_layers))
     for key, note in p.fmt.manifest_notes.items():
         manifest.setdefault(key, note)
     return manifest
+
+
+def _describe_input(manifest: dict, p: RunPlan) -> None:
+    """The record's description of the input as this run read it (what every kept file was checked against)."""
+    data = p.data
+    manifest.update({
+        "num_samples_in_data": len(data.samples) + len(data.skipped) + len(data.few_loss_tokens),
+        "num_samples": len(data.samples), "skipped_uncovered": data.skipped,
+        "left_out_few_loss_tokens": [{k: v for k, v in i.items() if k != "cut"} for i in data.few_loss_tokens]})
+    left_out = {"--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens}
+    manifest["report"] = data.report or report.of_samples(data.samples, p.max_len, left_out)  # the whole input's
+    manifest["input_notes"] = data.notes
 
 
 def runner_for(opts: ExtractOptions) -> Any:
@@ -695,7 +752,7 @@ def runner_for(opts: ExtractOptions) -> Any:
 
 def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
     """Phase 3: the batches to do, through the runner; a stop (Ctrl-C, an error) is recorded before it is raised."""
-    if not len(c.todo):
+    if not p.streaming and not len(c.todo):
         return 0, 0
     previous_handler = None
     if threading.current_thread() is threading.main_thread():
@@ -708,8 +765,9 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         c.this_run.update(status="interrupted", finished=datetime.now(timezone.utc).isoformat())
         c.manifest.update(status="incomplete")  # first: a second Ctrl-C may come while the files are counted
         _best_effort_json(c.manifest_path, c.manifest)
-        present = p.files_present(p.mine.all_places())
-        raise Interrupted(f"interrupted; {present} of this run's {p.mine.sample_count()} files are complete in "
+        present, total = p.files_present(p.mine.all_places()), p.mine.sample_count()
+        of_total = f"{present} of this run's {total}" if total is not None else f"{present} of this run's"
+        raise Interrupted(f"interrupted; {of_total} files are complete in "
                           f"{p.out} (no partial file is left); rerun the same command with --resume to "
                           "continue") from None
     except BaseException as exc:
@@ -718,6 +776,10 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
                           finished=datetime.now(timezone.utc).isoformat())
         c.manifest.update(status="incomplete", samples_present=p.files_present(p.every_place()))
         _best_effort_json(c.manifest_path, c.manifest)
+        if p.spool_made is not None and exc is p.spool_made.error:  # the input, read while the batches ran
+            raise InvalidInput(f"{exc}. The input was read while the batches ran (it has more than "
+                               f"{READ_AHEAD_LINES:,} lines): the files written before this line are kept, but a "
+                               "changed input is another set; extract it into a new --out") from None
         raise
     finally:
         if previous_handler is not None:
@@ -728,6 +790,8 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
     """Phase 4: the files counted and, for a whole set, checked and described for the trainer before the manifest
     says "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
     "incomplete", and --resume finishes it. Returns the run's summary."""
+    if p.streaming:
+        end_reading(p, c)
     c.record_non_finite()
     elapsed = time.time() - started
     present, complete = None, False
@@ -810,11 +874,15 @@ def run(opts: ExtractOptions) -> dict:
     (here or on Ray) -> finish the set."""
     started = time.time()
     the_plan = plan(opts)
-    if the_plan.opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
-        from . import ray_runner
-        ray_runner.connect(the_plan.opts.ray or None)
-    _make_out(the_plan.opts)
-    with writer.DirectoryLock(the_plan.out):
-        the_claim = claim(the_plan)
-        done_samples, done_tokens = run_batches(the_plan, the_claim)
-        return finish(the_plan, the_claim, done_samples, done_tokens, started)
+    try:
+        if the_plan.opts.ray is not None:  # a cluster that cannot be reached is refused before --out is written
+            from . import ray_runner
+            ray_runner.connect(the_plan.opts.ray or None)
+        _make_out(the_plan.opts)
+        with writer.DirectoryLock(the_plan.out):
+            the_claim = claim(the_plan)
+            done_samples, done_tokens = run_batches(the_plan, the_claim)
+            return finish(the_plan, the_claim, done_samples, done_tokens, started)
+    finally:
+        if the_plan.spool_made is not None:  # a reading still going stops; the file is let go
+            the_plan.spool_made.close()

@@ -77,10 +77,10 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
         started = asked = last_batch = time.monotonic()
         with pipeline.WriterPool(opts.writer_threads) as pool, \
                 contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
-            for n, (batch, results) in enumerate(batches, 1):
+            for batch, results in batches:
                 driver_waited_for_engine += time.monotonic() - asked
-                if n == len(todo):
-                    driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
+                # as of this batch: kept for the last one (the input may still be read: no count of batches yet)
+                driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
                 for s, r in zip(batch, results, strict=True):  # a result short would leave a sample without file
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)

@@ -6,6 +6,7 @@ bounded (about `max_pending` samples plus the ring) however slow the disk is.
 """
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
@@ -88,10 +89,18 @@ class WriterPool:
 
 def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[int]],
               prefetch: int = 1) -> Iterator[tuple[list[Any], list[dict]]]:
-    """(batch, results) for each batch, the engine running ahead by `prefetch` batches (see generate_batches)."""
-    results = gen.generate_batches(([ids_of(s) for s in b] for b in batches), prefetch=prefetch)
+    """(batch, results) for each batch, the engine running ahead by `prefetch` batches (see generate_batches).
+    `batches` is iterated once (by the engine's thread: it may wait for a batch whose input is still being read)."""
+    sent: collections.deque = collections.deque()
+
+    def token_ids() -> Iterator[list[list[int]]]:
+        for b in batches:
+            sent.append(b)
+            yield [ids_of(s) for s in b]
+    results = gen.generate_batches(token_ids(), prefetch=prefetch)
     try:
-        yield from zip(batches, results)
+        for r in results:
+            yield sent.popleft(), r
     finally:
         results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)
 

@@ -117,7 +117,39 @@ class Batches(Sequence):
         return row // self.size in self.numbers  # a shard's numbers are a range: no search
 
 
-def sample_count(batches: Sequence[Sequence[Any]]) -> int:
-    """The samples in `batches` (a view counts without reading any)."""
+class StreamedBatches(Batches):
+    """A shard's batches of a set whose input is still being read (`reading`, a spool.Builder on its own thread):
+    iterating waits for each batch's samples, and ends where the input does; the reading's error, where it met one,
+    is raised where its samples end. Counting and choosing are of the batches whose samples are all read so far
+    (every batch, once the reading has ended)."""
+
+    def __init__(self, placed: PlacedSamples, size: int, shard: tuple[int, int], reading: Any):
+        self.placed, self.size, self.reading = placed, size, reading
+        self.shard_i, self.shard_n = shard
+
+    @property
+    def numbers(self) -> range:  # type: ignore[override]
+        n = len(self.placed)
+        return range(self.shard_i, -(-n // self.size) if self.reading.finished else n // self.size, self.shard_n)
+
+    def __iter__(self) -> Iterator[list[formats.Placed]]:
+        b = self.shard_i
+        while True:
+            self.reading.wait_samples((b + 1) * self.size)
+            n = len(self.placed)
+            if b * self.size >= n:
+                return
+            yield [self.placed[r] for r in range(b * self.size, min((b + 1) * self.size, n))]
+            b += self.shard_n
+
+    def sample_count(self) -> int | None:
+        return super().sample_count() if self.reading.finished else None
+
+    def holds_row(self, row: int) -> bool:
+        return row // self.size % self.shard_n == self.shard_i
+
+
+def sample_count(batches: Sequence[Sequence[Any]]) -> int | None:
+    """The samples in `batches` (a view counts without reading any; None: a set whose input is still being read)."""
     count = getattr(batches, "sample_count", None)
     return count() if count is not None else sum(map(len, batches))

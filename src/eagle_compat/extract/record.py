@@ -20,7 +20,7 @@ class RunEntry(TypedDict, total=False):
     finished: str
     resume: bool
     versions: dict  # vllm, torch, transformers, speculators, python, eagle_compat
-    batches_to_do: int
+    batches_to_do: int | None  # None until a streamed input has been read (job.end_reading)
     temp_files_swept: int
     status: str  # running, complete, interrupted, "failed: ..."
     waited_for_earlier_writers_s: float

@@ -28,6 +28,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -153,29 +154,49 @@ class Samples(Sequence):
         self._f.close()
 
 
+class ReadingStopped(Exception):
+    """Raised into a reading of the input that the run no longer needs (it stopped, or was refused)."""
+
+
+PUBLISH_EVERY = 64  # samples written before readers may see them (a flush each)
+
+
 class Builder:
     """The spool written as the input is read: `append` each sample (its tokens go to the file at once), then `done`.
-    The file is unnamed (removed by the system when the run ends) until `keep` links it into --out."""
+    The file is unnamed (removed by the system when the run ends) until `keep` links it into --out.
 
-    def __init__(self, folder: str, on_append: Any = None):
+    The reading may run on a thread of its own (`start`): `samples` then grows as it goes (every PUBLISH_EVERY
+    samples, and at its end), and a reader waits for the samples it needs (`wait_samples`)."""
+
+    def __init__(self, folder: str, tally: report.Tally | None = None):
         self.folder = folder
         try:  # unnamed, and linkable later (tempfile's O_TMPFILE adds O_EXCL: never linkable)
             self._f = os.fdopen(os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600), "w+b")
         except (AttributeError, OSError):  # no O_TMPFILE here (NFS, say): a named file, unlinked at once
             self._f = tempfile.TemporaryFile(dir=folder)
-        self._on_append = on_append
+        self._tally = tally  # the data report, made as the samples go by
         self._out = io.BufferedWriter(io.FileIO(os.dup(self._f.fileno()), "w"), _READ_CHUNK)
         self._digest = hashlib.blake2b(digest_size=16)
-        self._offsets, self._indices = array("q"), array("q")
+        self._offsets, self._indices = array("q"), array("q")  # published: readers see these
+        self._new_offsets, self._new_indices = array("q"), array("q")  # written, not yet flushed
         self._pos = self._tokens = 0
         self._put(MAGIC)
         self.header: dict | None = None
+        self.samples = Samples(self._f, self._offsets, self._indices, 0)
+        self._changed = threading.Condition()
+        self.lines = 0  # input lines read so far
+        self.finished = self.stopped = False
+        self.error: BaseException | None = None
+        self.result: inputs.Dataset | None = None
+        self._thread: threading.Thread | None = None
 
-    def _put(self, data: bytes, flush: bool = False) -> None:
+    def _put(self, data: bytes, flush: bool = False, end: bool = False) -> None:
         try:
             self._out.write(data)
-            if flush:
+            if end:
                 self._out.close()
+            elif flush:
+                self._out.flush()
         except OSError as exc:
             raise writer.OutputWriteError(
                 f"the tokenized input cannot be written in {self.folder} ({exc.strerror or exc}): a run keeps it on "
@@ -185,37 +206,110 @@ class Builder:
         self._pos += len(data)
 
     def append(self, s: inputs.Sample) -> None:
-        self._offsets.append(self._pos)
-        self._indices.append(s.index)
+        if self.stopped:
+            raise ReadingStopped()
+        self._new_offsets.append(self._pos)
+        self._new_indices.append(s.index)
         length = len(s.input_ids)
         self._put(_RECORD.pack(s.index, s.line, length, *(getattr(s.cut, f) for f in _CUT_FIELDS)))
         self._put(_as("i", s.input_ids).tobytes())
         self._put(_as("b", s.loss_mask).tobytes())
         self._tokens += length
-        if self._on_append is not None:
-            self._on_append(s)
+        if self._tally is not None:
+            self._tally.add(s)
+        if len(self._new_offsets) >= PUBLISH_EVERY:
+            self._publish()
+
+    def _publish(self) -> None:
+        """What was written becomes readable: flushed to the file, then its offsets join `samples`."""
+        self._put(b"", flush=True)
+        with self._changed:
+            self._offsets.extend(self._new_offsets)
+            self._indices.extend(self._new_indices)
+            self.samples.tokens = self._tokens
+            del self._new_offsets[:], self._new_indices[:]
+            self._changed.notify_all()
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return len(self._offsets) + len(self._new_offsets)
 
-    def done(self, spool_key: dict, data: inputs.Dataset, report: dict) -> Samples:
-        """Ends the file (offsets, header, footer) and returns its samples, read from it."""
+    def line_read(self) -> None:
+        self.lines += 1
+
+    def start(self, read: Any, *args: Any, on_line: Any = None, **kwargs: Any) -> None:
+        """`read(*args, into=self, on_line=..., **kwargs)` (inputs.read_dataset) on a thread of its own; its result
+        or its error is kept for `join`."""
+        def counted() -> None:
+            self.line_read()
+            if on_line is not None:
+                on_line()
+
+        def reading() -> None:
+            try:
+                self.result = read(*args, into=self, on_line=counted, **kwargs)
+                self._publish()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (join, wait_samples)
+                self.error = exc
+            finally:
+                with self._changed:
+                    self.finished = True
+                    self._changed.notify_all()
+        self._thread = threading.Thread(target=reading, name="eagle-compat-input", daemon=True)
+        self._thread.start()
+
+    def wait_lines(self, lines: int | None) -> bool:
+        """Waits until the reading has read `lines` lines (None: all) or ended; returns whether it ended."""
+        with self._changed:
+            while not self.finished and (lines is None or self.lines < lines):
+                self._changed.wait(0.05)  # lines are counted without a notification
+            return self.finished
+
+    def wait_samples(self, count: int) -> None:
+        """Waits until `count` samples are readable or the reading ended; raises the reading's error where it ended
+        on one before them."""
+        with self._changed:
+            while len(self._offsets) < count and not self.finished:
+                self._changed.wait()
+        if len(self._offsets) < count and self.error is not None:
+            raise self.error
+
+    def join(self) -> inputs.Dataset:
+        """The reading's result, once it ended (its error raised)."""
+        self.wait_lines(None)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def stop(self) -> None:
+        """The reading ends at its next sample (the run no longer needs it)."""
+        self.stopped = True
+
+    def done(self, spool_key: dict, data: inputs.Dataset, data_report: dict | None = None) -> Samples:
+        """Ends the file (offsets, header, footer) and returns its samples, read from it. The header keeps the data
+        report: `data_report`, or the tally's (with --max-len as `spool_key` says)."""
+        if data_report is None and self._tally is not None:
+            data_report = self._tally.report(spool_key.get("reading", {}).get("max_len"), {
+                "--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens})
+        self._publish()
         self._put(self._offsets.tobytes() + self._indices.tobytes())
         payload_digest = self._digest.hexdigest()
         self.header = {"key": spool_key, "samples": len(self._offsets), "tokens": self._tokens,
                        "payload_blake2b": payload_digest, "skipped": data.skipped,
                        "few_loss_tokens": [{**e, "cut": dataclasses.asdict(e["cut"])} if "cut" in e else e
                                            for e in data.few_loss_tokens],
-                       "notes": data.notes, "report": report}
+                       "notes": data.notes, "report": data_report or {}}
         header = json.dumps(self.header).encode()
         self._digest = None
-        self._put(header + _FOOTER.pack(len(header), MAGIC))
-        self._put(b"", flush=True)
-        self._on_append = None  # what it kept alive (a report's tally) is no longer needed
-        return Samples(self._f, self._offsets, self._indices, self._tokens)
+        self._put(header + _FOOTER.pack(len(header), MAGIC), end=True)
+        self._tally = None  # 16 bytes a sample, no longer needed
+        return self.samples
 
     def close(self) -> None:
-        """The file dropped (a read that failed: nothing of it is kept)."""
+        """The file dropped (a read that failed, or a run that stopped: nothing of it is kept), its reading stopped
+        first."""
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         with contextlib.suppress(OSError):
             self._out.close()
         self._f.close()
@@ -255,7 +349,7 @@ def save(out_dir: str, spool_key: dict, data: inputs.Dataset, report: dict | Non
     b = Builder(out_dir)
     for s in data.samples:
         b.append(s)
-    b.done(spool_key, data, report or {})
+    b.done(spool_key, data, report)
     return b.keep(out_dir)
 
 

@@ -1,0 +1,105 @@
+"""A new set whose input has more than READ_AHEAD_LINES lines is read while its batches run (job._read_input,
+spool.Builder.start, placement.StreamedBatches): the first batch waits for its own samples, not for the whole input,
+and the set's files, record and kept spool are those of a run that read the input first. A line the reading cannot
+take stops the run there, naming it; what was written stays whole."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from eagle_compat.errors import InvalidInput
+from eagle_compat.extract import inputs, job, spool, writer
+
+from helpers import extract_options, write_dataset
+
+N = 40
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(tmp_path / "data.jsonl", N, 10, 40, seed=5, conversations_every=3)
+
+
+def _files(out) -> dict[str, bytes]:
+    return {f: (out / f).read_bytes() for f in sorted(os.listdir(out)) if f.startswith("data_") and f.endswith(".pt")}
+
+
+def _record(out) -> dict:
+    return json.loads((out / writer.MANIFEST).read_text())
+
+
+def _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after: int) -> dict:
+    """The input's reading waits after `hold_after` samples until the engine has run a batch (a hook, not a timing
+    window: where the first batch waits for the whole input, the reading is never let go and the test fails)."""
+    seen = {"batch_ran": threading.Event(), "held": False}
+    real_read, real_generate = inputs.read_dataset, fake_engine.generate
+
+    def generate(self, token_ids):
+        seen["batch_ran"].set()
+        return real_generate(self, token_ids)
+
+    class Holding:
+        def __init__(self, into):
+            self.into = into
+
+        def append(self, s):
+            self.into.append(s)
+            if len(self.into) == hold_after:
+                seen["held"] = seen["batch_ran"].wait(60)
+
+        def __len__(self):
+            return len(self.into)
+
+    def read(*args, into, **kwargs):
+        return real_read(*args, into=Holding(into), **kwargs)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    monkeypatch.setattr(inputs, "read_dataset", read)
+    return seen
+
+
+def test_a_large_new_set_runs_its_first_batch_before_its_input_is_read(tiny_llama, dataset, tmp_path, fake_engine,
+                                                                       monkeypatch):
+    first = tmp_path / "read_first"
+    job.run(extract_options(tiny_llama, dataset, first, max_len=32, min_loss_tokens=4))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
+    out = tmp_path / "streamed"
+    summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, min_loss_tokens=4))
+    assert seen["held"], "the first batch waited for the whole input"
+    assert summary["complete"] and _files(out) == _files(first)
+    streamed, read_first = _record(out), _record(first)
+    for key in ("num_samples", "num_samples_in_data", "skipped_uncovered", "left_out_few_loss_tokens", "report",
+                "input_notes", "status", "samples_present"):
+        assert streamed[key] == read_first[key], key
+    assert streamed["runs"][-1]["batches_to_do"] == read_first["runs"][-1]["batches_to_do"] > 0
+    assert streamed["runs"][-1]["report"] == read_first["runs"][-1]["report"]
+    # the spool it kept is the one a run reading first keeps: a resume reads it back
+    with open(out / writer.SPOOL_FILE, "rb") as a, open(first / writer.SPOOL_FILE, "rb") as b:
+        assert spool.header_of(a)[0] == spool.header_of(b)[0]
+
+
+def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_llama, tmp_path, fake_engine,
+                                                                           monkeypatch):
+    data = tmp_path / "data.jsonl"
+    write_dataset(data, N, 10, 40, seed=5, conversations_every=3)
+    lines = data.read_text().splitlines(keepends=True)
+    lines[29] = '{"input_ids": [1, 2,\n'  # line 30: cut short
+    data.write_text("".join(lines))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:30: .*read while the batches ran .*new --out"):
+        job.run(extract_options(tiny_llama, str(data), out, max_len=32))
+    assert seen["held"]
+    record = _record(out)
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"].startswith("failed")
+    written = _files(out)
+    assert 0 < len(written) == record["samples_present"]
+    assert not (out / writer.SPOOL_FILE).exists()  # a reading that failed is not kept
+    for name in written:  # every file written is whole and its sample's
+        assert writer.read_facts(str(out / name)).ids
