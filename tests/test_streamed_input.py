@@ -34,12 +34,20 @@ def _record(out) -> dict:
 def _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after: int) -> dict:
     """The input's reading waits after `hold_after` samples until the engine has run a batch (a hook, not a timing
     window: where the first batch waits for the whole input, the reading is never let go and the test fails)."""
-    seen = {"batch_ran": threading.Event(), "held": False}
-    real_read, real_generate = inputs.read_dataset, fake_engine.generate
+    seen = _reading_held(monkeypatch, hold_after)
+    real_generate = fake_engine.generate
 
     def generate(self, token_ids):
         seen["batch_ran"].set()
         return real_generate(self, token_ids)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    return seen
+
+
+def _reading_held(monkeypatch, hold_after: int) -> dict:
+    """The input's reading waits after `hold_after` samples until `seen["batch_ran"]` is set (60 s at most)."""
+    seen = {"batch_ran": threading.Event(), "held": False}
+    real_read = inputs.read_dataset
 
     class Holding:
         def __init__(self, into):
@@ -55,7 +63,6 @@ def _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after: int) -
 
     def read(*args, into, **kwargs):
         return real_read(*args, into=Holding(into), **kwargs)
-    monkeypatch.setattr(fake_engine, "generate", generate)
     monkeypatch.setattr(inputs, "read_dataset", read)
     return seen
 
@@ -103,3 +110,72 @@ def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_ll
     assert not (out / writer.SPOOL_FILE).exists()  # a reading that failed is not kept
     for name in written:  # every file written is whole and its sample's
         assert writer.read_facts(str(out / name)).ids
+
+
+def test_a_reading_that_fails_otherwise_is_not_called_a_bad_line(tiny_llama, dataset, tmp_path, fake_engine,
+                                                                 monkeypatch):
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
+    real_append = spool.Builder.append
+
+    def full_after_24(self, s):
+        if len(self) == 24:
+            raise writer.OutputWriteError("the tokenized input cannot be written in X (No space left on device)")
+        return real_append(self, s)
+    monkeypatch.setattr(spool.Builder, "append", full_after_24)
+    out = tmp_path / "out"
+    with pytest.raises(writer.OutputWriteError, match="No space left") as caught:
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert "read while the batches ran" not in str(caught.value)
+    assert _record(out)["status"] == "incomplete"
+
+
+def test_an_input_changed_while_it_is_read_is_refused_before_the_set_completes(tiny_llama, dataset, tmp_path,
+                                                                                fake_engine, monkeypatch):
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
+    real_generate = fake_engine.generate
+
+    def generate(self, token_ids):  # the input grows while the run reads it
+        if not seen["batch_ran"].is_set():
+            with open(dataset, "a") as f:
+                f.write(json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n")
+        return real_generate(self, token_ids)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match="changed while it was read"):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    record = _record(out)
+    assert record["status"] == "incomplete" and not (out / "data_config.json").exists()
+    assert not (out / writer.SPOOL_FILE).exists()
+
+
+def test_a_shard_whose_directory_got_files_while_it_read_goes_on_as_a_run_that_read_first(tiny_llama, dataset,
+                                                                                          tmp_path, fake_engine,
+                                                                                          monkeypatch):
+    whole = tmp_path / "whole"
+    job.run(extract_options(tiny_llama, dataset, whole, max_len=32))
+    out = tmp_path / "out"
+    job.run(extract_options(tiny_llama, dataset, out, max_len=32, shard=(0, 2)))
+    os.unlink(out / writer.SPOOL_FILE)  # (else shard 1 reads the input back instead of reading it)
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    seen = _reading_held(monkeypatch, hold_after=20)  # until the claim finds shard 0's files and waits for the rest
+    real_read_input, real_read_whole = job._read_input, job._read_whole
+
+    def read_whole(p):
+        seen["batch_ran"].set()
+        return real_read_whole(p)
+    monkeypatch.setattr(job, "_read_whole", read_whole)
+
+    def planned_before_shard_0_wrote(*args, **kwargs):  # the plan saw no file: shard 0 wrote between it and the lock
+        with monkeypatch.context() as m:
+            m.setattr(writer, "any_sample_file", lambda out_dir: False)
+            data, key, made, streaming = real_read_input(*args, **kwargs)
+        assert streaming
+        return data, key, made, streaming
+    monkeypatch.setattr(job, "_read_input", planned_before_shard_0_wrote)
+    summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, shard=(1, 2), resume=True))
+    assert seen["held"] and summary["complete"] and _files(out) == _files(whole)
+    assert _record(out)["num_samples"] == _record(whole)["num_samples"]

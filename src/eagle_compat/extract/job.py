@@ -329,6 +329,7 @@ class RunPlan:
     # far, `mine` waits for the rest; its left-out lines, notes and report come with `end_reading`
     streaming: bool = False
     reading_started: float = 0.0
+    input_identity: tuple = ()  # the input's inode, size and modification time when its reading began
 
     @property
     def from_spool(self) -> bool:  # the input was read back from --out's spool, not tokenized again
@@ -387,7 +388,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    reading_started = time.monotonic()
+    reading_started, input_identity = time.monotonic(), _input_identity(opts.data)
     data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings)
     placed = placement.PlacedSamples(data.samples)
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
@@ -398,7 +399,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
         placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n))
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed, mine, left_out_lines, spool_key, spool_made,
-                       streaming, reading_started)
+                       streaming, reading_started, input_identity)
     the_plan.refuse_without_resume()
     return the_plan
 
@@ -462,7 +463,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                        min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add)
-            ended = made.wait_lines(READ_AHEAD_LINES if streamable else None)
+            ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)
         if not ended:
             stages.say(f"input: the first {made.lines:,} lines read ({stages.plural(len(made.samples), 'sample')}); "
                        "the rest is read while the batches run, and a line it cannot take stops the run there")
@@ -606,11 +607,10 @@ def claim(p: RunPlan) -> Claim:
 def _todo_and_kept(p: RunPlan, non_finite: dict) -> tuple[placement.Batches, placement.Batches]:
     """This shard's batches to do and those kept: a batch with every file (or left out for non-finite states) is
     kept, any other redone whole. A set whose input is still being read is new: all of its batches are to do."""
+    if p.streaming and writer.any_sample_file(p.out):  # another run (a shard) wrote there since `plan`
+        _read_whole(p)
+        p.refuse_without_resume()
     if p.streaming:
-        if writer.any_sample_file(p.out):
-            raise writer.OutputDirectoryConflict(
-                f"{p.out} got sample files while this run read its input (another run wrote there since); rerun the "
-                "same command with --resume")
         return p.mine, p.mine.select(())
     whole = [all(index in non_finite or os.path.exists(p.path_at(index, row)) for index, row in p.mine.places(j))
              for j in range(len(p.mine))]
@@ -618,16 +618,39 @@ def _todo_and_kept(p: RunPlan, non_finite: dict) -> tuple[placement.Batches, pla
             p.mine.select([j for j, done in enumerate(whole) if done]))
 
 
+def _read_whole(p: RunPlan) -> None:
+    """A streamed input's reading waited for to its end (its left-out lines, notes and report join the plan): the
+    plan is then that of a run that read the input first. Refused where the input changed while it was read."""
+    data = _input_read(p.opts, p.spool_made, p.spool_key, p.reading_started)
+    if _input_identity(p.opts.data) != p.input_identity:
+        raise InvalidInput(f"--data {p.opts.data!r} changed while it was read (its size or modification time differs "
+                           "from the start of the run): the samples would not be those of the input the record "
+                           "names. Keep the input unchanged while a run reads it, and extract it into a new --out")
+    p.data = data
+    p.left_out_lines.update({i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i})
+    p.mine = placement.Batches(p.placed, p.opts.batch_size, p.mine.numbers)  # every batch, now it has ended
+    p.streaming = False
+
+
+def _input_identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def end_reading(p: RunPlan, c: Claim) -> None:
     """A streamed input's reading, ended (its batches all ran): its left-out lines, notes and data report join the
-    plan and the record, and the spool is kept in --out."""
-    p.data = _input_read(p.opts, p.spool_made, p.spool_key, p.reading_started)
-    p.left_out_lines.update({i["index"]: i["line"] for i in [*p.data.skipped, *p.data.few_loss_tokens]
-                             if "index" in i})
-    p.streaming = False
-    _describe_input(c.manifest, p)
-    c.this_run["batches_to_do"] = len(c.todo)
-    _keep_spool(p)
+    plan and the record, and the spool is kept in --out. A failure here (a full disk, Ctrl-C) is recorded."""
+    try:
+        _read_whole(p)
+        _describe_input(c.manifest, p)
+        c.this_run["batches_to_do"] = len(c.todo)
+        _keep_spool(p)
+    except BaseException as exc:
+        c.this_run.update(status=f"failed when the input's reading ended: {type(exc).__name__}: {str(exc)[:300]}",
+                          finished=datetime.now(timezone.utc).isoformat())
+        c.manifest.update(status="incomplete", samples_present=p.files_present(p.every_place()))
+        _best_effort_json(c.manifest_path, c.manifest)
+        raise
 
 
 SPOOL_SAID_FROM_TOKENS = 50_000_000
@@ -776,7 +799,7 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
                           finished=datetime.now(timezone.utc).isoformat())
         c.manifest.update(status="incomplete", samples_present=p.files_present(p.every_place()))
         _best_effort_json(c.manifest_path, c.manifest)
-        if p.spool_made is not None and exc is p.spool_made.error:  # the input, read while the batches ran
+        if p.spool_made is not None and exc is p.spool_made.error and isinstance(exc, InvalidInput):  # a line
             raise InvalidInput(f"{exc}. The input was read while the batches ran (it has more than "
                                f"{READ_AHEAD_LINES:,} lines): the files written before this line are kept, but a "
                                "changed input is another set; extract it into a new --out") from None

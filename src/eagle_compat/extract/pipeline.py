@@ -102,6 +102,9 @@ def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[i
         for r in results:
             yield sent.popleft(), r
     finally:
+        cancel = getattr(batches, "cancel", None)  # an input still being read: the engine's thread stops waiting
+        if cancel is not None:
+            cancel()
         results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)
 
 

@@ -129,8 +129,13 @@ class StreamedBatches(Batches):
 
     @property
     def numbers(self) -> range:  # type: ignore[override]
+        finished = self.reading.finished  # first: the count read after it is at least what it had then
         n = len(self.placed)
-        return range(self.shard_i, -(-n // self.size) if self.reading.finished else n // self.size, self.shard_n)
+        return range(self.shard_i, -(-n // self.size) if finished else n // self.size, self.shard_n)
+
+    def cancel(self) -> None:
+        """The reading stops: no batch is waited for any more (the run stopped early)."""
+        self.reading.stop()
 
     def __iter__(self) -> Iterator[list[formats.Placed]]:
         b = self.shard_i

@@ -223,9 +223,9 @@ class Builder:
     def _publish(self) -> None:
         """What was written becomes readable: flushed to the file, then its offsets join `samples`."""
         self._put(b"", flush=True)
-        with self._changed:
-            self._offsets.extend(self._new_offsets)
+        with self._changed:  # indices first: a reader counts samples by their offsets
             self._indices.extend(self._new_indices)
+            self._offsets.extend(self._new_offsets)
             self.samples.tokens = self._tokens
             del self._new_offsets[:], self._new_indices[:]
             self._changed.notify_all()
@@ -240,6 +240,8 @@ class Builder:
         """`read(*args, into=self, on_line=..., **kwargs)` (inputs.read_dataset) on a thread of its own; its result
         or its error is kept for `join`."""
         def counted() -> None:
+            if self.stopped:
+                raise ReadingStopped()
             self.line_read()
             if on_line is not None:
                 on_line()
@@ -268,10 +270,12 @@ class Builder:
         """Waits until `count` samples are readable or the reading ended; raises the reading's error where it ended
         on one before them."""
         with self._changed:
-            while len(self._offsets) < count and not self.finished:
+            while len(self._offsets) < count and not self.finished and not self.stopped:
                 self._changed.wait()
         if len(self._offsets) < count and self.error is not None:
             raise self.error
+        if len(self._offsets) < count and self.stopped and not self.finished:
+            raise ReadingStopped()
 
     def join(self) -> inputs.Dataset:
         """The reading's result, once it ended (its error raised)."""
@@ -281,8 +285,10 @@ class Builder:
         return self.result
 
     def stop(self) -> None:
-        """The reading ends at its next sample (the run no longer needs it)."""
-        self.stopped = True
+        """The reading ends at its next line (the run no longer needs it); whoever waits for samples stops waiting."""
+        with self._changed:
+            self.stopped = True
+            self._changed.notify_all()
 
     def done(self, spool_key: dict, data: inputs.Dataset, data_report: dict | None = None) -> Samples:
         """Ends the file (offsets, header, footer) and returns its samples, read from it. The header keeps the data
