@@ -179,3 +179,33 @@ def test_a_shard_whose_directory_got_files_while_it_read_goes_on_as_a_run_that_r
     summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, shard=(1, 2), resume=True))
     assert seen["held"] and summary["complete"] and _files(out) == _files(whole)
     assert _record(out)["num_samples"] == _record(whole)["num_samples"]
+
+
+def test_a_streamed_run_stopped_after_its_reading_ended_leaves_the_tokenized_input_for_its_resume(
+        tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
+    first = tmp_path / "read_first"
+    job.run(extract_options(tiny_llama, dataset, first, max_len=32))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    out = tmp_path / "out"
+    real_generate, batches = fake_engine.generate, []
+
+    def generate(self, token_ids):  # stopped (Ctrl-C) at the third batch, once the reading has ended
+        batches.append(1)
+        if len(batches) == 3:
+            for _ in range(600):
+                if (out / writer.SPOOL_FILE).exists():
+                    break
+                threading.Event().wait(0.1)
+            raise KeyboardInterrupt
+        return real_generate(self, token_ids)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    with pytest.raises(KeyboardInterrupt):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert (out / writer.SPOOL_FILE).exists(), "the spool is kept when the reading ends, not when the set does"
+    monkeypatch.setattr(fake_engine, "generate", real_generate)
+    tokenized = []
+    real_read = inputs.read_dataset
+    monkeypatch.setattr(inputs, "read_dataset", lambda *a, **k: tokenized.append(1) or real_read(*a, **k))
+    summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
+    assert not tokenized and summary["complete"] and _files(out) == _files(first)

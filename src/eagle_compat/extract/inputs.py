@@ -309,7 +309,8 @@ def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
                  check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
                  on_line: Any = None, into: Any = None) -> Dataset:
-    """Every line parsed and tokenized (the whole file, before any engine starts). Samples with fewer than
+    """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
+    start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
     line (the run's progress); `into`: where the samples go (anything with append and len; a list by default)."""
     data = Dataset(into if into is not None else [])

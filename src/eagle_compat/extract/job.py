@@ -388,7 +388,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    reading_started, input_identity = time.monotonic(), _input_identity(opts.data)
+    reading_started, input_identity = time.monotonic(), spool.input_identity(opts.data)
     data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings)
     placed = placement.PlacedSamples(data.samples)
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
@@ -598,7 +598,9 @@ def claim(p: RunPlan) -> Claim:
     manifest.setdefault("runs", []).append(this_run)
     manifest["status"] = "running"
     if p.spool_made is not None and not p.streaming:  # before the record says "running": a stop while it is kept
-        _keep_spool(p)  # leaves the record as it was (a streamed input's is kept when its reading ends)
+        _keep_spool(p)  # leaves the record as it was
+    elif p.streaming:  # kept when its reading ends, by the reading's thread: a run stopped later leaves it
+        p.spool_made.keep_when_read(p.out, p.spool_key, p.opts.data, p.input_identity)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
     return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
@@ -622,7 +624,7 @@ def _read_whole(p: RunPlan) -> None:
     """A streamed input's reading waited for to its end (its left-out lines, notes and report join the plan): the
     plan is then that of a run that read the input first. Refused where the input changed while it was read."""
     data = _input_read(p.opts, p.spool_made, p.spool_key, p.reading_started)
-    if _input_identity(p.opts.data) != p.input_identity:
+    if spool.input_identity(p.opts.data) != p.input_identity:
         raise InvalidInput(f"--data {p.opts.data!r} changed while it was read (its size or modification time differs "
                            "from the start of the run): the samples would not be those of the input the record "
                            "names. Keep the input unchanged while a run reads it, and extract it into a new --out")
@@ -632,11 +634,6 @@ def _read_whole(p: RunPlan) -> None:
     p.streaming = False
 
 
-def _input_identity(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def end_reading(p: RunPlan, c: Claim) -> None:
     """A streamed input's reading, ended (its batches all ran): its left-out lines, notes and data report join the
     plan and the record, and the spool is kept in --out. A failure here (a full disk, Ctrl-C) is recorded."""
@@ -644,7 +641,10 @@ def end_reading(p: RunPlan, c: Claim) -> None:
         _read_whole(p)
         _describe_input(c.manifest, p)
         c.this_run["batches_to_do"] = len(c.todo)
-        _keep_spool(p)
+        if p.spool_made.keep_error is not None:
+            _spool_not_kept(p.spool_made.keep_error)
+        elif p.spool_made.kept_at is None:
+            _keep_spool(p)
     except BaseException as exc:
         c.this_run.update(status=f"failed when the input's reading ended: {type(exc).__name__}: {str(exc)[:300]}",
                           finished=datetime.now(timezone.utc).isoformat())
@@ -665,8 +665,12 @@ def _keep_spool(p: RunPlan) -> None:
     try:
         p.spool_made.keep(p.out)
     except OSError as exc:
-        print(f"extract: NOTE: the tokenized input could not be kept in --out ({exc.strerror or exc}); a --resume "
-              "will tokenize the input again", file=sys.stderr, flush=True)
+        _spool_not_kept(exc)
+
+
+def _spool_not_kept(exc: OSError) -> None:
+    print(f"extract: NOTE: the tokenized input could not be kept in --out ({exc.strerror or exc}); a --resume "
+          "will tokenize the input again", file=sys.stderr, flush=True)
 
 
 def _states_expected(p: RunPlan, record: dict | None, first_kept: str | None) -> writer.StatesExpected:

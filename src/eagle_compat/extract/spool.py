@@ -189,6 +189,10 @@ class Builder:
         self.error: BaseException | None = None
         self.result: inputs.Dataset | None = None
         self._thread: threading.Thread | None = None
+        self._keep: tuple | None = None  # (out_dir, key, input path, its identity): keep it there when read
+        self._read_ended = False
+        self.kept_at: str | None = None
+        self.keep_error: OSError | None = None
 
     def _put(self, data: bytes, flush: bool = False, end: bool = False) -> None:
         try:
@@ -252,12 +256,34 @@ class Builder:
                 self._publish()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (join, wait_samples)
                 self.error = exc
-            finally:
-                with self._changed:
-                    self.finished = True
-                    self._changed.notify_all()
+            with self._changed:  # with keep_when_read's: exactly one of the two keeps the spool
+                self._read_ended, keep = True, self._keep
+            if keep is not None and self.error is None:
+                self._keep_read(*keep)
+            with self._changed:
+                self.finished = True
+                self._changed.notify_all()
         self._thread = threading.Thread(target=reading, name="eagle-compat-input", daemon=True)
         self._thread.start()
+
+    def keep_when_read(self, out_dir: str, spool_key: dict, input_path: str, identity: tuple) -> None:
+        """The spool kept in `out_dir` as soon as the reading ends well (by the reading's thread, long before the
+        batches end), so that a run stopped later leaves it for its resume; at once where the reading has ended. Not
+        where the input file changed while it was read (`identity`: its inode, size and modification time)."""
+        with self._changed:
+            self._keep = (out_dir, spool_key, input_path, identity)
+            ended = self._read_ended
+        if ended and self.error is None:
+            self._keep_read(*self._keep)
+
+    def _keep_read(self, out_dir: str, spool_key: dict, input_path: str, identity: tuple) -> None:
+        if self.kept_at is not None or input_identity(input_path) != identity:
+            return
+        try:
+            self.done(spool_key, self.result)
+            self.kept_at = self.keep(out_dir)
+        except OSError as exc:  # said by the run when the reading's end is recorded; the next run reads again
+            self.keep_error = exc
 
     def wait_lines(self, lines: int | None) -> bool:
         """Waits until the reading has read `lines` lines (None: all) or ended; returns whether it ended."""
@@ -292,7 +318,10 @@ class Builder:
 
     def done(self, spool_key: dict, data: inputs.Dataset, data_report: dict | None = None) -> Samples:
         """Ends the file (offsets, header, footer) and returns its samples, read from it. The header keeps the data
-        report: `data_report`, or the tally's (with --max-len as `spool_key` says)."""
+        report: `data_report`, or the tally's (with --max-len as `spool_key` says). Once: later calls return the
+        samples."""
+        if self.header is not None:
+            return self.samples
         if data_report is None and self._tally is not None:
             data_report = self._tally.report(spool_key.get("reading", {}).get("max_len"), {
                 "--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens})
@@ -348,6 +377,12 @@ class Builder:
         finally:
             os.close(folder)
         return path
+
+
+def input_identity(path: str) -> tuple[int, int, int]:
+    """A file's inode, size and modification time: another value means it was replaced or written since."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def save(out_dir: str, spool_key: dict, data: inputs.Dataset, report: dict | None = None) -> str:
