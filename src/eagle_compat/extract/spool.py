@@ -141,18 +141,6 @@ class Samples(Sequence):
             yield self._parse(head, buf[at + _RECORD.size: at + need])
             at += need
 
-    def length_of(self, k: int) -> int:
-        return _RECORD.unpack(os.pread(self._fd, _RECORD.size, self.offsets[k]))[2]
-
-    def position_of(self, index: int) -> int | None:
-        """The sample with input index `index` (its rank in the set), or None where the set has none."""
-        import bisect
-        k = bisect.bisect_left(self.indices, index)
-        return k if k < len(self.indices) and self.indices[k] == index else None
-
-    def close(self) -> None:
-        self._f.close()
-
 
 class ReadingStopped(Exception):
     """Raised into a reading of the input that the run no longer needs (it stopped, or was refused)."""
