@@ -152,10 +152,11 @@ def _batch_order(out: dict, family: str, dtype: str, device: str) -> "parity.Che
         apart = [r for half in halves for r in gen.generate(half)]
         out["model_runner"] = gen.executor.collective_rpc(_runner_class)[0]
         # more requests than the runner has slots (max_num_seqs): each batch's must have been freed by the next
-        # (engine.schedule; the V2 runner failed with "No free indices" when they were not)
+        # (engine.scheduling.schedule; the V2 runner failed with "No free indices" when they were not)
         for _ in range(-(-gen.vllm_config.scheduler_config.max_num_seqs // len(batch)) + 1):
             gen.generate(batch)
-        out["requests_held_after"] = max(map(len, gen.executor.collective_rpc(engine.requests_held_by_runner)))
+        held = gen.executor.collective_rpc(engine.scheduling.requests_held_by_runner)
+        out["requests_held_after"] = max(map(len, held))
         engine_dtype = str(gen.vllm_config.model_config.dtype)
     out["batched_vs_alone"] = _self_consistency(results, alone)
     out["pipelined_vs_generate"] = _self_consistency(piped, apart)

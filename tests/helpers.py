@@ -39,7 +39,7 @@ def assert_workers_hold_only_the_last_batch(gen) -> None:
         gen.generate(prompts(4, 5, 30, seed=seed))
     last = prompts(2, 5, 30, seed=99)
     gen.generate(last)
-    replies = gen.executor.collective_rpc(engine.requests_held_by_runner)
+    replies = gen.executor.collective_rpc(engine.scheduling.requests_held_by_runner)
     assert replies, "no worker answered"
     for held in replies:
         batches = {rid.rsplit("_", 1)[0] for rid in held}  # ids are BATCH_INDEX (eagle_N_i, speculators' req_N_i)

@@ -52,7 +52,7 @@ def test_big_batch_equals_alone_fp32(fp32_generator):
 
 def test_the_workers_hear_that_each_batchs_requests_finished(fp32_generator):
     """A step's finished requests reach the workers with the next output; the one after a batch's last step schedules
-    nothing and is not sent, so its finished ids must go with the next batch (engine.schedule): otherwise the V1
+    nothing and is not sent, so its finished ids must go with the next batch (scheduling.schedule): otherwise the V1
     runner keeps every request for the engine's life and the V2 runner fails after max_num_seqs ('No free
     indices', vLLM 0.27.1 on the H200)."""
     assert_workers_hold_only_the_last_batch(fp32_generator[3])
@@ -168,7 +168,7 @@ def test_failure_inside_vllms_own_worker_code_keeps_its_type_and_traceback(fp32_
 
     _, _, _, gen = fp32_generator
     with pytest.raises(WorkerError, match="no_such_worker_method") as info:
-        gen._translated(engine.rpc_rank0, "no_such_worker_method")(gen.executor, "no_such_worker_method")
+        gen._translated(engine.rpc.rpc_rank0, "no_such_worker_method")(gen.executor, "no_such_worker_method")
     assert info.value.exc_type == "AttributeError" and "Traceback" in info.value.remote_traceback
     assert gen.generate([[7, 8]])[0]["hidden_states"][0].shape[0] == 2  # the engine is still usable
 
@@ -262,7 +262,7 @@ def test_batches_of_many_steps_queue_without_filling_vllms_message_rings():
     batches = [prompts(40, 20, 60, seed=40 + k) for k in range(4)]
     with VllmHiddenStatesGenerator(path, layer_ids=[1, 3], max_model_len=128, max_num_batched_tokens=128,
                                    gpu_memory_utilization=0.3, dtype="float32") as gen:
-        assert engine.can_queue_calls(gen.executor)
+        assert engine.rpc.can_queue_calls(gen.executor)
         got: list = []
         runner = threading.Thread(target=lambda: got.extend(gen.generate_batches(iter(batches), prefetch=0)),
                                   daemon=True)
@@ -283,7 +283,7 @@ def test_where_calls_cannot_be_queued_each_completes_first_with_the_same_results
     _, _, layer_ids, gen = fp32_generator
     batches = [prompts(3, 5, 120, seed=60 + k) for k in range(4)]
     queued = list(gen.generate_batches(iter(batches), prefetch=0))
-    monkeypatch.setattr(engine, "can_queue_calls", lambda executor: False)
+    monkeypatch.setattr(engine.rpc, "can_queue_calls", lambda executor: False)
     one_by_one = list(gen.generate_batches(iter(batches), prefetch=1))
     assert all(f.done() for _, f in gen._sent)  # nothing was left outstanding
     for want, got in zip(queued, one_by_one):

@@ -99,4 +99,4 @@ def test_speculators_steps_run_with_eagle_compats_step_deadline(monkeypatch):
     finally:
         gen.executor.shutdown()
         eagle_compat.uninstall()
-    assert seen and set(seen) == {engine.STEP_DEADLINE_S}, seen
+    assert seen and set(seen) == {engine.rpc.STEP_DEADLINE_S}, seen

@@ -12,28 +12,28 @@ KEY = "EAGLE_COMPAT_TEST_HELD_VARIABLE"
 
 def test_a_variable_stays_until_its_last_holder_releases_it(monkeypatch):
     monkeypatch.delenv(KEY, raising=False)
-    a = engine.apply_env({KEY: "1500"})
-    b = engine.apply_env({KEY: "1500"})
+    a = engine.process_env.apply_env({KEY: "1500"})
+    b = engine.process_env.apply_env({KEY: "1500"})
     assert a == b == [KEY] and os.environ[KEY] == "1500"
-    engine.release_env(a)  # generator A closes
+    engine.process_env.release_env(a)  # generator A closes
     assert os.environ.get(KEY) == "1500"  # B still runs with it
-    engine.release_env(b)
+    engine.process_env.release_env(b)
     assert KEY not in os.environ
 
 
 def test_the_users_own_setting_is_never_changed_or_removed(monkeypatch):
     monkeypatch.setenv(KEY, "42")
-    held = engine.apply_env({KEY: "1500"})
+    held = engine.process_env.apply_env({KEY: "1500"})
     assert held == [] and os.environ[KEY] == "42"
-    engine.release_env(held)
+    engine.process_env.release_env(held)
     assert os.environ[KEY] == "42"
 
 
 def test_a_value_changed_by_the_user_meanwhile_is_left_alone(monkeypatch):
     monkeypatch.delenv(KEY, raising=False)
-    held = engine.apply_env({KEY: "1500"})
+    held = engine.process_env.apply_env({KEY: "1500"})
     os.environ[KEY] = "7"  # the user's code changed it while the generator ran
-    engine.release_env(held)
+    engine.process_env.release_env(held)
     assert os.environ[KEY] == "7"
 
 
@@ -44,10 +44,10 @@ def test_the_list_of_what_we_set_keeps_what_this_process_inherited_from_the_run(
     inherited = "EAGLE_COMPAT_TEST_INHERITED_VARIABLE"
     monkeypatch.setenv(inherited, "1")
     monkeypatch.setenv(startup.SET_ENV_LIST, inherited)
-    monkeypatch.setattr(engine, "_INHERITED_SET_ENV", frozenset({inherited}))
+    monkeypatch.setattr(engine.process_env, "_INHERITED_SET_ENV", frozenset({inherited}))
     monkeypatch.delenv(KEY, raising=False)
-    held = engine.apply_env({KEY: "1500", inherited: "1"})
+    held = engine.process_env.apply_env({KEY: "1500", inherited: "1"})
     assert held == [KEY]  # the inherited one counts as set before us
     assert set(os.environ[startup.SET_ENV_LIST].split(",")) == {KEY, inherited}
-    engine.release_env(held)
+    engine.process_env.release_env(held)
     assert os.environ[startup.SET_ENV_LIST] == inherited and os.environ[inherited] == "1"

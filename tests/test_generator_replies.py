@@ -32,10 +32,10 @@ def test_a_call_whose_reply_is_left_unread_closes_the_generator(monkeypatch, pat
         raise failure("RPC call to execute_model timed out." if failure is TimeoutError else "")
     gen = _generator()
     if path == "blocking":  # _rpc0: vLLM's own blocking collective_rpc
-        monkeypatch.setattr(engine, "rpc_rank0", fails)
+        monkeypatch.setattr(engine.rpc, "rpc_rank0", fails)
         call = lambda: gen._rpc0("eagle_compat_describe")  # noqa: E731
     else:  # _submit where vLLM cannot queue calls (0.11.x): the call waits for its reply inside
-        monkeypatch.setattr(engine, "submit", fails)
+        monkeypatch.setattr(engine.rpc, "submit", fails)
         call = lambda: gen._submit("eagle_compat_finish", "b0")  # noqa: E731
     with pytest.raises(failure):
         call()
@@ -48,7 +48,7 @@ def test_a_workers_own_failure_reply_keeps_the_generator_open(monkeypatch):
     def worker_failed(*args, **kwargs):
         raise RuntimeError("Worker failed with error 'boom', please check the stack trace above for the root cause")
     gen = _generator()
-    monkeypatch.setattr(engine, "rpc_rank0", worker_failed)
+    monkeypatch.setattr(engine.rpc, "rpc_rank0", worker_failed)
     with pytest.raises(Exception, match="boom"):
         gen._rpc0("eagle_compat_describe")
     assert gen.executor is not None and Executor.shut_down == 0

@@ -102,7 +102,7 @@ FLOORS = [
     ("facts about the installation, the worker's error channel and handshake",
      {"detect", "environment", "remote_errors", "capture.handshake"}),
     ("vLLM's internals behind adapters, and the capture that runs in vLLM's workers",
-     {"engine", "capture.resolver", "capture.worker"}),
+     {"engine", "engine.*", "capture.resolver", "capture.worker"}),
     ("patch units and their registry", {"patches", "patches.*"}),
     ("install() and the processes it reaches", {"installer", "workarounds", "plugin", "launcher"}),
     ("the stable generator, and the models tests and preflight build", {"generator", "tiny_models",

@@ -104,7 +104,7 @@ def test_speculators_refuses_a_kv_cache_smaller_than_one_max_model_len_prompt(mo
         specs = executor.collective_rpc("get_kv_cache_spec")[0]
         return 3 * sum(spec.page_size_bytes for spec in specs.values())
 
-    monkeypatch.setattr(engine, "kv_budget", three_blocks)  # what cpu_kv_budget answers speculators with
+    monkeypatch.setattr(engine.kv_cache, "kv_budget", three_blocks)  # what cpu_kv_budget answers speculators with
     eagle_compat.install()
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
     with pytest.raises(InvalidInput, match=r"the KV cache has 2 usable blocks, and one prompt of max_model_len=512 "
@@ -127,7 +127,7 @@ def test_speculators_never_returns_states_for_prompts_the_scheduler_did_not_run(
         specs = executor.collective_rpc("get_kv_cache_spec")[0]
         return 3 * sum(spec.page_size_bytes for spec in specs.values())
 
-    monkeypatch.setattr(engine, "kv_budget", three_blocks)
+    monkeypatch.setattr(engine.kv_cache, "kv_budget", three_blocks)
     monkeypatch.setattr(installer, "REGISTRY", tuple(u for u in installer.REGISTRY if u.name != "kv_cache_room_checked"))
     eagle_compat.install()
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
@@ -159,11 +159,11 @@ def test_the_kv_room_check_counts_every_group_and_the_null_block():
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
     fits = dict(vllm_config=config, kv_cache_config=SimpleNamespace(num_blocks=1 + 32 + 4, kv_cache_groups=[
         group(16, 100), group(128, 7)]))
-    assert engine.require_room_for_max_model_len(fits) is fits
+    assert engine.scheduling.require_room_for_max_model_len(fits) is fits
     short = dict(fits, kv_cache_config=SimpleNamespace(num_blocks=32 + 4, kv_cache_groups=fits["kv_cache_config"]
                                                        .kv_cache_groups))
     with pytest.raises(InvalidInput, match="has 35 usable blocks, and one prompt of max_model_len=512 tokens needs 36"):
-        engine.require_room_for_max_model_len(short)
+        engine.scheduling.require_room_for_max_model_len(short)
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_a_worker_killed_mid_batch_is_a_worker_error_within_seconds_not_a_hang()
         workers = [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
         assert workers, [p.name() for p in psutil.Process().children(recursive=True)]
         from eagle_compat import engine
-        submit = engine.submit_step
+        submit = engine.rpc.submit_step
 
         def kill_after_the_first_step(executor, scheduler_output):  # a fault point inside the call, not a timer
             futures = submit(executor, scheduler_output)
@@ -214,13 +214,13 @@ def test_a_worker_killed_mid_batch_is_a_worker_error_within_seconds_not_a_hang()
                 os.kill(workers[0].pid, signal.SIGKILL)
             return futures
         killed: list = []
-        engine.submit_step = kill_after_the_first_step
+        engine.rpc.submit_step = kill_after_the_first_step
         start = time.monotonic()
         try:
             with pytest.raises(WorkerError, match=rf"vLLM worker 0 \(pid {workers[0].pid}\) killed by SIGKILL") as info:
                 gen.generate(batch)
         finally:
-            engine.submit_step = submit
+            engine.rpc.submit_step = submit
         assert killed and time.monotonic() - start < 60 and info.value.exc_type == "WorkerDied"
 
 

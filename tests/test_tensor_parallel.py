@@ -17,17 +17,17 @@ pytestmark = [pytest.mark.engine, in_newest_pass_only(
 
 
 def test_thread_binding_splits_the_allowed_cores_only_where_vllm_cannot(monkeypatch):
-    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 1)
+    monkeypatch.setattr(engine.process_env, "cpu_numa_nodes", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert engine.cpu_thread_binding(1) is None and engine.cpu_thread_binding(2) == "0|1"
+    assert engine.process_env.cpu_thread_binding(1) is None and engine.process_env.cpu_thread_binding(2) == "0|1"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert engine.cpu_thread_binding(2) == "0-7|8-15"
-    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 2)
-    assert engine.cpu_thread_binding(2) is None  # vLLM binds one NUMA node per worker itself
-    monkeypatch.setattr(engine, "cpu_numa_nodes", lambda: 1)
+    assert engine.process_env.cpu_thread_binding(2) == "0-7|8-15"
+    monkeypatch.setattr(engine.process_env, "cpu_numa_nodes", lambda: 2)
+    assert engine.process_env.cpu_thread_binding(2) is None  # vLLM binds one NUMA node per worker itself
+    monkeypatch.setattr(engine.process_env, "cpu_numa_nodes", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     with pytest.raises(eagle_compat.InvalidInput, match="tensor_parallel_size=2 on CPU needs one core per worker"):
-        engine.cpu_thread_binding(2)
+        engine.process_env.cpu_thread_binding(2)
 
 
 @pytest.fixture(autouse=True)

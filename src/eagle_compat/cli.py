@@ -102,8 +102,9 @@ def _doctor_report(args: argparse.Namespace) -> dict | None:
         from . import engine
         cores = len(os.sched_getaffinity(0))
         report["cpu_tensor_parallel"] = {
-            "numa_nodes": engine.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
-            "thread_binding_for_tp2": engine.cpu_thread_binding(2) if cores >= 2 else "not possible (one core)",
+            "numa_nodes": engine.process_env.cpu_numa_nodes(), "cores": cores, "max_tensor_parallel_size": cores,
+            "thread_binding_for_tp2": (engine.process_env.cpu_thread_binding(2) if cores >= 2
+                                       else "not possible (one core)"),
             "user_binding": settings.raw("VLLM_CPU_OMP_THREADS_BIND")}
     try:
         report["bytecode"] = detect.engine_bytecode()

@@ -30,8 +30,8 @@ QUEUED_BATCHES = 2  # sent but not yet collected, besides the one being sent: th
 CALLS_IN_FLIGHT = 8
 # vLLM's deadline for a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, default 300 s) runs from when the call is sent; a
 # queued step may wait behind CALLS_IN_FLIGHT / 2 others. Where the user set no deadline, keep 300 s per step.
-assert engine.STEP_DEADLINE_S >= 300 * (CALLS_IN_FLIGHT // 2 + 1)
-QUEUED_CALL_TIMEOUT_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(engine.STEP_DEADLINE_S)}
+assert engine.rpc.STEP_DEADLINE_S >= 300 * (CALLS_IN_FLIGHT // 2 + 1)
+QUEUED_CALL_TIMEOUT_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(engine.rpc.STEP_DEADLINE_S)}
 
 
 def _result_of_rank0(future: Future) -> Any:
@@ -171,11 +171,11 @@ class VllmHiddenStatesGenerator:
     def __init__(self, model_path: str, layer_ids: list[int] | None = None, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, *, dtype: str = "auto",
                  trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None,
-                 max_num_seqs: int = engine.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int = engine.configs.MAX_NUM_SEQS, max_num_batched_tokens: int | None = None,
                  load_format: str = "auto", shm_limit_bytes: int | None = None, show_load_progress: bool = True,
                  in_process: bool = False):
         refuse_inside_a_spawned_import()
-        engine.require_vllm()
+        engine.process_env.require_vllm()
         if not isinstance(model_path, (str, os.PathLike)):
             raise InvalidInput(f"model_path={model_path!r}; must be a model directory or hub id (a str or a path)")
         model_path = os.fspath(model_path)
@@ -218,10 +218,10 @@ class VllmHiddenStatesGenerator:
             log.warning("no tokenizer for %s (%s); eos_token_id unknown", model_path, exc)
             self.tokenizer = None
         environment.require_cpu_platform_ready()  # before anything reaches the engine
-        self._env_restore = engine.apply_env({**engine.default_worker_env(dtype, tensor_parallel_size),
-                                              **QUEUED_CALL_TIMEOUT_ENV})
+        worker_env = engine.process_env.default_worker_env(dtype, tensor_parallel_size)
+        self._env_restore = engine.process_env.apply_env({**worker_env, **QUEUED_CALL_TIMEOUT_ENV})
         try:
-            self.vllm_config = engine.build_vllm_config(
+            self.vllm_config = engine.configs.build_vllm_config(
                 model_path, worker_extension_cls=WORKER_EXTENSION, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                 dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
@@ -231,7 +231,7 @@ class VllmHiddenStatesGenerator:
             if self.vocab_size < 1:  # token ids could not be checked: an id past the embedding gives wrong states
                 raise InvalidInput(f"model {model_path!r}: no vocab_size in its config (or its text config); "
                                    "a positive vocabulary size is needed to check token ids")
-            executor_cls = engine.executor_class(in_process)
+            executor_cls = engine.rpc.executor_class(in_process)
 
             self.executor = retrying_lost_port_race(lambda: self._start_executor(executor_cls))
             replies = handshake.require_patched_workers(
@@ -239,11 +239,11 @@ class VllmHiddenStatesGenerator:
             self.worker_pids = [r.get("pid") for r in replies]
             self.contract = self._rpc0("eagle_compat_setup", self.layer_ids)
             self._ring = HostRing(self._rpc0, limit_bytes=shm_limit_bytes)
-            budget = self._translated(engine.kv_budget, "determine_available_memory")(
+            budget = self._translated(engine.kv_cache.kv_budget, "determine_available_memory")(
                 self.executor, gpu_memory_utilization, explicit_bytes=kv_cache_memory_bytes)
-            kv_cache_config = engine.build_kv_cache_config(self.vllm_config, self.executor, budget)
-            self.scheduler = engine.build_scheduler(self.vllm_config, kv_cache_config)
-            self._translated(engine.initialize_workers, "initialize_from_config")(
+            kv_cache_config = engine.kv_cache.build_kv_cache_config(self.vllm_config, self.executor, budget)
+            self.scheduler = engine.scheduling.build_scheduler(self.vllm_config, kv_cache_config)
+            self._translated(engine.rpc.initialize_workers, "initialize_from_config")(
                 self.executor, kv_cache_config, self.vllm_config.parallel_config.world_size)
         except BaseException:
             self.close()
@@ -267,7 +267,7 @@ class VllmHiddenStatesGenerator:
         if self.executor is not None:
             self._room_for(CALLS_IN_FLIGHT)
         try:
-            return self._translated(engine.rpc_rank0, method)(self.executor, method, *args)
+            return self._translated(engine.rpc.rpc_rank0, method)(self.executor, method, *args)
         except BaseException as exc:  # e.g. KeyboardInterrupt in a notebook while vLLM waits for the reply
             self._close_unless_replied(exc)
             raise
@@ -353,7 +353,7 @@ class VllmHiddenStatesGenerator:
 
     def _engine_batches(self, batches: Iterable[Any], truncate: bool) -> Iterator[list[dict]]:
         """Runs the batches back to back and yields each one's results, in order. Every call of a batch (plan, steps,
-        collect) is sent at once where vLLM can queue calls (`engine.can_queue_calls`): the driver schedules and sends
+        collect) is sent at once where vLLM can queue calls (`rpc.can_queue_calls`): the driver schedules and sends
         batch k+1 while the worker still computes batch k, as vLLM's own batch queue does, so the GPU never waits
         for the driver. Up to QUEUED_BATCHES batches are in flight; a batch's results are read when its reply is in."""
         inflight: collections.deque[_Batch] = collections.deque()
@@ -414,29 +414,29 @@ class VllmHiddenStatesGenerator:
         try:
             batch.calls.append(("eagle_compat_begin", self._submit("eagle_compat_begin", batch_id, plan)))
             for rid, ids in zip(request_ids, token_lists):
-                self.scheduler.add_request(engine.make_request(rid, ids, self.eos_token_id))
+                self.scheduler.add_request(engine.scheduling.make_request(rid, ids, self.eos_token_id))
                 batch.pending.add(rid)
             while True:
-                out = engine.schedule(self.scheduler)  # an empty output's finished ids go with the next
+                out = engine.scheduling.schedule(self.scheduler)  # an empty output's finished ids go with the next
                 if out.total_num_scheduled_tokens == 0:
                     break
                 # a step not sent keeps the finished ids it carries (the last batch's) for the next one
                 try:
                     self._room_for(2)
                 except BaseException:
-                    engine.keep_finished_ids(self.scheduler, out)
+                    engine.scheduling.keep_finished_ids(self.scheduler, out)
                     raise
                 try:
-                    futures = self._translated(engine.submit_step, "execute_model")(self.executor, out)
+                    futures = self._translated(engine.rpc.submit_step, "execute_model")(self.executor, out)
                 except BaseException as exc:
-                    engine.keep_finished_ids(self.scheduler, out)
+                    engine.scheduling.keep_finished_ids(self.scheduler, out)
                     self._close_unless_replied(exc)
                     raise
                 calls = [("execute_model", f) for f in futures]
                 self._sent.extend(calls)
                 batch.calls.extend(calls)
                 done = list(out.num_scheduled_tokens)
-                engine.abort(self.scheduler, done)
+                engine.scheduling.abort(self.scheduler, done)
                 batch.pending.difference_update(done)
             if batch.pending:
                 raise RuntimeError(f"{len(batch.pending)} requests were never scheduled (KV cache too small for "
@@ -452,7 +452,7 @@ class VllmHiddenStatesGenerator:
         try:
             # where vLLM cannot queue calls (0.11.x) this waits for the reply itself: a deadline there, or an
             # interrupt, leaves it unread
-            future = self._translated(engine.submit, method)(self.executor, method, *args)
+            future = self._translated(engine.rpc.submit, method)(self.executor, method, *args)
         except BaseException as exc:
             self._close_unless_replied(exc)
             raise
@@ -539,7 +539,7 @@ class VllmHiddenStatesGenerator:
         for batch in batches:
             if batch.pending:
                 try:
-                    engine.abort(self.scheduler, sorted(batch.pending))
+                    engine.scheduling.abort(self.scheduler, sorted(batch.pending))
                 except Exception:  # noqa: BLE001 - the original error matters more
                     pass
                 batch.pending.clear()
@@ -624,7 +624,7 @@ class VllmHiddenStatesGenerator:
         if getattr(self, "_worker_errors", None) is not None:
             self._worker_errors.close()
             self._worker_errors = None
-        engine.release_env(getattr(self, "_env_restore", []))
+        engine.process_env.release_env(getattr(self, "_env_restore", []))
         self._env_restore = []
 
     def __enter__(self) -> "VllmHiddenStatesGenerator":

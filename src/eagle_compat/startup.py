@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 INSTALLED_ENV = "EAGLE_COMPAT_INSTALLED"  # "run:<pid of the driver>": a run's processes; unset elsewhere
-SET_ENV_LIST = "EAGLE_COMPAT_SET_ENV"  # the variables eagle_compat set for vLLM's workers (engine.apply_env)
+SET_ENV_LIST = "EAGLE_COMPAT_SET_ENV"  # the variables eagle_compat set for vLLM's workers (process_env.apply_env)
 SPAWNED_CHILD_FLAG = "--multiprocessing-fork"  # multiprocessing's spawn puts it on the child's command line
 
 SITECUSTOMIZE = '''"""eagle_compat's start-up hook for one run (eagle_compat/startup.py); removed when the run ends."""

@@ -76,7 +76,7 @@ def _amx_cpu() -> bool:
 
 def _numa_short_for_tp() -> bool | str:
     from . import engine
-    return f"tensor_parallel_size > {engine.cpu_numa_nodes()} (NUMA nodes)" if _cpu() else False
+    return f"tensor_parallel_size > {engine.process_env.cpu_numa_nodes()} (NUMA nodes)" if _cpu() else False
 
 
 WORKAROUNDS: tuple[Workaround, ...] = (
@@ -99,7 +99,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         _cpu_moe_builds_ops_in_forward, condition="CPU, float32 MoE models"),
     Workaround(
         "mla_off_fp32", "vLLM's CPU MLA kernels take bf16/fp16 weights only", ">=0.29",
-        "engine.py `default_worker_env` (VLLM_MLA_DISABLE=1 for float32 runs)",
+        "engine/process_env.py `default_worker_env` (VLLM_MLA_DISABLE=1 for float32 runs)",
         "vLLM's CPU MLA kernels take float32", False, _cpu_with_mla_backend,
         condition="CPU, float32 generator runs of MLA models"),
     Workaround(
@@ -123,7 +123,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "finished_ids_to_next_output", "the output after a batch's last step schedules nothing and was not sent, and "
         "with it the batch's finished request ids: the workers kept every request (V1 runner: its tokens for the "
         "engine's life; V2 runner: 'No free indices' after max_num_seqs requests)", "",
-        "engine.py `schedule` (the stable generator; the shim has unit finished_requests_delivered)",
+        "engine/scheduling.py `schedule` (the stable generator; the shim has unit finished_requests_delivered)",
         "never while eagle_compat drives vLLM's Scheduler itself", False, lambda: True),
     Workaround(
         "cpu_amx_permission", "vLLM's CPU kernels run AMX instructions without asking Linux for AMX state: a short "
@@ -133,7 +133,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "cpu_tp_thread_binding_generator", "CPU workers outnumbering NUMA nodes are refused (\"Not enough allowed "
         "NUMA nodes\")", "",
-        "engine.py `cpu_thread_binding` (generator; the shim has unit cpu_tp_thread_binding)",
+        "engine/process_env.py `cpu_thread_binding` (generator; the shim has unit cpu_tp_thread_binding)",
         "vLLM splits one NUMA node among several workers itself", False, _numa_short_for_tp,
         condition="CPU, tensor_parallel_size above the NUMA nodes (seen on 0.32.0)"),
     Workaround(

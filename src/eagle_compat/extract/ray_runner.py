@@ -161,7 +161,7 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
         for fd in fds:
             os.close(fd)
         return None, [], []
-    return engine.thread_binding(got, tp), got, fds
+    return engine.process_env.thread_binding(got, tp), got, fds
 
 
 @dataclass
@@ -317,11 +317,11 @@ class _Item:
 
 def batch_deadline(engine_may_start: bool) -> float:
     """How long one batch may run on an actor before the actor counts as hung (stopped, deadlocked): a safety net
-    above the engine's own deadlines (every call inside the actor has the step deadline, engine.call_deadline, and
+    above the engine's own deadlines (every call inside the actor has the step deadline, engine.rpc.call_deadline, and
     fails there first): twice the step deadline, plus the engine's start where the actor's engine may be starting
     (its first batch, and the first after any failure: a failed engine is not reused; its model loads again)."""
     load = settings.value(LOAD_DEADLINE_ENV) if engine_may_start else 0.0
-    return 2 * engine.call_deadline() + load
+    return 2 * engine.rpc.call_deadline() + load
 
 
 def _end_hung_actors(ray: Any, actors: list, in_flight: dict, stats: list[dict]) -> None:

@@ -50,13 +50,13 @@ class Change:
 
 @dataclass
 class EnvironmentHold:
-    """Variables set through `engine.apply_env` (counted holds shared with the stable generator's engines, and
+    """Variables set through `process_env.apply_env` (counted holds shared with the stable generator's engines, and
     listed for the start-up hook, which keeps them from processes that are not the run's); revert releases them."""
     keys: list[str]
 
     def revert(self, unit_name: str) -> list[str]:
         from .. import engine
-        engine.release_env(self.keys)
+        engine.process_env.release_env(self.keys)
         return []
 
 
@@ -116,7 +116,7 @@ class Patcher:
     def hold_env(self, env: dict[str, str]) -> None:
         """Set the variables the user has not set, for as long as this unit is applied."""
         from .. import engine
-        self.changes.append(EnvironmentHold(engine.apply_env(env)))
+        self.changes.append(EnvironmentHold(engine.process_env.apply_env(env)))
 
     def provide_module(self, name: str, module: ModuleType) -> None:
         """Make `import name` find `module` (for a module a newer dependency removed); revert removes it."""
@@ -250,15 +250,15 @@ def keyword_rewrite_unit(*, constructor: str, feature: str, rewrite: Callable[..
 
 def worker_environment_unit(*, variable: str, **contract: Any) -> PatchUnit:
     """A unit whose whole fix is one variable that vLLM's workers inherit when speculators' engine spawns them: needed
-    where `engine.default_worker_env` (what the stable generator's engines get) has it, held through
-    `engine.apply_env` (only where the user has not set it; counted with the stable generator's holds, and kept
+    where `engine.process_env.default_worker_env` (what the stable generator's engines get) has it, held through
+    `process_env.apply_env` (only where the user has not set it; counted with the stable generator's holds, and kept
     from processes that are not the run's), released by uninstall()."""
     def needed() -> bool:
         from .. import engine
-        return variable in engine.default_worker_env()  # speculators always runs dtype="auto"
+        return variable in engine.process_env.default_worker_env()  # speculators always runs dtype="auto"
 
     def apply(patcher: Patcher, module: ModuleType | None) -> None:
         from .. import engine
-        patcher.hold_env({variable: engine.default_worker_env()[variable]})
+        patcher.hold_env({variable: engine.process_env.default_worker_env()[variable]})
 
     return PatchUnit(target=None, needed=needed, apply=apply, **contract)

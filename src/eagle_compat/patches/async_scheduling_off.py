@@ -5,12 +5,12 @@ Workers would run in async-output mode against speculators' hand-driven synchron
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
     constructor="SchedulerConfig", feature="async_scheduling_not_off_by_default",
-    rewrite=engine.without_async_scheduling,
+    rewrite=keywords.without_async_scheduling,
     name="async_scheduling_off",
     broke="async scheduling is automatic (GPU: on) and would pair async workers with a synchronous scheduler",
     affects=">=0.14",

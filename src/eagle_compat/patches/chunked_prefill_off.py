@@ -8,11 +8,12 @@ the fact would see it (speculators aborts the half-prefilled request itself).
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="SchedulerConfig", feature="chunked_prefill_not_off_by_default", rewrite=engine.without_chunked_prefill,
+    constructor="SchedulerConfig", feature="chunked_prefill_not_off_by_default",
+    rewrite=keywords.without_chunked_prefill,
     name="chunked_prefill_off",
     broke="chunked prefill is on by default: oversize batches give truncated, misaligned states with no error",
     affects=">=0.11",  # broke in 0.11.1; on 0.11.0 (default None = off) passing False changes nothing

@@ -6,7 +6,7 @@ error 2.5x HF's own bf16 error (the parity criterion allows 2x); with the variab
 
 Decision: on such a vLLM, install() sets `VLLM_CPU_INT4_W4A8=0` (unless the user set it), which the spawned
 workers inherit, so speculators' generator records the checkpoint's own arithmetic; the stable generator does the
-same for its engines (`engine.default_worker_env`). Machines without AMX never took the W4A8 path. uninstall()
+same for its engines (`process_env.default_worker_env`). Machines without AMX never took the W4A8 path. uninstall()
 restores the environment.
 """
 from __future__ import annotations

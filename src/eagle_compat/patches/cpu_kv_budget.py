@@ -25,7 +25,7 @@ class _CudaOnCpu:
         executor = self._executors.last()  # speculators asks right after building it
         if executor is None:
             raise IncompatibleEnvironment("no CUDA device, and no vLLM executor to ask for the CPU KV-cache budget")
-        budget = engine.kv_budget(executor, 1.0)
+        budget = engine.kv_cache.kv_budget(executor, 1.0)
         gmu = float(executor.vllm_config.cache_config.gpu_memory_utilization) or 1.0
         fraction = float(getattr(self._module, "CACHE_MEMORY_FRACTION", 0.2)) or 1.0
         free = int(budget / (gmu * fraction)) + 1

@@ -3,7 +3,7 @@ NUMA nodes than workers: vLLM's CPU workers bind threads one NUMA node each and 
 nodes to bind threads of 2 local CPUWorkers") unless `VLLM_CPU_OMP_THREADS_BIND` says how to split the cores.
 
 At speculators' call site, while its executor spawns the workers, the binding is set (only if the user set none) to
-an equal, contiguous share of the allowed cores per worker (`engine.cpu_thread_binding`), and restored afterwards.
+an equal, contiguous share of the allowed cores per worker (`process_env.cpu_thread_binding`), and restored afterwards.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ def _apply(patcher, module) -> None:
     def spawning_with_binding(args, kwargs):
         config = kwargs.get("vllm_config", args[0] if args else None)
         tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1)
-        binding = engine.cpu_thread_binding(tp)
-        saved = engine.apply_env({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {})
+        binding = engine.process_env.cpu_thread_binding(tp)
+        saved = engine.process_env.apply_env({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {})
         try:
             yield
         finally:
-            engine.release_env(saved)
+            engine.process_env.release_env(saved)
 
     patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(spawning=spawning_with_binding))
 

@@ -10,11 +10,11 @@ compat_matrix/results/gpu/carry-probe.md).
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="CacheConfig", feature="extensible_kv_cache_by_default", rewrite=engine.without_extensible_kv_cache,
+    constructor="CacheConfig", feature="extensible_kv_cache_by_default", rewrite=keywords.without_extensible_kv_cache,
     name="extensible_kv_cache_off",
     broke="the KV cache is backed only when EngineCore extends it after warm-up, which speculators never does",
     affects=">=0.34",

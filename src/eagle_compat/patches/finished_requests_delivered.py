@@ -7,7 +7,7 @@ state (its token ids) for the engine's life, memory that grows with every sample
 (CUDA's default for Llama from vLLM 0.23 and for every dense model from 0.25.1) has max_num_seqs request slots and
 fails the next batch once they are used up ("AssertionError: No free indices", measured on the H200, vLLM 0.27.1).
 
-On the Scheduler speculators builds (only that one), `schedule()` goes through `engine.schedule`: an output that
+On the Scheduler speculators builds (only that one), `schedule()` goes through `scheduling.schedule`: an output that
 schedules nothing gives its finished ids back to the scheduler, and the next batch's first output delivers them.
 The stable generator's loop goes through the same function.
 """
@@ -19,7 +19,7 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 def _schedule(scheduler, call, args, kwargs):
     from .. import engine
-    return engine.schedule(scheduler, lambda: call(*args, **kwargs))
+    return engine.scheduling.schedule(scheduler, lambda: call(*args, **kwargs))
 
 
 def _apply(patcher, module) -> None:

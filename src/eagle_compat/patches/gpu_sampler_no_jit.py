@@ -8,7 +8,7 @@ its cells start in under a minute (results/gpu/h200-vllm-0.21.0.jsonl); the buil
 
 Decision: on such a vLLM, install() sets `VLLM_USE_FLASHINFER_SAMPLER=0` (unless the user set it; vLLM then uses
 its PyTorch sampler), which the spawned workers inherit; the stable generator does the same for its engines
-(`engine.default_worker_env`). uninstall() restores the environment.
+(`engine.process_env.default_worker_env`). uninstall() restores the environment.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ def _apply(patcher, module) -> None:
 
     def helper(wrapped, instance, args, kwargs):
         config = kwargs.get("vllm_config")
-        engine.register_kv_cache_specs(config)
-        return engine.kv_cache_config_from_groups(wrapped, executor=executors.for_config(config), **kwargs)
+        engine.kv_cache.register_kv_cache_specs(config)
+        return engine.kv_cache.kv_cache_config_from_groups(wrapped, executor=executors.for_config(config), **kwargs)
 
     patcher.wrap(module, "get_kv_cache_config_from_groups", helper)
 

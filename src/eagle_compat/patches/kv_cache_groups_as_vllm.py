@@ -11,7 +11,7 @@ group breaks three ways:
     the group, so the full-attention layers attend within the window (tiny gpt-oss / Gemma on an H100, 0.26.0:
     layer 1's states off by 0.12-0.18 of their norm at the median).
 At speculators' call site the two calls become one plan made as vLLM's engine makes it
-(engine.plan_kv_cache_groups): vLLM's `get_kv_cache_groups` where the hybrid manager is on and the layers differ,
+(kv_cache.plan_kv_cache_groups): vLLM's `get_kv_cache_groups` where the hybrid manager is on and the layers differ,
 else speculators' unify-and-one-group with the fixes above.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _apply(patcher, module) -> None:
         config = getattr(executor, "vllm_config", None)
         if executor is not None and config is not None:
             # 0.29+: vLLM's planning reads the KV layout, which speculators has the helpers publish only after it
-            engine.publish_kv_cache_layout(config, executor, [spec])
-        return engine.plan_kv_cache_groups(config, spec)
+            engine.kv_cache.publish_kv_cache_layout(config, executor, [spec])
+        return engine.kv_cache.plan_kv_cache_groups(config, spec)
 
     patcher.wrap(module, "unify_hybrid_kv_cache_specs", unify)
     patcher.wrap(module, "_get_kv_cache_groups_uniform_spec", groups)

@@ -5,7 +5,7 @@ vLLM's EngineCore refuses such a cache at start-up (`check_enough_kv_cache_memor
 too small a cache a long prompt is never scheduled: `generate()` leaves the loop with it and every later prompt of
 its batch unscheduled, slices empty hidden states for them, and leaves them queued to be captured into the next
 call's rows. Silent, on every vLLM release. We refuse that cache where speculators builds its Scheduler, with the
-check the stable generator makes (`engine.require_room_for_max_model_len`).
+check the stable generator makes (`engine.scheduling.require_room_for_max_model_len`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ._base import GENERATOR_MODULE, PatchUnit
 
 def _apply(patcher, module) -> None:
     from .. import engine
-    patcher.rewrite_kwargs(module, "Scheduler", engine.require_room_for_max_model_len)
+    patcher.rewrite_kwargs(module, "Scheduler", engine.scheduling.require_room_for_max_model_len)
 
 
 UNIT = PatchUnit(

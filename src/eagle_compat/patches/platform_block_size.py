@@ -5,11 +5,11 @@ hidden states, so at speculators' call site we let the platform choose it.
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="CacheConfig", feature="explicit_block_size_is_final", rewrite=engine.platform_block_size,
+    constructor="CacheConfig", feature="explicit_block_size_is_final", rewrite=keywords.platform_block_size,
     name="platform_block_size",
     broke="an explicit block_size=16 is no longer adjusted by the platform; CPU attention rejects it",
     affects=">=0.18",

@@ -7,11 +7,11 @@ default is not False (0.11's None meant off, and passing False there changes not
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="CacheConfig", feature="prefix_caching_not_off_by_default", rewrite=engine.without_prefix_caching,
+    constructor="CacheConfig", feature="prefix_caching_not_off_by_default", rewrite=keywords.without_prefix_caching,
     name="prefix_caching_off",
     broke="prefix caching is on by default: the scheduler fails on prompts >= one block (no block hasher)",
     affects=">=0.11",  # broke in 0.12; on 0.11 (default None = off) passing False changes nothing

@@ -4,11 +4,11 @@ At speculators' call site the id moves into `SamplingParams.update_from_generati
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="Request", feature="request_lacks_eos_token_id", rewrite=engine.request_kwargs,
+    constructor="Request", feature="request_lacks_eos_token_id", rewrite=keywords.request_kwargs,
     name="request_eos_token_id",
     broke="Request no longer takes eos_token_id (TypeError)",
     affects=">=0.17",

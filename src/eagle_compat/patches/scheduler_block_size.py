@@ -8,7 +8,7 @@ from .. import engine
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="Scheduler", feature="scheduler_requires_block_size", rewrite=engine.scheduler_kwargs,
+    constructor="Scheduler", feature="scheduler_requires_block_size", rewrite=engine.scheduling.scheduler_kwargs,
     name="scheduler_block_size",
     broke="Scheduler requires block_size (TypeError)",
     affects=">=0.11.1",

@@ -19,7 +19,7 @@ def _apply(patcher, module) -> None:
             raise UnsupportedModel(f"{mc.model}: encoder-decoder models are not supported for hidden-state capture")
         return wrapped(*args, **kwargs)
 
-    patcher.rewrite_kwargs(module, "SchedulerConfig", lambda kw: engine.with_encoder_decoder_field(kw, False))
+    patcher.rewrite_kwargs(module, "SchedulerConfig", lambda kw: engine.keywords.with_encoder_decoder_field(kw, False))
     patcher.wrap(module, "VllmConfig", vllm_config)
 
 

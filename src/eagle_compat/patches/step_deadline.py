@@ -2,7 +2,7 @@
 `execute_model` / `sample_tokens` call `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS` (default 300 s), and one step of 15 real
 prompts of up to 400 tokens on a 270M model on a busy 2-core CPU machine ran past it (measured). A deadline that
 kills a days-long extraction over one slow step costs more than it saves; eagle_compat's own generator already
-runs with `engine.STEP_DEADLINE_S` (it queues several steps, each may wait behind others).
+runs with `engine.rpc.STEP_DEADLINE_S` (it queues several steps, each may wait behind others).
 
 At speculators' call site, the executor it builds passes that deadline to its step calls where the user set no
 `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS` (the user's own setting always wins). Scoped to that executor: vLLM's own
@@ -31,7 +31,7 @@ def _apply(patcher, module) -> None:
     def longer_step_deadline(executor, call, args, kwargs):
         method = kwargs.get("method", args[0] if args else None)
         if method in STEP_METHODS and not settings.is_set(ENV):
-            kwargs = {**kwargs, "timeout": engine.STEP_DEADLINE_S}
+            kwargs = {**kwargs, "timeout": engine.rpc.STEP_DEADLINE_S}
         return call(*args, **kwargs)
 
     patcher.hook_executor(module, "MultiprocExecutor", ExecutorHooks(methods={"collective_rpc": longer_step_deadline}))

@@ -6,11 +6,11 @@ releases without it). Text-only models are unaffected.
 """
 from __future__ import annotations
 
-from .. import engine
+from ..engine import keywords
 from ._base import keyword_rewrite_unit
 
 UNIT = keyword_rewrite_unit(
-    constructor="ModelConfig", feature="model_config_takes_text_only_options", rewrite=engine.text_only,
+    constructor="ModelConfig", feature="model_config_takes_text_only_options", rewrite=keywords.text_only,
     name="text_only_model",
     broke="multimodal wrappers (Kimi-K2.5) build and profile vision towers speculators never uses",
     affects=">=0.11",

@@ -11,7 +11,7 @@ def initialize_from_config(executor, call, args, kwargs):
     from .. import engine
 
     out = call(*args, **kwargs)
-    engine.warm_up_if_separate(executor)
+    engine.rpc.warm_up_if_separate(executor)
     return out
 
 
