@@ -1105,10 +1105,12 @@ def test_an_unsharded_run_whose_files_are_not_all_there_fails(model, dataset, tm
 
 def test_a_ray_actor_that_does_not_see_the_drivers_out_refuses_to_start(tmp_path):
     from eagle_compat.extract import ray_runner
-    spec = ray_runner.ActorSpec(model="m", data="d", out=str(tmp_path), layer_ids=[0], max_len=8, format="pt",
-                                validate=False, vocab_size=8, hidden_size=8, tensor_parallel_size=1,
-                                gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, dtype="auto",
-                                trust_remote_code=False, cpus=1, on_gpu=False)
+    from eagle_compat.extract.batch_job import EngineArgs, SampleWriting
+    engine_args = EngineArgs(model="m", layer_ids=[0], max_len=8, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+                             dtype="auto", trust_remote_code=False, kv_cache_memory_bytes=None)
+    writing = SampleWriting(out=str(tmp_path), format="pt", data="d", layer_ids=[0], validate=False, vocab_size=8,
+                            hidden_size=8, stamp=None, skip_non_finite=False)
+    spec = ray_runner.ActorSpec(engine=engine_args, writing=writing, cpus=1, on_gpu=False)
     with pytest.raises(InvalidInput, match=r"does not see .*manifest.json, which the driver wrote: --out must be a "
                                            r"folder every Ray node shares"):
         ray_runner.ExtractActor(spec, 0)

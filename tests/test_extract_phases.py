@@ -98,3 +98,81 @@ def test_the_record_is_typed_and_its_checker_names_what_it_does_not_declare(tiny
         "manifest: 'num_samples' is str, declared <class 'int'>"]
     assert record.problems({**written, "runs": [{**written["runs"][0], "pid": True}]}) == [
         "manifest.runs[0]: 'pid' is bool, declared <class 'int'>"]
+    assert record.problems({**written, "settings": {**written["settings"], "batch_size": "4", "shard": "0/2"}}) == [
+        "manifest.settings: 'batch_size' is str, declared <class 'int'>",
+        "manifest.settings: 'shard' is not declared in extract/record.py:Settings"]
+
+
+# ---- the path of --layers, from the command line to the worker that hooks them ----------------------------------
+
+LAYERS_PATH_SCRIPT = r"""
+import json, os, sys, traceback
+from eagle_compat import cli, generator, options
+from eagle_compat.capture import worker
+
+SRC = os.path.dirname(os.path.abspath(generator.__file__)) + os.sep
+checks = {"validate_layer_ids": 0, "default_layer_ids": 0, "check_training_layers": 0}
+for name in checks:
+    def counted(*args, _real=getattr(options, name), _name=name, **kwargs):
+        checks[_name] += 1
+        return _real(*args, **kwargs)
+    for module in (options, generator):
+        if hasattr(module, name):
+            setattr(module, name, counted)
+
+class InProcess(generator.VllmHiddenStatesGenerator):  # its worker in this process: one stack, driver to worker
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, in_process=True, **kwargs)
+generator.VllmHiddenStatesGenerator = InProcess
+
+taken = {}
+class Capture(worker.CaptureSession):  # what hooks the layers, made by the worker's set-up call
+    def __init__(self, owner, layer_ids, *args, **kwargs):
+        taken["stack"] = [f.filename[len(SRC):] for f in traceback.extract_stack()[:-1] if f.filename.startswith(SRC)]
+        taken["layer_ids"] = list(layer_ids)
+        super().__init__(owner, layer_ids, *args, **kwargs)
+worker.CaptureSession = Capture
+
+code = cli.main(["extract", "--model", sys.argv[1], "--data", sys.argv[2], "--out", sys.argv[3], "--layers", "0,5",
+                 "--batch-size", "4", "--max-len", "64"])
+print("PATH " + json.dumps({"code": code, "checks": checks, **taken}))
+"""
+
+
+# what every call to the workers passes through, whatever it carries: the error wrappers of the driver
+# (`translate`: a worker's failure said as the worker raised it) and of the worker (`reported`)
+PASSED_THROUGH = {"remote_errors.py"}
+
+
+def layers_path(stack: list[str]) -> list[str]:
+    """The files of a stack, in order, each run of frames in one file counted once, the error wrappers left out."""
+    files = [f for f in stack if f not in PASSED_THROUGH]
+    return [f for k, f in enumerate(files) if k == 0 or files[k - 1] != f]
+
+
+def test_layers_path_check():
+    assert layers_path(["cli.py", "cli.py", "extract/job.py", "remote_errors.py", "generator.py", "extract/job.py"]) \
+        == ["cli.py", "extract/job.py", "generator.py", "extract/job.py"]  # job entered twice: the test below fails
+
+
+@pytest.mark.engine
+def test_layers_go_from_the_command_line_to_the_worker_through_six_files_and_are_checked_once(tmp_path):
+    """`--layers` of `eagle-compat extract` reach the worker that hooks them through at most six files, none entered
+    twice (the frames on the stack when the worker takes them, its worker in the driver's process), and each check of
+    them runs once in the process (docs/architecture.md: the extract job)."""
+    import subprocess
+    import sys
+
+    from eagle_compat import tiny_models
+    model = tiny_models.build_tiny_model("llama")
+    data = token_lines(tmp_path / "data.jsonl", 4, seed=3)
+    proc = subprocess.run([sys.executable, "-c", LAYERS_PATH_SCRIPT, model, data, str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PATH ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads(lines[-1][len("PATH "):])
+    assert found["code"] == 0 and found["layer_ids"] == [0, 5], found
+    path = layers_path(found["stack"])
+    assert path[0] == "cli.py" and path[-1] == "capture/worker.py", path
+    assert len(path) <= 6 and len(set(path)) == len(path), path
+    assert found["checks"] == {"validate_layer_ids": 1, "default_layer_ids": 0, "check_training_layers": 1}, found

@@ -229,7 +229,7 @@ def _standin_actor(poison_len, marker):
 
     class StandInActor(ray_runner.ExtractActor):
         def _start(self):
-            self.gen = FlakyEngine(poison_len, marker, self.spec.hidden_size)
+            self.gen = FlakyEngine(poison_len, marker, self.spec.writing.hidden_size)
     return StandInActor
 
 
@@ -273,7 +273,7 @@ def _fake_engine_actor():
 
     class FakeEngineActor(ray_runner.ExtractActor):
         def _start(self):
-            self.gen = FakeEngine(self.spec.model, layer_ids=self.spec.layer_ids)
+            self.gen = FakeEngine(self.spec.engine.model, layer_ids=self.spec.engine.layer_ids)
     return FakeEngineActor
 
 
@@ -322,7 +322,7 @@ def _mixed_gpus_actor():
     class MixedGpusActor(ray_runner.ExtractActor):
         """Actor 1's GPU resolves --dtype auto to float16 (a V100 beside A100s), actor 0's to bfloat16."""
         def _start(self):
-            self.gen = FlakyEngine(-1, None, self.spec.hidden_size)
+            self.gen = FlakyEngine(-1, None, self.spec.writing.hidden_size)
 
         def engine_dtype(self):
             return "torch.float16" if self.rank == 1 else "torch.bfloat16"

@@ -14,6 +14,7 @@ import types
 import pytest
 
 from eagle_compat.extract import formats, ray_runner
+from eagle_compat.extract.batch_job import EngineArgs, SampleWriting
 
 
 class RayError(Exception):
@@ -145,7 +146,11 @@ def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
     todo = [[formats.Placed(10 * k + j, 10 * k + j, 10 * k + j, [1, 2], [0, 1]) for j in range(10)]
             for k in range(batches)]
     this_run: dict = {}
-    done, tokens = ray_runner.extract(opts, todo, [0], 8, 32, 16, {}, this_run)
+    engine_args = EngineArgs(model=opts.model, layer_ids=[0], max_len=8, gpu_memory_utilization=0.3,
+                             tensor_parallel_size=1, dtype="float32", trust_remote_code=False, kv_cache_memory_bytes=None)
+    writing = SampleWriting(out=opts.out, format="pt", data=opts.data, layer_ids=[0], validate=False, vocab_size=32,
+                            hidden_size=16, stamp=None, skip_non_finite=False)
+    done, tokens = ray_runner.extract(opts, todo, engine_args, writing, {}, this_run)
     return fake, this_run["ray"]["per_actor"], done
 
 

@@ -21,6 +21,8 @@ from .. import settings as envs  # the environment variables (job.run has its ow
 from .._version import __version__
 from ..errors import InvalidInput
 from . import formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
+from .batch_job import EngineArgs, SampleWriting
+from .record import Manifest, RunEntry, Settings
 
 FORMATS = tuple(formats.FORMATS)
 DEFAULT_MAX_LEN = 2048  # speculators 0.3.0's data-generation default, capped by what the model takes
@@ -139,7 +141,7 @@ def _check(opts: ExtractOptions) -> None:
                                "add --ray [ADDRESS], or leave them out")
 
 
-def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> dict[str, Any]:
+def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> Settings:
     """What must be equal for any run to add files to a directory. Not the shard layout: batches are fixed by
     position, so any layout writes the same files (tested), and shards may finish in any order. Large weight files
     are hashed the way the directory's record says, where it has one."""
@@ -318,7 +320,7 @@ class RunPlan:
     layer_ids: list[int]
     max_len: int
     max_len_note: dict  # where --max-len came from (the manifest's "max_len")
-    settings: dict  # what every run adding files to the directory must share (settings_of)
+    settings: Settings  # what every run adding files to the directory must share (settings_of)
     data: inputs.Dataset  # its samples read from the spool (spool.Samples) when asked for
     placed: placement.PlacedSamples  # the set's samples with their places (index; row: rank in input order)
     mine: placement.Batches  # this shard's batches, fixed by position
@@ -365,6 +367,19 @@ class RunPlan:
     def files_present(self, places: Any) -> int:
         """How many of `places` ((index, row) pairs) have their file."""
         return sum(os.path.exists(self.path_at(index, row)) for index, row in places)
+
+    def engine_args(self) -> EngineArgs:
+        o = self.opts
+        return EngineArgs(model=o.model, layer_ids=self.layer_ids, max_len=self.max_len,
+                          gpu_memory_utilization=o.gpu_memory_utilization, tensor_parallel_size=o.tensor_parallel_size,
+                          dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                          kv_cache_memory_bytes=o.kv_cache_memory_bytes)
+
+    def sample_writing(self, manifest: dict) -> SampleWriting:
+        o = self.opts
+        return SampleWriting(out=o.out, format=o.format, data=o.data, layer_ids=self.layer_ids, validate=o.validate,
+                             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                             stamp=writer.stamp_of(manifest), skip_non_finite=o.skip_non_finite)
 
     def description(self, num_samples: int, versions: dict) -> formats.DataDescription:
         return data_description(self.opts, self.layer_ids, self.hidden_size, num_samples, versions, self.max_len)
@@ -520,9 +535,9 @@ def _make_out(opts: ExtractOptions) -> None:
 class Claim:
     """Phase 2 (`claim`, under the directory lock): the record this run extends, the batches it does, and what
     every file of the set must hold. `manifest` is written as the run goes; `this_run` is its entry in "runs"."""
-    record: dict | None  # the directory's record before this run (None: a new set)
-    manifest: dict
-    this_run: dict
+    record: Manifest | None  # the directory's record before this run (None: a new set)
+    manifest: Manifest  # its keys and types: extract/record.py, checked on every record the test suite writes
+    this_run: RunEntry
     todo: placement.Batches
     non_finite: dict[int, dict]  # samples left out for non-finite states (--skip-non-finite), this run's included
     states: writer.StatesExpected
@@ -769,8 +784,8 @@ def _describe_input(manifest: dict, p: RunPlan) -> None:
 
 def runner_for(opts: ExtractOptions) -> Any:
     """The runner that turns batches into files: here (local_runner) or on a pool of Ray actors (ray_runner). Both
-    take (opts, batches, layer_ids, max_len, vocab_size, hidden_size, manifest, this_run) and return (samples
-    written, tokens)."""
+    take (opts, batches, engine_args, sample_writing, manifest, this_run) and return (samples written, tokens):
+    the engine and the writing of each sample are the plan's (batch_job.py), the same for both."""
     if opts.ray is not None:
         from . import ray_runner
         return ray_runner.extract
@@ -785,7 +800,7 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
     if threading.current_thread() is threading.main_thread():
         previous_handler = signal.signal(signal.SIGINT, _stop_on_first_sigint)
     try:
-        return runner_for(p.opts)(p.opts, c.todo, p.layer_ids, p.max_len, p.vocab_size, p.hidden_size, c.manifest,
+        return runner_for(p.opts)(p.opts, c.todo, p.engine_args(), p.sample_writing(c.manifest), c.manifest,
                                   c.this_run)
     except KeyboardInterrupt:
         c.record_non_finite()

@@ -12,6 +12,7 @@ from typing import Any
 from .. import detect
 from ..errors import InvalidInput
 from . import formats, pipeline, placement, stages, writer
+from .batch_job import EngineArgs, SampleWriting
 
 
 def _ignore_sigint(worker: Any) -> None:
@@ -20,44 +21,35 @@ def _ignore_sigint(worker: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
-            hidden_size: int, manifest: dict, this_run: dict) -> tuple[int, int]:
+def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs, writing: SampleWriting,
+            manifest: dict, this_run: dict) -> tuple[int, int]:
     """Runs `todo` (the batches job.run chose); records the engine's description in `manifest` and where the run's
     time went in `this_run["pipeline"]`; returns (samples written, tokens)."""
     from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
 
-    fmt = formats.get(opts.format)
-    stamp = writer.stamp_of(manifest)
     done_tokens = 0
     release = detect.installed_versions().as_dict().get("vllm") or "not installed"
     try:
-        with stages.waiting(f"engine starting (vLLM {release}, {opts.model}): loading the weights, building the KV "
-                            "cache", "engine ready in {s:.0f} s") as took:
-            gen = generator.VllmHiddenStatesGenerator(
-                opts.model, layer_ids=layer_ids, max_model_len=max_len + 1,
-                gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
-                dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                kv_cache_memory_bytes=opts.kv_cache_memory_bytes, show_load_progress=not opts.quiet)
+        with stages.waiting(f"engine starting (vLLM {release}, {engine_args.model}): loading the weights, building "
+                            "the KV cache", "engine ready in {s:.0f} s") as took:
+            gen = generator.VllmHiddenStatesGenerator(**engine_args.keywords(), show_load_progress=not opts.quiet)
         this_run["engine_start_s"] = round(took["seconds"], 1)
     except ValueError as exc:  # the engine's own length check, where the model's limit was not in its config
         if "max_model_len" not in str(exc) or isinstance(exc, InvalidInput):
             raise
-        raise InvalidInput(f"--max-len {max_len}: the engine refused it (max_model_len {max_len + 1}): "
-                           f"{str(exc).splitlines()[-1].strip()[:400]}") from None
+        raise InvalidInput(f"--max-len {engine_args.max_len}: the engine refused it (max_model_len "
+                           f"{engine_args.max_model_len}): {str(exc).splitlines()[-1].strip()[:400]}") from None
 
     def write(s: formats.Placed, r: dict) -> None:  # on a writer thread, while the engine runs the next batch
         try:
-            formats.write_sample(fmt, opts.out, s, r, layer_ids, data=opts.data, validate=opts.validate,
-                                 vocab_size=vocab_size, hidden_size=hidden_size, stamp=stamp)
-        except writer.NonFiniteStates as exc:
-            if not getattr(opts, "skip_non_finite", False):
-                raise
-            this_run.setdefault("left_out_non_finite", []).append(formats.left_out_entry(s, exc))  # one step
+            left_out = writing.write(s, r)
         except OSError as exc:
             raise writer.OutputWriteError(
-                f"could not write {fmt.path(opts.out, s.index, s.row)}: {exc.strerror or exc}. The {pool.done} files "
+                f"could not write {writing.path(s)}: {exc.strerror or exc}. The {pool.done} files "
                 "written before it are complete (each is written under a temporary name and renamed when whole); "
                 "free space or fix the directory, then rerun the same command with --resume") from exc
+        if left_out is not None:
+            this_run.setdefault("left_out_non_finite", []).append(left_out)  # one step
 
     with gen:
         if getattr(gen, "executor", None) is not None and threading.current_thread() is threading.main_thread():

@@ -28,6 +28,7 @@ from typing import Any
 from .. import detect, engine, settings
 from ..errors import EagleCompatError, InvalidInput
 from . import formats, pipeline, placement, stages, writer
+from .batch_job import EngineArgs, SampleWriting
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
 MAX_RESTARTS = 4  # per actor; past it the actor leaves the pool (the run stops when the pool is empty)
@@ -166,25 +167,13 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
 
 @dataclass
 class ActorSpec:
-    model: str
-    data: str
-    out: str
-    layer_ids: list[int]
-    max_len: int
-    format: str
-    validate: bool
-    vocab_size: int
-    hidden_size: int
-    tensor_parallel_size: int
-    gpu_memory_utilization: float
-    kv_cache_memory_bytes: int | None
-    dtype: str
-    trust_remote_code: bool
+    """What each actor is given: the run's engine and sample writing (the same records a local run uses), and where
+    the actor runs."""
+    engine: EngineArgs
+    writing: SampleWriting
     cpus: int
     on_gpu: bool
-    stamp: str | None = None  # writer.states_stamp of the directory's settings
-    env: dict = field(default_factory=dict)
-    skip_non_finite: bool = False  # --skip-non-finite: such a sample is reported back, not written
+    env: dict = field(default_factory=dict)  # the driver's VLLM_* and EAGLE_COMPAT_* settings
 
 
 class ExtractActor:
@@ -192,12 +181,13 @@ class ExtractActor:
 
     def __init__(self, spec: ActorSpec, rank: int):
         self.spec, self.rank = spec, rank
-        if not os.path.exists(os.path.join(spec.out, writer.MANIFEST)):  # the driver wrote it before any actor
-            raise InvalidInput(f"actor {rank} on {socket.gethostname()} does not see {spec.out}/{writer.MANIFEST}, "
+        out = spec.writing.out
+        if not os.path.exists(os.path.join(out, writer.MANIFEST)):  # the driver wrote it before any actor
+            raise InvalidInput(f"actor {rank} on {socket.gethostname()} does not see {out}/{writer.MANIFEST}, "
                                "which the driver wrote: --out must be a folder every Ray node shares (files written "
                                "where the driver cannot see them would be lost)")
         # held for the actor's life: a later driver of this directory waits for it (writer.wait_for_other_writers)
-        self.writers_fd = writer.hold_as_writer(spec.out)
+        self.writers_fd = writer.hold_as_writer(out)
         self.gen = None
         self.core_fds: list[int] = []
         self.binding: str | None = None
@@ -215,7 +205,7 @@ class ExtractActor:
             # two engines on one node must not bind their threads to the same cores ("auto" takes the whole node)
             deadline = time.time() + 30  # a killed actor's engine workers hold its cores until they notice
             while True:
-                self.binding, cores, self.core_fds = claim_cores(spec.cpus, spec.tensor_parallel_size)
+                self.binding, cores, self.core_fds = claim_cores(spec.cpus, spec.engine.tensor_parallel_size)
                 if self.binding is not None or time.time() > deadline:
                     break
                 time.sleep(0.5)
@@ -227,11 +217,7 @@ class ExtractActor:
             os.sched_setaffinity(0, cores)
         from .. import generator
         t = time.time()
-        self.gen = generator.VllmHiddenStatesGenerator(
-            spec.model, layer_ids=spec.layer_ids, max_model_len=spec.max_len + 1,
-            gpu_memory_utilization=spec.gpu_memory_utilization, tensor_parallel_size=spec.tensor_parallel_size,
-            dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
-            kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
+        self.gen = generator.VllmHiddenStatesGenerator(**spec.engine.keywords())
         self.engine_seconds += time.time() - t
 
     def engine_dtype(self) -> str | None:
@@ -249,17 +235,17 @@ class ExtractActor:
             gen.close()
 
     def run_batch(self, batch: list[formats.Placed], expected_dtype: str | None = None) -> dict:
-        """Extract and write one batch, in the run's format (the same writer as a local run's, formats.py). Returns
+        """Extract and write one batch, in the run's format (the same writing as a local run's, batch_job.SampleWriting). Returns
         counts and timings. `expected_dtype`: the engine dtype of the directory's files (the record's, or the first
         actor's): an engine of another one writes nothing."""
         started = time.time()
         if self.gen is None:
             self._start()
-        spec = self.spec
+        writing = self.spec.writing
         if expected_dtype and self.engine_dtype() and self.engine_dtype() != expected_dtype:
             raise EngineDtypeMismatch(writer.two_precisions(
-                f"the engine of actor {self.rank} on {socket.gethostname()}", self.engine_dtype(), spec.dtype,
-                expected_dtype, spec.out))
+                f"the engine of actor {self.rank} on {socket.gethostname()}", self.engine_dtype(),
+                self.spec.engine.dtype, expected_dtype, writing.out))
         t = time.time()
         try:
             results = self.gen.generate([s.input_ids for s in batch])
@@ -274,18 +260,14 @@ class ExtractActor:
         forward = time.time() - t
         tokens = 0
         left_out = []
-        fmt = formats.get(spec.format)
         for s, r in zip(batch, results, strict=True):
             try:  # temp file + rename, as a local run writes it
-                formats.write_sample(fmt, spec.out, s, r, spec.layer_ids, data=spec.data, validate=spec.validate,
-                                     vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, stamp=spec.stamp)
-            except writer.NonFiniteStates as exc:
-                if not spec.skip_non_finite:
-                    raise
-                left_out.append(formats.left_out_entry(s, exc))
+                entry = writing.write(s, r)
             except OSError as exc:
-                raise writer.OutputWriteError(f"could not write {fmt.path(spec.out, s.index, s.row)} on "
+                raise writer.OutputWriteError(f"could not write {writing.path(s)} on "
                                               f"{socket.gethostname()}: {exc.strerror or exc}") from exc
+            if entry is not None:
+                left_out.append(entry)
             tokens += len(s.input_ids)
         import ray
 
@@ -362,18 +344,11 @@ def _pool_size(opts: Any, resources: dict, connected: str, batches: int) -> tupl
     return max(1, min(opts.ray_actors or fit, batches)), cpus, on_gpu
 
 
-def _actor_spec(opts: Any, layer_ids: list[int], max_len: int, vocab_size: int, hidden_size: int, manifest: dict,
-                cpus: int, on_gpu: bool) -> ActorSpec:
+def _actor_spec(engine_args: EngineArgs, writing: SampleWriting, cpus: int, on_gpu: bool) -> ActorSpec:
     # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
-    return ActorSpec(model=os.path.abspath(opts.model), data=opts.data, out=os.path.abspath(opts.out),
-                     layer_ids=layer_ids, max_len=max_len, format=opts.format, validate=opts.validate,
-                     vocab_size=vocab_size, hidden_size=hidden_size, tensor_parallel_size=opts.tensor_parallel_size,
-                     gpu_memory_utilization=opts.gpu_memory_utilization,
-                     kv_cache_memory_bytes=opts.kv_cache_memory_bytes, dtype=opts.dtype,
-                     trust_remote_code=opts.trust_remote_code, cpus=cpus, on_gpu=on_gpu, env=env,
-                     stamp=writer.stamp_of(manifest), skip_non_finite=getattr(opts, "skip_non_finite", False))
+    return ActorSpec(engine=engine_args, writing=writing, cpus=cpus, on_gpu=on_gpu, env=env)
 
 
 def _actor_stats(rank: int) -> dict:
@@ -386,9 +361,9 @@ class _Pool:
     """The driver's side of one --ray run: batches handed to idle actors, failed ones retried (on the same actor
     where it was only unavailable), replies checked and counted."""
 
-    def __init__(self, ray: Any, opts: Any, actors: list, stats: list[dict], manifest: dict, this_run: dict,
-                 todo: list[list[formats.Placed]]):
-        self.ray, self.opts, self.actors, self.stats = ray, opts, actors, stats
+    def __init__(self, ray: Any, opts: Any, writing: SampleWriting, actors: list, stats: list[dict], manifest: dict,
+                 this_run: dict, todo: list[list[formats.Placed]]):
+        self.ray, self.opts, self.writing, self.actors, self.stats = ray, opts, writing, actors, stats
         self.manifest, self.this_run = manifest, this_run
         self.total = placement.sample_count(todo)
         self.todo = todo
@@ -481,10 +456,9 @@ class _Pool:
 
     def _refuse_batch(self, item: _Item, message: str) -> None:
         """A batch whose files must not stay (another precision, other versions): they go, and the run stops."""
-        fmt = formats.get(self.opts.format)
         for s in item.batch:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(fmt.path(self.opts.out, s.index, s.row))
+                os.unlink(self.writing.path(s))
         raise RayExtractError(message)
 
     def replied(self, rank: int, item: _Item, r: dict) -> None:
@@ -562,14 +536,14 @@ class _Pool:
         print(summary_lines(self.stats, elapsed), file=sys.stderr, flush=True)
 
 
-def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], max_len: int, vocab_size: int,
-            hidden_size: int, manifest: dict, this_run: dict) -> tuple[int, int]:
+def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs, writing: SampleWriting,
+            manifest: dict, this_run: dict) -> tuple[int, int]:
     """Runs `todo` (the batches job.run chose) on the pool; records the engine's description in `manifest` and the
     pool's in `this_run`; returns (samples written, tokens)."""
     ray, connected = connect(opts.ray or None)
     actors_n, cpus, on_gpu = _pool_size(opts, ray.cluster_resources(), connected, len(todo))
     tp = opts.tensor_parallel_size
-    spec = _actor_spec(opts, layer_ids, max_len, vocab_size, hidden_size, manifest, cpus, on_gpu)
+    spec = _actor_spec(engine_args, writing, cpus, on_gpu)
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     remote = ray.remote(ExtractActor).options(
         num_cpus=cpus, num_gpus=tp if on_gpu else 0, max_restarts=MAX_RESTARTS, max_task_retries=0,
@@ -580,7 +554,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], layer_ids: list[int], m
     stats = [_actor_stats(r) for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
-    pool = _Pool(ray, opts, actors, stats, manifest, this_run, todo)
+    pool = _Pool(ray, opts, writing, actors, stats, manifest, this_run, todo)
     started = time.time()
     try:
         pool.run()

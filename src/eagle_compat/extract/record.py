@@ -11,6 +11,25 @@ import typing
 from typing import Any, TypedDict, Union
 
 
+class Settings(TypedDict, total=False):
+    """What every run adding files to a directory must share (extract/job.py: settings_of): `Manifest.settings`.
+    Batches are fixed by position, so the shard layout is not one of them."""
+    model: str  # the absolute path
+    model_checksums: dict  # file name -> its digest (writer.model_checksums)
+    data: str | None  # the absolute path (None: speculators 0.3.0's own output whose data_config.json names none)
+    data_sha256: str
+    layer_ids: list  # speculators 0.3.0's convention
+    max_len: int | None  # None: as data_config.json above
+    batch_size: int
+    format: str
+    dtype: str
+    tensor_parallel_size: int
+    skip_uncovered: bool
+    validate: bool  # --validate with --skip-uncovered (it then decides which conversations are left out)
+    min_loss_tokens: int
+    made_by: str  # a record `convert` made for speculators 0.3.0's own output (extract/convert.py)
+
+
 class RunEntry(TypedDict, total=False):
     """One run (`extract`, a shard of it, or a `--resume`) that added to the directory: `Manifest.runs`."""
     shard: str  # "I/N"
@@ -48,7 +67,7 @@ class Manifest(TypedDict, total=False):
     layer_ids: list  # speculators 0.3.0's convention (leaving layer k)
     num_layers: int
     layers: dict  # both conventions and the drafter's ids (extract/layers.py: record)
-    settings: dict  # what every run adding files must share (extract/job.py: settings_of)
+    settings: Settings
     max_len: dict  # the value and where it came from
     model_config: dict
     stamped_files: bool  # every file carries its settings' stamp (sets begun since stamps)
@@ -82,6 +101,8 @@ def _accepts(expected: Any, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)  # JSON writes 0.0 as 0.0, others 3
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if typing.is_typeddict(expected):  # its keys are checked by `problems`
+        return isinstance(value, dict)
     return isinstance(value, origin or expected)
 
 
@@ -94,7 +115,11 @@ def problems(record: dict, schema: type = Manifest, where: str = "manifest") -> 
             found.append(f"{where}: {key!r} is not declared in extract/record.py:{schema.__name__}")
         elif not _accepts(hints[key], value):
             found.append(f"{where}: {key!r} is {type(value).__name__}, declared {hints[key]}")
-    for k, run in enumerate(record.get("runs") or [] if schema is Manifest else []):
+    if schema is not Manifest:
+        return found
+    if isinstance(record.get("settings"), dict):
+        found += problems(record["settings"], Settings, f"{where}.settings")
+    for k, run in enumerate(record.get("runs") or []):
         found += problems(run, RunEntry, f"{where}.runs[{k}]") if isinstance(run, dict) else \
             [f"{where}.runs[{k}] is {type(run).__name__}, not an object"]
     return found
