@@ -240,3 +240,32 @@ def test_a_bad_value_is_refused_naming_the_variable_and_what_it_must_be(monkeypa
     assert settings.value("EAGLE_COMPAT_DISABLE") == ("a", "b")
     monkeypatch.delenv("EAGLE_COMPAT_TINY_MODELS", raising=False)
     assert settings.value("EAGLE_COMPAT_TINY_MODELS").endswith(os.path.join(".cache", "eagle-compat", "tiny-models"))
+
+
+# -- functions a reader can hold in mind ----------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 80
+# declarations, not logic: one add_argument per option of the command line
+LONG_BY_NATURE = {("cli.py", "build_parser")}
+
+
+def long_functions(root: str = os.path.join(SRC, PACKAGE), limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        rel = os.path.relpath(path, root)
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) not in LONG_BY_NATURE:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    return sorted(found)
+
+
+def test_no_function_is_over_80_lines_but_the_parsers_declarations():
+    assert not long_functions(), "split these:\n" + "\n".join(long_functions())
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    (tmp_path / "long.py").write_text("def f():\n" + "    x = 1\n" * 80)
+    (tmp_path / "short.py").write_text("def g():\n" + "    x = 1\n" * 79)
+    assert long_functions(str(tmp_path)) == ["long.py:1 f: 81 lines"]
