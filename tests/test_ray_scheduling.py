@@ -154,6 +154,19 @@ def _run(monkeypatch, tmp_path, script, batches=4, seconds_per_batch=0.0):
     return fake, this_run["ray"]["per_actor"], done
 
 
+def test_an_actor_is_given_the_model_and_out_by_their_absolute_paths(monkeypatch, tmp_path):
+    """An actor's working directory is not the driver's: `extract --model ./m --out ./o --ray` must reach the same
+    folders from every actor."""
+    monkeypatch.chdir(tmp_path)
+    engine_args = EngineArgs(model="m", layer_ids=[0], max_len=8, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+                             dtype="float32", trust_remote_code=False, kv_cache_memory_bytes=None)
+    writing = SampleWriting(out="o", format="pt", data="data.jsonl", layer_ids=[0], validate=False, vocab_size=32,
+                            hidden_size=16, stamp=None, skip_non_finite=False)
+    spec = ray_runner._actor_spec(engine_args, writing, cpus=1, on_gpu=False)
+    assert spec.engine.model == str(tmp_path / "m") and spec.writing.out == str(tmp_path / "o")
+    assert spec.engine.max_model_len == 9 and spec.writing.fmt.name == "pt"
+
+
 @pytest.mark.parametrize("kill", [["killed", "unavailable"], ["died", "unavailable"], ["died"], ["killed"]],
                          ids=["amd-epyc", "died-then-restarting", "intel", "socket-closed-only"])
 def test_one_kill_is_one_death_however_ray_reports_it(monkeypatch, tmp_path, kill):

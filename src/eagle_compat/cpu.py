@@ -194,6 +194,6 @@ if __name__ == "__main__":  # run as a script (no package import): the probe's J
     import json
     import sys
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)  # this folder's modules (engine.py, errors.py, ...) must not shadow vLLM's imports
+        sys.path.pop(0)  # this folder's modules (engine/, errors.py, ...) must not shadow vLLM's imports
     print(PROBE_MARK + json.dumps(probe_vllm_kernels()), flush=True)
     os._exit(0)  # the verdict is out: nothing at interpreter exit may turn it into a signal

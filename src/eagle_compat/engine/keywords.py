@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import detect
 
+
 def build(cls: Any, **kwargs: Any) -> Any:
     """Construct a vLLM config class with only the keyword arguments this release knows.
 

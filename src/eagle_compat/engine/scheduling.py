@@ -8,6 +8,7 @@ from .. import detect
 from ..errors import InvalidInput
 from . import keywords, kv_cache
 
+
 def scheduler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Add `block_size` (required from 0.11.1) and `hash_block_size` (0.20+) where vLLM's Scheduler takes them."""
     kw = dict(kwargs)

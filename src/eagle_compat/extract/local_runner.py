@@ -56,7 +56,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
             gen.executor.collective_rpc(_ignore_sigint)
         manifest["decoder_contract"] = gen.describe()
         engine_dtype = str(gen.vllm_config.model_config.dtype)
-        writer.check_engine_dtype(opts.out, manifest.get("engine_dtype"), engine_dtype, opts.dtype, "this machine")
+        writer.check_engine_dtype(writing.out, manifest.get("engine_dtype"), engine_dtype, engine_args.dtype,
+                                  "this machine")
         manifest["engine_dtype"] = this_run["engine_dtype"] = engine_dtype
         t_engine = time.time()
         # after the engine start: rates mean work

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -235,7 +236,7 @@ class ExtractActor:
             gen.close()
 
     def run_batch(self, batch: list[formats.Placed], expected_dtype: str | None = None) -> dict:
-        """Extract and write one batch, in the run's format (the same writing as a local run's, batch_job.SampleWriting). Returns
+        """Extract and write one batch, in the run's format (a local run's writing: batch_job.SampleWriting). Returns
         counts and timings. `expected_dtype`: the engine dtype of the directory's files (the record's, or the first
         actor's): an engine of another one writes nothing."""
         started = time.time()
@@ -348,7 +349,10 @@ def _actor_spec(engine_args: EngineArgs, writing: SampleWriting, cpus: int, on_g
     # the driver's vLLM settings travel to the actors (the cluster's nodes may have been started with others)
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "EAGLE_COMPAT_"))}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # N engines' start-up logs would bury the one progress bar
-    return ActorSpec(engine=engine_args, writing=writing, cpus=cpus, on_gpu=on_gpu, env=env)
+    # an actor's working directory is not the driver's: the model and --out by their absolute paths
+    return ActorSpec(engine=dataclasses.replace(engine_args, model=os.path.abspath(engine_args.model)),
+                     writing=dataclasses.replace(writing, out=os.path.abspath(writing.out)),
+                     cpus=cpus, on_gpu=on_gpu, env=env)
 
 
 def _actor_stats(rank: int) -> dict:
@@ -361,9 +365,10 @@ class _Pool:
     """The driver's side of one --ray run: batches handed to idle actors, failed ones retried (on the same actor
     where it was only unavailable), replies checked and counted."""
 
-    def __init__(self, ray: Any, opts: Any, writing: SampleWriting, actors: list, stats: list[dict], manifest: dict,
+    def __init__(self, ray: Any, opts: Any, spec: ActorSpec, actors: list, stats: list[dict], manifest: dict,
                  this_run: dict, todo: list[list[formats.Placed]]):
-        self.ray, self.opts, self.writing, self.actors, self.stats = ray, opts, writing, actors, stats
+        self.ray, self.opts, self.actors, self.stats = ray, opts, actors, stats
+        self.writing, self.dtype = spec.writing, spec.engine.dtype
         self.manifest, self.this_run = manifest, this_run
         self.total = placement.sample_count(todo)
         self.todo = todo
@@ -378,7 +383,7 @@ class _Pool:
         self.described = False
         self.driver_versions = states_versions()
         # the directory's engine precision: its files' (the record's), else the first actor's to reply
-        self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(opts.out) else None
+        self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(self.writing.out) else None
 
     def send(self, rank: int, item: _Item) -> None:
         self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)
@@ -468,8 +473,8 @@ class _Pool:
         elif r.get("engine_dtype") and r["engine_dtype"] != self.expected_dtype:
             # sent before any actor had replied: its files are of another precision
             self._refuse_batch(item, writer.two_precisions(
-                f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], self.opts.dtype,
-                self.expected_dtype, self.opts.out) + " (its batch's files were removed)")
+                f"the engine of actor {rank} on {r['host']}", r["engine_dtype"], self.dtype,
+                self.expected_dtype, self.writing.out) + " (its batch's files were removed)")
         refusal = versions_refusal(rank, r["host"], r["versions"], self.driver_versions) if r.get("versions") else None
         if refusal:
             self._refuse_batch(item, refusal)
@@ -532,7 +537,7 @@ class _Pool:
                 self.ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-        record["temp_files_swept_at_end"] = len(writer.sweep_temp_files(self.opts.out))
+        record["temp_files_swept_at_end"] = len(writer.sweep_temp_files(self.writing.out))
         print(summary_lines(self.stats, elapsed), file=sys.stderr, flush=True)
 
 
@@ -542,7 +547,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
     pool's in `this_run`; returns (samples written, tokens)."""
     ray, connected = connect(opts.ray or None)
     actors_n, cpus, on_gpu = _pool_size(opts, ray.cluster_resources(), connected, len(todo))
-    tp = opts.tensor_parallel_size
+    tp = engine_args.tensor_parallel_size
     spec = _actor_spec(engine_args, writing, cpus, on_gpu)
     # the actors import eagle_compat where the driver does (a shared checkout or the same install on every node)
     remote = ray.remote(ExtractActor).options(
@@ -554,7 +559,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
     stats = [_actor_stats(r) for r in range(actors_n)]
     this_run["ray"] = {"cluster": connected, "actors": actors_n, "cpus_per_actor": None if on_gpu else cpus,
                        "gpus_per_actor": tp if on_gpu else None, "per_actor": stats}
-    pool = _Pool(ray, opts, writing, actors, stats, manifest, this_run, todo)
+    pool = _Pool(ray, opts, spec, actors, stats, manifest, this_run, todo)
     started = time.time()
     try:
         pool.run()
