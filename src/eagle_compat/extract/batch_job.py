@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import formats, writer
 
@@ -69,3 +69,12 @@ class SampleWriting:
                 raise
             return formats.left_out_entry(s, exc)
         return None
+
+
+class Runner(Protocol):
+    """What turns a run's batches into files: `local_runner.extract` (one engine here) or `ray_runner.extract` (a
+    pool of actors). It records the engine's description in `manifest` and its own figures in `this_run`, and returns
+    (samples written, tokens)."""
+
+    def __call__(self, opts: Any, todo: Any, engine_args: EngineArgs, writing: SampleWriting, manifest: dict,
+                 this_run: dict) -> tuple[int, int]: ...

@@ -21,7 +21,7 @@ from .. import settings as envs  # the environment variables (job.run has its ow
 from .._version import __version__
 from ..errors import InvalidInput
 from . import formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
-from .batch_job import EngineArgs, SampleWriting
+from .batch_job import EngineArgs, Runner, SampleWriting
 from .record import Manifest, RunEntry, Settings
 
 FORMATS = tuple(formats.FORMATS)
@@ -782,10 +782,9 @@ def _describe_input(manifest: dict, p: RunPlan) -> None:
     manifest["input_notes"] = data.notes
 
 
-def runner_for(opts: ExtractOptions) -> Any:
-    """The runner that turns batches into files: here (local_runner) or on a pool of Ray actors (ray_runner). Both
-    take (opts, batches, engine_args, sample_writing, manifest, this_run) and return (samples written, tokens):
-    the engine and the writing of each sample are the plan's (batch_job.py), the same for both."""
+def runner_for(opts: ExtractOptions) -> Runner:
+    """The runner that turns batches into files: here (local_runner) or on a pool of Ray actors (ray_runner); the
+    engine and the writing of each sample are the plan's (batch_job.py), the same for both."""
     if opts.ray is not None:
         from . import ray_runner
         return ray_runner.extract
