@@ -208,14 +208,6 @@ def resolve_max_len(model: str, text_config: Any, requested: int | None) -> tupl
                    "model_limit_from": source or "the model's config names no position limit"}
 
 
-def data_description(opts: ExtractOptions, layer_ids: list[int], hidden_size: int, num_samples: int,
-                     versions: dict, max_len: int) -> formats.DataDescription:
-    return formats.DataDescription(
-        model=opts.model, data=opts.data, layer_ids=layer_ids, hidden_size=hidden_size, num_samples=num_samples,
-        max_len=max_len, versions=versions, tensor_parallel_size=opts.tensor_parallel_size,
-        gpu_memory_utilization=opts.gpu_memory_utilization)
-
-
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C: the run stopped; every file it left is complete. The message says how to continue."""
 
@@ -382,7 +374,12 @@ class RunPlan:
                              stamp=writer.stamp_of(manifest), skip_non_finite=o.skip_non_finite)
 
     def description(self, num_samples: int, versions: dict) -> formats.DataDescription:
-        return data_description(self.opts, self.layer_ids, self.hidden_size, num_samples, versions, self.max_len)
+        """What data_config.json says of the set: the engine the runners start, the input, the counts."""
+        e = self.engine_args()
+        return formats.DataDescription(
+            model=e.model, data=self.opts.data, layer_ids=e.layer_ids, hidden_size=self.hidden_size,
+            num_samples=num_samples, max_len=e.max_len, versions=versions,
+            tensor_parallel_size=e.tensor_parallel_size, gpu_memory_utilization=e.gpu_memory_utilization)
 
 
 def plan(opts: ExtractOptions) -> RunPlan:
