@@ -29,6 +29,9 @@ def _recorded_failure(family: str) -> str | None:
 @pytest.mark.engine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_fp32_parity_every_layer(family):
+    too_new = tiny_models.unavailable(family)
+    if too_new:
+        pytest.skip(f"{family} is newer than this environment: {too_new}")
     recorded = _recorded_failure(family)
     if recorded:
         pytest.skip(f"{family}: its matrix cell on this vLLM release is {recorded} (tests/test_compat_matrix.py "
@@ -63,10 +66,14 @@ def test_every_family_has_a_parity_model_or_is_refused_as_unverified():
 def test_every_tiny_model_architecture_is_its_familys_and_known_to_vllm():
     """Each tiny checkpoint declares one of its family's architectures, one this vLLM registers (the engine run above
     checks that vLLM then loads that family's layers)."""
+    import transformers
     from vllm import ModelRegistry
     supported = set(ModelRegistry.get_supported_archs())
     for row in families.FAMILIES:
         for tiny in row.tiny:
             assert tiny.architecture in row.architectures, (row.name, tiny.name)
-            assert tiny.architecture in supported, f"{tiny.name}: vLLM does not know {tiny.architecture}"
+            if tiny.architecture not in supported:  # only a family newer than both this vLLM and transformers
+                base = families.TINY[tiny.wraps][1] if tiny.wraps else tiny
+                assert not hasattr(transformers, base.config_class), f"{tiny.name}: vLLM does not know {tiny.architecture}"
+                continue
             assert tiny.num_layers >= 2 and (tiny.config_class or tiny.wraps in families.TINY)

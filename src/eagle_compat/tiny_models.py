@@ -375,6 +375,25 @@ def num_layers(family: str) -> int:
     return _tiny(family).num_layers
 
 
+def unavailable(name: str) -> str | None:
+    """Why this environment cannot build or run the tiny model `name` (None where it can): a family newer than the
+    installed transformers (no config class) or vLLM (no model of its architecture)."""
+    import transformers
+
+    tiny = _tiny(name)
+    base = _tiny(tiny.wraps) if tiny.wraps else tiny
+    if base.config_class and not hasattr(transformers, base.config_class):
+        return f"transformers {transformers.__version__} has no {base.config_class}"
+    try:
+        import vllm
+        from vllm import ModelRegistry
+    except ImportError:  # no engine here: only the checkpoint is asked for
+        return None
+    if tiny.architecture not in ModelRegistry.get_supported_archs():
+        return f"vLLM {vllm.__version__} has no {tiny.architecture}"
+    return None
+
+
 def build_family(family: str) -> tuple[str, str, int]:
     """(checkpoint to run in vLLM, checkpoint with the same language-model weights for the HF reference,
     number of decoder layers) for any tiny model of the family table, wrappers (Kimi-K2.5) included."""

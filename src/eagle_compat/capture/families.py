@@ -94,6 +94,15 @@ _DEEPSEEK_V3_V128_B128 = dict(_DEEPSEEK_V3_B128, v_head_dim=128)
 _DEEPSEEK_V3_PLAIN_ROPE = {k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_parameters", "rope_scaling")}
 _DEEPSEEK_V3_PLAIN_ROPE["rope_theta"] = 10000.0
 
+# Gemma 4 as its small checkpoints lay it out (E2B/E4B): four windowed layers to one global, the global layers'
+# larger head (per_layer_config), per-layer embeddings (PLE) into every layer, and the last layers reading the KV of
+# earlier ones (num_kv_shared_layers: 6-8 reuse layer 5's, 9 reuses layer 4's)
+_GEMMA4 = dict(_COMMON, num_hidden_layers=10, head_dim=64, sliding_window=32,
+               layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+               per_layer_config={"04": {"head_dim": 128}, "09": {"head_dim": 128}},
+               hidden_size_per_layer_input=64, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=4,
+               tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+
 # gpt-oss's reasoning parser, which vLLM 0.17+ builds with the engine, looks these up in the vocabulary
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
 
@@ -189,6 +198,8 @@ FAMILIES: tuple[Family, ...] = (
                   layer_types=["sliding_attention", "full_attention"] * 2, sliding_window_pattern=2,
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
+    Family("gemma4", ("Gemma4DecoderLayer",), ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), tiny=(
+        Tiny("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", _GEMMA4, matrix=("shim", "generator")),)),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
         Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
              dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),)),

@@ -80,6 +80,12 @@ def check_engine_mode(vllm_config: Any, base: Any) -> None:
             raise UnsupportedModel(
                 "hidden-state capture needs eager mode (enforce_eager=True): compiled / CUDA-graph execution "
                 f"skips the capture hooks (cudagraph_mode={cudagraph}).")
+    if getattr(getattr(vllm_config, "cache_config", None), "kv_sharing_fast_prefill", False) is True:
+        raise UnsupportedModel(
+            "kv_sharing_fast_prefill is on: vLLM then runs the layers that reuse an earlier layer's KV cache (Gemma "
+            "3n and Gemma 4's last num_kv_shared_layers) only for the tokens it samples from, so their hidden states "
+            "for every other token would be missing (tests/test_gemma4.py shows it). Extraction needs every token: "
+            "leave kv_sharing_fast_prefill off (eagle_compat's engines and speculators 0.3.0's never turn it on).")
     pc = vllm_config.parallel_config
     if getattr(pc, "pipeline_parallel_size", 1) > 1:
         raise UnsupportedModel(

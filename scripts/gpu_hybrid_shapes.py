@@ -1,0 +1,278 @@
+"""Hybrid-attention models at the shapes real checkpoints have, against HF transformers: which engine is wrong, and
+for which shape. Each variant is a tiny random Gemma 3 (bf16 checkpoint, weights normal(0, 0.03)) that differs from
+the base in one fact (the layer pattern, the head size, the KV heads, the window, the layer count); every sequence but
+the shortest is longer than the window.
+
+For each variant, three engines on the same tokens:
+  plain      vLLM's own engine (`vllm.LLM`, its own KV planning and scheduler, no eagle_compat): the residual stream
+             after each decoder layer, taken by forward hooks inside the engine's process, and the prompt's logprobs
+  generator  eagle_compat.VllmHiddenStatesGenerator (dtype auto, as speculators passes)
+  shim       speculators 0.3.0's generator under eagle_compat.install()
+each judged against HF fp32 with HF's own bf16 error on the same tokens (eagle_compat.check.compare), and the KV-cache
+groups each engine planned.
+
+  python scripts/gpu_hybrid_shapes.py all [--variants base,alt,...] [--engines plain,generator,shim] --out DIR
+  python scripts/gpu_hybrid_shapes.py one VARIANT ENGINE --out DIR     (one engine, in its own process)
+Results: DIR/hybrid_shapes.jsonl, one line per (variant, engine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+BASE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=7, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=128, query_pre_attn_scalar=128, sliding_window=64, vocab_size=4096,
+            layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+            max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.03,
+            hidden_activation="gelu_pytorch_tanh", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _pattern(n: int, every: int) -> list[str]:
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+
+
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "alt": dict(layer_types=_pattern(7, 2)),                       # alternating, as the committed GPU cells
+    "hd64": dict(head_dim=64, query_pre_attn_scalar=64),            # the committed cells' head size
+    "hd256": dict(head_dim=256, query_pre_attn_scalar=256),         # Gemma-3-270M/1B/4B's head size
+    "kv4": dict(num_key_value_heads=4),                             # as many KV heads as query heads
+    "win512": dict(sliding_window=512),                             # most sequences inside the window
+    "l12": dict(num_hidden_layers=12, layer_types=_pattern(12, 6)),  # 5:1 twice (10 local, 2 global)
+    "l18": dict(num_hidden_layers=18, layer_types=_pattern(18, 6)),  # Gemma-3-270M's layout at head size 128
+}
+LENGTHS = (32, 96, 150, 230, 320, 410, 500, 587)
+ENGINES = ("plain", "generator", "shim")
+
+
+def model_dir(root: str, variant: str) -> str:
+    return os.path.join(root, "models", variant)
+
+
+def sequences(vocab: int) -> list[list[int]]:
+    import random
+    rng = random.Random(65)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def build(root: str, variant: str) -> str:
+    import torch
+    import transformers
+
+    path = model_dir(root, variant)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = transformers.Gemma3TextConfig(**{**BASE, **VARIANTS[variant]})
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path + ".tmp", safe_serialization=True)
+    from eagle_compat.tiny_models import save_tokenizer
+    save_tokenizer(path + ".tmp", config.vocab_size)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def hf_states_and_logprobs(path: str, seqs: list[list[int]], dtype: str, device: str) -> tuple[list, list]:
+    """Every layer's residual stream (speculators' numbering: leaving layer i; the last layer before the final norm)
+    and each prompt token's logprob given the tokens before it."""
+    import torch
+    from eagle_compat import tiny_models
+
+    n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+    states = tiny_models.hf_reference(path, seqs, list(range(n)), device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    logprobs = []
+    with torch.no_grad():
+        for ids in seqs:
+            logits = model(torch.tensor([ids], device=device)).logits[0].float()
+            lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+            logprobs.append(lp.cpu())
+    return states, logprobs
+
+
+def groups_of(kv_cache_config) -> list[dict]:
+    return [{"spec": type(g.kv_cache_spec).__name__,
+             "window": getattr(g.kv_cache_spec, "sliding_window", None),
+             "layers": [name.split(".layers.")[-1].split(".")[0] for name in g.layer_names]}
+            for g in kv_cache_config.kv_cache_groups]
+
+
+def run_plain(path: str, seqs: list[list[int]], n: int) -> dict:
+    """vLLM's own engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one prompt per step; the hooks compute
+    hidden + residual inside the layer's call (the next layer's fused add-norm overwrites the returned tensors)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(path, dtype="auto", enforce_eager=True, max_model_len=1024, skip_tokenizer_init=True,
+              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, seed=0)
+    captured: dict[int, list] = {i: [] for i in range(n)}
+
+    def install(model):
+        for i, layer in enumerate(model.model.layers):
+            def hook(mod, args, out, i=i):
+                captured[i].append((out[0] + out[1]).detach().float().cpu())  # Gemma's layers return (h, residual)
+            layer.register_forward_hook(hook)
+
+    llm.apply_model(install)
+    states, logprobs = [], []
+    for ids in seqs:
+        for v in captured.values():
+            v.clear()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)[0]
+        states.append([torch.cat(captured[i])[:len(ids)] for i in range(n)])
+        logprobs.append(torch.tensor([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]))
+    groups = None
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        groups = groups_of(core.scheduler.kv_cache_config)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        groups = f"unread: {type(exc).__name__}: {exc}"
+    return {"states": states, "logprobs": logprobs, "groups": groups}
+
+
+def run_generator(path: str, seqs: list[list[int]], n: int) -> dict:
+    from eagle_compat import VllmHiddenStatesGenerator
+    with VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024,
+                                   gpu_memory_utilization=0.3) as gen:
+        results = gen.generate(seqs)
+        groups = groups_of(gen.scheduler.kv_cache_config)
+    return {"states": [r["hidden_states"] for r in results], "groups": groups}
+
+
+def run_shim(path: str, seqs: list[list[int]], n: int) -> dict:
+    import eagle_compat
+    eagle_compat.install()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    gen = VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024, gpu_memory_utilization=0.3)
+    try:
+        results = gen.generate(seqs)
+        groups = groups_of(gen.scheduler.kv_cache_config)
+    finally:
+        gen.executor.shutdown()
+    return {"states": [r["hidden_states"] for r in results], "groups": groups}
+
+
+def one(variant: str, engine: str, root: str, device: str) -> dict:
+    import torch
+    from eagle_compat import check
+
+    path = model_dir(root, variant)
+    n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+    seqs = sequences(json.load(open(os.path.join(path, "config.json")))["vocab_size"])
+    ref = torch.load(os.path.join(path, "reference.pt"))
+    start = time.time()
+    record: dict = {"variant": variant, "engine": engine, "config": {**BASE, **VARIANTS[variant]}}
+    try:
+        got = {"plain": run_plain, "generator": run_generator, "shim": run_shim}[engine](path, seqs, n)
+        results = [{"hidden_states": s} for s in got["states"]]
+        layers = check.compare(results, ref["fp32"], list(range(n)), "bf16", ref["bf16"])
+        record.update(status="pass" if all(e.ok for e in layers) else "fail", groups=got["groups"],
+                      layers={e.layer_id: {"ok": e.ok, "median": e.median, "p95": e.high,
+                                           "hf_bf16_median": e.reference_median, "hf_bf16_p95": e.reference_high,
+                                           "max_rel_to_layer_max": e.max_rel_to_layer_max}
+                              for e in layers})
+        # per sequence: the worst layer's largest error relative to that layer's largest value
+        record["per_sequence"] = [{"tokens": len(ids), "max_rel": max(
+            float((s.float() - r.float()).abs().max() / r.float().abs().max()) for s, r in zip(got_s, ref_s))}
+            for ids, got_s, ref_s in zip(seqs, got["states"], ref["fp32"])]
+        if "logprobs" in got:
+            diff = [float((a - b).abs().max()) for a, b in zip(got["logprobs"], ref["lp_fp32"])]
+            hf = [float((a - b).abs().max()) for a, b in zip(ref["lp_bf16"], ref["lp_fp32"])]
+            record["prompt_logprobs"] = {"max_abs_vs_hf_fp32": max(diff), "hf_bf16_max_abs": max(hf),
+                                         "per_sequence": diff}
+    except Exception as exc:  # noqa: BLE001 - every failure is a result
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+    record["seconds"] = round(time.time() - start, 1)
+    return record
+
+
+def prepare(root: str, variants: list[str], device: str) -> None:
+    import torch
+    for v in variants:
+        path = build(root, v)
+        if os.path.exists(os.path.join(path, "reference.pt")):
+            continue
+        seqs = sequences(VARIANTS[v].get("vocab_size", BASE["vocab_size"]))
+        fp32, lp32 = hf_states_and_logprobs(path, seqs, "float32", device)
+        bf16, lp16 = hf_states_and_logprobs(path, seqs, "bfloat16", device)
+        torch.save({"fp32": fp32, "bf16": bf16, "lp_fp32": lp32, "lp_bf16": lp16}, os.path.join(path, "reference.pt"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("all", "one"))
+    ap.add_argument("args", nargs="*")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--root", default="/tmp/hybrid-shapes")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--parallel", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=300)
+    a = ap.parse_args()
+    if a.what == "one":
+        variant, engine = a.args
+        print("HYBRID_SHAPES " + json.dumps(one(variant, engine, a.root, a.device), default=str), flush=True)
+        return
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS] + [e for e in a.engines.split(",") if e not in ENGINES]
+    if unknown:
+        ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; engines: {', '.join(ENGINES)}")
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    prepare(a.root, variants, a.device)
+    print(f"references ready in {time.time() - t0:.0f} s", flush=True)
+    jobs = [(v, e) for v in variants for e in a.engines.split(",")]
+    running: list = []
+    results = open(os.path.join(a.out, "hybrid_shapes.jsonl"), "a")
+
+    def reap(block: bool) -> None:
+        for job in list(running):
+            proc, (v, e), log = job
+            if block or proc.poll() is not None:
+                try:
+                    proc.wait(timeout=a.timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                text = open(log).read()
+                line = [ln for ln in text.splitlines() if ln.startswith("HYBRID_SHAPES ")]
+                rec = json.loads(line[-1][14:]) if line else {"variant": v, "engine": e, "status": "no result",
+                                                               "log_tail": text[-2500:]}
+                results.write(json.dumps(rec) + "\n")
+                results.flush()
+                worst = max((L["median"] or 0) / max(L["hf_bf16_median"] or 1e-9, 1e-9)
+                            for L in rec["layers"].values()) if rec.get("layers") else None
+                print(f"{v:7s} {e:9s} {rec['status']:9s} worst median/hf {worst} "
+                      f"logprobs {rec.get('prompt_logprobs', {}).get('max_abs_vs_hf_fp32')} "
+                      f"groups {len(rec['groups']) if isinstance(rec.get('groups'), list) else rec.get('groups')} "
+                      f"({rec.get('seconds')} s)", flush=True)
+                running.remove(job)
+                if block:
+                    return
+
+    for v, e in jobs:
+        while len(running) >= a.parallel:
+            reap(block=False)
+            time.sleep(1)
+        log = os.path.join(a.root, f"log-{v}-{e}.txt")
+        proc = subprocess.Popen([sys.executable, __file__, "one", v, e, "--root", a.root, "--device", a.device,
+                                 "--out", a.out], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        running.append((proc, (v, e), log))
+    while running:
+        reap(block=False)
+        time.sleep(1)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

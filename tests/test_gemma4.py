@@ -1,0 +1,90 @@
+"""Gemma 4: per-layer inputs (PLE) into every decoder layer, and its last `num_kv_shared_layers` layers reading the KV
+cache of earlier ones. Every layer's states against HF run in tests/test_families.py (the `gemma4` family, fp32);
+here: vLLM's `kv_sharing_fast_prefill`, under which those KV-shared layers run for the sampled tokens only, and
+which eagle_compat refuses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from eagle_compat import VllmHiddenStatesGenerator, engine, tiny_models
+from eagle_compat.capture import families, resolver
+from eagle_compat.errors import UnsupportedModel, WorkerError
+
+from helpers import prompts
+
+GEMMA4 = families.TINY["gemma4"][1]
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    reason = tiny_models.unavailable("gemma4")
+    if reason:
+        pytest.skip(reason)
+    return tiny_models.build_tiny_model("gemma4")
+
+
+def test_the_resolver_refuses_fast_prefill_naming_it():
+    config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True),
+                             cache_config=SimpleNamespace(kv_sharing_fast_prefill=True),
+                             parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    with pytest.raises(UnsupportedModel, match="kv_sharing_fast_prefill is on.*every other token"):
+        resolver.check_engine_mode(config, base=None)
+    config.cache_config.kv_sharing_fast_prefill = False
+    resolver.check_engine_mode(config, base=None)
+
+
+@pytest.mark.engine
+def test_fast_prefill_would_run_the_kv_shared_layers_for_the_sampled_tokens_only(gemma4):
+    """What vLLM's own engine does with `kv_sharing_fast_prefill`: the layers before the KV-shared ones see every
+    prompt token, the KV-shared ones one row per request (the token it samples from). Their states for the other
+    tokens would never exist: why the resolver refuses it."""
+    batch = prompts(2, 20, 60, seed=4)
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "data", "fast_prefill_rows.py"),
+                          gemma4, json.dumps(batch)], capture_output=True, text=True, timeout=600)
+    found = [line for line in run.stdout.splitlines() if line.startswith("ROWS ")]
+    assert found, run.stderr[-3000:]
+    seen = json.loads(found[-1][5:])
+    shared = GEMMA4.config["num_kv_shared_layers"]
+    n = GEMMA4.num_layers
+    tokens = sum(map(len, batch))
+    assert [sum(r) for r in seen[:n - shared]] == [tokens] * (n - shared), seen
+    assert [sum(r) for r in seen[n - shared:]] == [len(batch)] * shared, seen
+
+
+@pytest.mark.engine
+def test_the_generator_refuses_an_engine_with_fast_prefill(gemma4, monkeypatch):
+    """Were an engine ever built with it (a default changed, a caller's config), the states are refused, not
+    written: the worker's UnsupportedModel naming the setting, before the first batch."""
+    built = engine.configs.cache_config_kwargs
+    monkeypatch.setattr(engine.configs, "cache_config_kwargs",
+                        lambda kw: {**built(kw), "kv_sharing_fast_prefill": True})
+    with pytest.raises(WorkerError, match="UnsupportedModel in a vLLM worker.*kv_sharing_fast_prefill is on"):
+        with VllmHiddenStatesGenerator(gemma4, layer_ids=[0, GEMMA4.num_layers - 1], max_model_len=256,
+                                       dtype="float32", in_process=True) as gen:
+            gen.generate(prompts(2, 20, 60, seed=4))
+
+
+@pytest.mark.engine
+def test_extract_writes_every_layer_equal_to_hf(gemma4, tmp_path):
+    """`eagle-compat extract` on a Gemma 4 (float32): every layer of every sample file equals HF's, the KV-shared
+    layers and the per-layer inputs included, for every token."""
+    from eagle_compat.extract import writer
+    from helpers import assert_matches_hf, write_dataset
+
+    data = write_dataset(tmp_path / "data.jsonl", 12, 20, 120, seed=5)
+    layers = list(range(GEMMA4.num_layers))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", gemma4, "--data", str(data),
+                           "--out", str(out), "--layers", ",".join(map(str, layers)), "--dtype", "float32",
+                           "--max-len", "256", "--gpu-memory-utilization", "0.3", "--no-progress"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(12)]
+    assert_matches_hf(samples, gemma4, [s["input_ids"].tolist() for s in samples], layers, precision="fp32")
