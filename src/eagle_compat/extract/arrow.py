@@ -72,6 +72,7 @@ def hs_bytes(input_ids: Any, hidden_states: list | Any, fmt: str = "arrow", stam
 def save_hs(out_dir: str, row: int, input_ids: Any, hidden_states: list | Any, fmt: str = "arrow",
             layer_ids: list[int] | None = None, stamp: str | None = None) -> str:
     writer.require_finite(row, hidden_states, layer_ids)
+    writer.require_varying(row, input_ids, hidden_states, layer_ids)
     path = hs_path(out_dir, row)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     writer.atomic_write_bytes(path, hs_bytes(input_ids, hidden_states, fmt, stamp))

@@ -211,7 +211,7 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
             _, ids, mask, _ = fmt.expected(out, s.index, s.row, s.input_ids, s.loss_mask, "")
             writer.index_written(out, s.index, path, ids, mask, stamp)
         return path
-    except (writer.NonFiniteStates, writer.InvalidSample) as exc:
+    except (writer.NonFiniteStates, writer.DegenerateStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
 
 

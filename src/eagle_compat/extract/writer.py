@@ -88,6 +88,35 @@ def require_finite(index: int, hidden_states: Any, layer_ids: list[int] | None =
                               "manifest.json and the summary")
 
 
+class DegenerateStates(EagleCompatError, RuntimeError):
+    """A layer's states are one vector repeated at every token (all zeros, say) while the tokens differ: no target
+    model computes that, a broken capture does (vllm#46301: all-zero states from a hybrid verifier, a drafter trained
+    on them accepted ~0% of its tokens). Refused, never written or skipped."""
+    run_failed = True
+
+
+def require_varying(index: int, input_ids: Any, hidden_states: Any, layer_ids: list[int] | None = None) -> None:
+    """Every layer's states differ between tokens where the tokens do. Rows 0 and 1 differ in any real sample, so
+    the whole layer is read only where they are equal."""
+    import torch
+
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() < 2 or bool((ids == ids[0]).all()):  # one token repeated: equal states are right
+        return
+    layers = (list(hidden_states) if not isinstance(hidden_states, torch.Tensor)
+              else list(hidden_states.unbind(1)) if hidden_states.dim() == 3 else [hidden_states])
+    for k, h in enumerate(layers):
+        if h.shape[0] < 2 or not torch.equal(h[0], h[1]) or not bool((h == h[0]).all()):
+            continue
+        which = f"layer id {layer_ids[k]}" if layer_ids and k < len(layer_ids) else f"hidden_states[{k}]"
+        value = "all zeros" if not bool(h[0].any()) else "one vector repeated"
+        raise DegenerateStates(
+            f"sample {index}: {which} is {value} at all {h.shape[0]} tokens although the tokens differ; nothing of "
+            "this sample was written. A target model's residual stream differs from token to token: the engine or "
+            "the capture returned no states for this layer (vllm#46301 saw all-zero states from a hybrid verifier). "
+            "Run `eagle-compat check --model MODEL` to compare this engine with HF transformers")
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -204,6 +233,7 @@ def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: lis
     import torch
 
     require_finite(index, sample["hidden_states"], layer_ids)
+    require_varying(index, sample["input_ids"], sample["hidden_states"], layer_ids)
     path = sample_path(out_dir, index, fmt)
     if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
         record = sample if stamp is None else {**sample, STAMP_KEY: stamp}
