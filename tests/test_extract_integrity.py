@@ -670,7 +670,8 @@ def test_temporary_names_carry_no_dot_of_the_host_so_every_host_writes_the_same_
     """torch.save names its archive after the file's name up to the last dot: a host `node1.cluster` wrote other
     bytes than `node2` for the same sample."""
     import socket
-    sample = {"input_ids": torch.arange(4), "hidden_states": [torch.ones(4, 8)], "loss_mask": torch.ones(4)}
+    sample = {"input_ids": torch.arange(4), "hidden_states": [torch.arange(32.0).reshape(4, 8)],
+              "loss_mask": torch.ones(4)}
     written = []
     for host in ("node1.cluster.example", "node2"):
         monkeypatch.setattr(socket, "gethostname", lambda host=host: host)

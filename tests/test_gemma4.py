@@ -67,7 +67,7 @@ def test_the_generator_refuses_an_engine_with_fast_prefill(gemma4, monkeypatch):
                         lambda kw: {**built(kw), "kv_sharing_fast_prefill": True})
     with pytest.raises(WorkerError, match="UnsupportedModel in a vLLM worker.*kv_sharing_fast_prefill is on"):
         with VllmHiddenStatesGenerator(gemma4, layer_ids=[0, GEMMA4.num_layers - 1], max_model_len=256,
-                                       dtype="float32", in_process=True) as gen:
+                                       dtype="float32") as gen:
             gen.generate(prompts(2, 20, 60, seed=4))
 
 
@@ -88,3 +88,27 @@ def test_extract_writes_every_layer_equal_to_hf(gemma4, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(12)]
     assert_matches_hf(samples, gemma4, [s["input_ids"].tolist() for s in samples], layers, precision="fp32")
+
+
+def test_a_wrapper_whose_module_cannot_load_here_is_refused_naming_the_cause(monkeypatch):
+    """Where transformers' processor cannot be imported (no torchvision beside a `+cpu` torch), a multimodal
+    wrapper is refused before any worker starts, naming the module, the cause and the way out."""
+    from eagle_compat.engine import configs
+    from eagle_compat.errors import IncompatibleEnvironment
+
+    if tiny_models.unavailable("gemma4_mm"):
+        pytest.skip(tiny_models.unavailable("gemma4_mm"))
+    path, _, _ = tiny_models.build_family("gemma4_mm")
+    monkeypatch.setattr(configs, "torchvision_loads", lambda: False)
+    monkeypatch.setattr(configs, "import_failure", lambda module: "ModuleNotFoundError: No module named 'torchvision'")
+    with pytest.raises(IncompatibleEnvironment, match=r"Gemma4ForConditionalGeneration .*importing "
+                       r"vllm\.model_executor\.models\.gemma4_mm failed: ModuleNotFoundError: No module named "
+                       r"'torchvision'\. .*install the torchvision built for this torch"):
+        configs.build_vllm_config(path, worker_extension_cls="", max_model_len=256, gpu_memory_utilization=0.3)
+
+
+def test_import_failure_names_the_root_cause_and_none_where_the_module_loads():
+    from eagle_compat.engine import configs
+    assert configs.import_failure("json") is None
+    assert configs.import_failure("eagle_compat_no_such_module") == \
+        "ModuleNotFoundError: No module named 'eagle_compat_no_such_module'"

