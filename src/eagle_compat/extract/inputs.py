@@ -57,8 +57,24 @@ class Dataset:
 MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
 
 
+def _one_spelling(obj: dict, first: str, second: str, where: str, what: str, meaning: Any = None) -> Any:
+    """The value of `first`, else of `second` (ShareGPT's spelling). Both given (not null) with different meanings
+    (`meaning` of each value; the values themselves by default): refused, never one of them chosen silently."""
+    if obj.get(first) is not None and obj.get(second) is not None:
+        one, other = (obj[first], obj[second]) if meaning is None else (meaning(obj[first]), meaning(obj[second]))
+        if one != other:
+            raise InvalidInput(f"{where}: {what} gives both {first!r} ({_shown(obj[first])}) and {second!r} "
+                               f"({_shown(obj[second])}), which differ; give one of them")
+    return obj[first] if first in obj else obj.get(second)
+
+
+def _role(given: Any) -> str | None:
+    """The role a message's role/from names (None: none): exactly a JSON string, one of ROLE_ALIASES."""
+    return ROLE_ALIASES.get(given.lower()) if isinstance(given, str) else None
+
+
 def _messages(record: dict, where: str, unused_keys: collections.Counter | None = None) -> list[dict] | None:
-    conv = record.get("conversations", record.get("messages"))
+    conv = _one_spelling(record, "conversations", "messages", where, "the line")
     if conv is None:
         return None
     if not isinstance(conv, list) or not conv:
@@ -67,11 +83,11 @@ def _messages(record: dict, where: str, unused_keys: collections.Counter | None 
     for m in conv:
         if not isinstance(m, dict):
             raise InvalidInput(f"{where}: message {m!r} is not an object")
-        role = ROLE_ALIASES.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
+        role = _role(_one_spelling(m, "role", "from", where, "a message", meaning=_role))
+        content = _one_spelling(m, "content", "value", where, "a message")
         if role is None or not isinstance(content, str):
-            raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content, "
-                               f"got {m!r}")
+            raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content "
+                               f"(both JSON strings), got {m!r}")
         out.append({"role": role, "content": content})
         if unused_keys is not None:  # null or empty values (OpenHermes' "weight": null on every message) say nothing
             unused_keys.update(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, "", [], {}))
@@ -176,6 +192,12 @@ def _preview(text: str, n: int = 40) -> str:
     return json.dumps(text if len(text) <= n else text[:n] + "...")
 
 
+def _shown(value: Any, n: int = 40) -> str:
+    """A JSON value as the line writes it (1.0, true, "1"), cut to `n` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *, check_decoded: bool = False,
                           cut: Cut | None = None,
                           template_tokens: frozenset[int] | None = None) -> tuple[list[int], list[int]]:
@@ -245,6 +267,23 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
     return "".join(text.split())  # tokenizers differ in the spaces they restore
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a JSON object as a dict, refusing a key given twice (json.loads would keep the
+    last value without a word)."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return record
+
+
 def _record_of(raw: bytes, where: str) -> dict | None:
     """One input line as its JSON object (None: a blank line)."""
     try:
@@ -254,7 +293,10 @@ def _record_of(raw: bytes, where: str) -> dict | None:
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise InvalidInput(f"{where}: the key {exc.args[0]!r} appears twice in one object (a JSON reader keeps one "
+                           f"of them silently); give each key once: {LINE_FORMS}") from None
     except ValueError as exc:
         raise InvalidInput(f"{where}: not JSON ({exc}); each line is one JSON object: {LINE_FORMS}") from None
     if not isinstance(record, dict):
@@ -392,14 +434,34 @@ def describe_notes(notes: dict) -> list[str]:
     return lines
 
 
+def _first_not_int(values: list, allowed: frozenset[int] | None = None) -> int | None:
+    """The index of the first value that is not exactly an int (JSON's 1.0 is a float and true a bool here), or not
+    in `allowed`; None where every value is. Types and values are checked in C first: a per-value Python test was a
+    fifth of a pre-tokenized input's read."""
+    if set(map(type, values)) <= {int} and (allowed is None or set(values) <= allowed):
+        return None
+    return next(k for k, v in enumerate(values) if type(v) is not int or (allowed is not None and v not in allowed))
+
+
 def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:
     ids = record["input_ids"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list):
         raise InvalidInput(f"{where}: input_ids must be a list of ints, got {_preview(json.dumps(ids))}")
+    bad = _first_not_int(ids)
+    if bad is not None:
+        raise InvalidInput(f"{where}: input_ids must be a list of ints, got input_ids[{bad}] = "
+                           f"{_shown(ids[bad])} (token ids are JSON integers: no 5.0, no true/false)")
     mask = record.get("loss_mask", [1] * len(ids))
-    if (not isinstance(mask, list) or len(mask) != len(ids)
-            or any(v not in (0, 1) for v in mask)):
+    if not isinstance(mask, list) or len(mask) != len(ids):
         got = f"{len(mask)} values" if isinstance(mask, list) else f"a {type(mask).__name__}"
         raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); "
                            f"got {got}")
+    # Exactly the ints 0 and 1, as input_ids are exactly ints: 1.0 or true would convert faithfully, but a float
+    # column is also where weights live (0.5), and one rule said plainly beats a conversion that takes some floats
+    # and refuses others. The message says how to write the column.
+    bad = _first_not_int(mask, frozenset((0, 1)))
+    if bad is not None:
+        raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); got "
+                           f"loss_mask[{bad}] = {_shown(mask[bad])}: write the JSON integers 0 and 1 "
+                           "(not 1.0/0.0 or true/false; pandas: .astype(int) before exporting)")
     return ids, mask
