@@ -3,8 +3,10 @@ preprocessing does) or pre-tokenized ids. Every problem is an `InvalidInput` nam
 any engine starts."""
 from __future__ import annotations
 
+import bisect
 import collections
 import json
+import re
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -104,6 +106,9 @@ def _placeholder(k: int) -> str:
     return f"EagleCompatReply{k}Placeholder7f3a"
 
 
+PLACEHOLDER = re.compile(r"EagleCompatReply(\d+)Placeholder7f3a")  # every _placeholder(k), found in one pass
+
+
 def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
                       replies: list[int] | None = None) -> list[tuple[int, int]] | None:
     """Where the template put the assistant replies (the messages `replies`, else every one) in `text`, from one more
@@ -111,16 +116,16 @@ def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
     by its reply (as it is, or trimmed). None where the template renders the rest around them differently."""
     if replies is None:
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    placed = _render(tokenizer, [{**m, "content": _placeholder(replies.index(i))} if i in replies else m
+    number = {i: k for k, i in enumerate(replies)}  # message index -> its placeholder's number
+    placed = _render(tokenizer, [{**m, "content": _placeholder(number[i])} if i in number else m
                                  for i, m in enumerate(messages)], False)
-    cuts = []
-    for k in range(len(replies)):
-        if placed.count(_placeholder(k)) != 1:
-            return None
-        cuts.append(placed.index(_placeholder(k)))
-    if cuts != sorted(cuts):
+    # one pass over the rendering (a search per reply was quadratic): each placeholder once, in the replies' order
+    named = {str(k): k for k in range(len(replies))}
+    found = [(named[match.group(1)], match.start(), match.end())
+             for match in PLACEHOLDER.finditer(placed) if match.group(1) in named]
+    if [k for k, _, _ in found] != list(range(len(replies))):
         return None
-    ends = [c + len(_placeholder(k)) for k, c in enumerate(cuts)]
+    cuts, ends = [b for _, b, _ in found], [e for _, _, e in found]
     around = [placed[b:e] for b, e in zip([0, *ends], [*cuts, len(placed)])]  # the template's text between replies
     spans, at = [], 0
     for k, i in enumerate(replies):
@@ -135,11 +140,13 @@ def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
         if fits[0]:
             spans.append((at, at + len(fits[0])))
         at += len(fits[0])
-    return spans if text[at:] == around[-1] else None
+    return spans if len(text) - at == len(around[-1]) and text.startswith(around[-1], at) else None
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Character spans of every assistant message's content in `text`, the templated conversation.
+def assistant_spans(tokenizer: Any, messages: list[dict], text: str,
+                    reach: int | None = None) -> list[tuple[int, int]]:
+    """Character spans of every assistant message's content in `text`, the templated conversation, in order and
+    disjoint.
 
     Replies are looked for where the template put them: rendered again with a placeholder in each reply's place,
     the conversation must be `text` around the replies. Short replies are so never matched inside the template's
@@ -148,7 +155,9 @@ def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tup
     order (never inside an earlier message): where a placeholder for it alone renders the rest as `text`, there;
     else after the generation header, where the prefix up to it renders as the text starts. A reply that is not in
     the text (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises
-    UncoveredConversation.
+    UncoveredConversation. Replies that begin at or past `reach` (no token --max-len keeps ends past it) are looked
+    up in order only, without those renderings: a rendering per reply made a long conversation quadratic, and their
+    tokens are cut away (they count in the report).
     """
     in_place = _replies_in_place(tokenizer, messages, text)
     if in_place is not None:
@@ -158,7 +167,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tup
     for i, m in enumerate(messages):
         content = m["content"]
         start = cursor
-        if m["role"] == "assistant":
+        if m["role"] == "assistant" and (reach is None or cursor < reach):
             alone = _replies_in_place(tokenizer, messages, text, [i])
             if alone is not None and all(begin >= cursor for begin, _ in alone):
                 spans += alone
@@ -208,50 +217,80 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
     checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
     tokenizer's character offsets, and that no special token among them reaches outside the reply (`template_tokens`:
     `special_ids(tokenizer)`, given by a caller that tokenizes many). `cut` is filled with what `max_len` took away
-    (tokens, loss tokens, replies).
+    (tokens, loss tokens, replies). Linear in the conversation: two renderings (the text, the placeholders), one
+    tokenization, one pass over the tokens; a template that renders placeholders otherwise adds a rendering per
+    reply that --max-len keeps, none for the replies it cuts away.
     """
     text = _render(tokenizer, messages, False)
-    spans = assistant_spans(tokenizer, messages, text)
     try:  # the whole text (what --max-len takes away is reported), then cut: what truncation=True would keep
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
     except NotImplementedError:
         raise InvalidInput("conversations need a fast tokenizer (character offsets locate the assistant's tokens); "
                            "this model's tokenizer has none. Pre-tokenize into input_ids + loss_mask") from None
     full_offsets = enc["offset_mapping"]
-    full_mask = [1 if any(s < e_tok and b_tok < e for s, e in spans) else 0 for b_tok, e_tok in full_offsets]
-    ids, offsets, mask = list(enc["input_ids"])[:max_len], full_offsets[:max_len], full_mask[:max_len]
+    ids, offsets = list(enc["input_ids"])[:max_len], full_offsets[:max_len]
+    reach = max((e_tok for _, e_tok in offsets), default=0)  # a reply beginning past it covers no kept token
+    spans = assistant_spans(tokenizer, messages, text, reach)
+    full_mask, covering = _tokens_over_spans(full_offsets, spans)
+    mask = full_mask[:max_len]
+    kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each reply's kept tokens
     if cut is not None:
         cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(spans)
-        for s, e in spans:
-            covering = [j for j, (b_tok, e_tok) in enumerate(full_offsets) if s < e_tok and b_tok < e]
-            kept = sum(1 for j in covering if j < max_len)
-            cut.replies_cut_wholly += bool(covering) and kept == 0
-            cut.replies_cut_partly += 0 < kept < len(covering)
+        cut.replies_cut_wholly += sum(1 for whole, left in zip(covering, kept) if whole and not left)
+        cut.replies_cut_partly += sum(1 for whole, left in zip(covering, kept) if 0 < len(left) < len(whole))
     kept_end = offsets[-1][1] if offsets else 0
     if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
         template_tokens = special_ids(tokenizer)
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
-        covering = [j for j, (b_tok, e_tok) in enumerate(offsets) if s < e_tok and b_tok < e]
-        if not covering:
+        if not kept[k]:
             raise UncoveredConversation(f"assistant message {k + 1}: no token of the tokenized text covers its "
                                         f"characters {s}..{e}")
-        if check_decoded:  # the reply tokenized alone, decoded: words the vocabulary lacks read <unk> on both sides
-            alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
-            want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
-            if want not in got:
-                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
-                                            f"{_preview(got)}, not to the reply {_preview(want)}")
-            # a reply found inside the template's own header decodes as part of it: a special or added token that
-            # reaches outside the reply's characters is the template's (by position: tokens are spelled otherwise)
-            outside = [j for j in covering
-                       if ids[j] in template_tokens and not s <= offsets[j][0] <= offsets[j][1] <= e]
-            if outside:
-                token = tokenizer.convert_ids_to_tokens(ids[outside[0]])
-                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a special "
-                                            f"token reaching outside the reply {_preview(text[s:e])}")
+        if check_decoded:
+            _check_spelled(tokenizer, text, ids, offsets, (s, e), kept[k], k, kept_end, template_tokens)
     return ids, mask
+
+
+def _tokens_over_spans(offsets: Sequence[tuple[int, int]],
+                       spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """In one pass over the tokens: each token's mask value (1 where it overlaps a span: span start < token end and
+    token start < span end) and each span's covering tokens, in order. A test of every span per token was quadratic
+    in a long conversation. `spans` are in order and disjoint (as assistant_spans gives them), so the spans a token
+    overlaps are a run from the first whose end is past the token's start: bisected, whatever the offsets' order."""
+    if any(b >= e for b, e in spans) or any(e > b for (_, e), (b, _) in zip(spans, spans[1:])):
+        raise ValueError(f"reply spans must be non-empty, in order and disjoint: {spans[:8]}")
+    ends = [e for _, e in spans]
+    mask, covering = [], [[] for _ in spans]
+    for j, (b_tok, e_tok) in enumerate(offsets):
+        k = bisect.bisect_right(ends, b_tok)
+        overlaps = k < len(spans) and spans[k][0] < e_tok
+        while k < len(spans) and spans[k][0] < e_tok:
+            covering[k].append(j)
+            k += 1
+        mask.append(int(overlaps))
+    return mask, covering
+
+
+def _check_spelled(tokenizer: Any, text: str, ids: list[int], offsets: Sequence[tuple[int, int]],
+                   span: tuple[int, int], covering: list[int], k: int, kept_end: int,
+                   template_tokens: frozenset[int]) -> None:
+    """--validate on reply `k` (its characters `span`, its kept tokens `covering`): the reply tokenized alone,
+    decoded, must be what its masked tokens decode to (words the vocabulary lacks read <unk> on both sides), and no
+    special or added token among them may reach outside the reply."""
+    s, e = span
+    alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
+    want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
+    if want not in got:
+        raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
+                                    f"{_preview(got)}, not to the reply {_preview(want)}")
+    # a reply found inside the template's own header decodes as part of it: a special or added token that
+    # reaches outside the reply's characters is the template's (by position: tokens are spelled otherwise)
+    outside = [j for j in covering if ids[j] in template_tokens and not s <= offsets[j][0] <= offsets[j][1] <= e]
+    if outside:
+        token = tokenizer.convert_ids_to_tokens(ids[outside[0]])
+        raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a special "
+                                    f"token reaching outside the reply {_preview(text[s:e])}")
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
