@@ -437,6 +437,89 @@ def test_validate_checks_that_masked_tokens_spell_the_reply(model, monkeypatch):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
 
 
+# A template whose assistant header depends on the reply (its length): rendered with placeholders, the text around
+# the replies differs, so each reply is looked up in order (after the generation header the prefix renders).
+LENGTH_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+                   "[{{ m['content'] | length }}]{% endif %} {{ m['content'] }} </s> {% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _turns(n: int) -> list[dict]:
+    """`n` messages, user and assistant in turn, of 3 to 7 words each."""
+    words = [" ".join(f"w{(7 * k + j) % 400}" for j in range(3 + k % 5)) for k in range(n)]
+    return [{"role": ("user", "assistant")[k % 2], "content": text} for k, text in enumerate(words)]
+
+
+def _tokenizer(model, tmp_path, template):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model if template is None else _with_template(model, tmp_path / "m", template))
+
+
+def _masking_work(tok, monkeypatch, path, messages, max_len: int) -> dict:
+    """What reading one conversation costs, counted: messages rendered by the chat template, token offsets visited."""
+    work = {"messages rendered": 0, "token offsets visited": 0}
+    render, encode = tok.apply_chat_template, tok.__class__.__call__
+
+    class CountedOffsets(list):
+        def __iter__(self):
+            for item in super().__iter__():
+                work["token offsets visited"] += 1
+                yield item
+
+    def counted_render(conversation, *args, **kwargs):
+        work["messages rendered"] += len(conversation)
+        return render(conversation, *args, **kwargs)
+
+    def counted_encode(self, *args, **kwargs):
+        enc = encode(self, *args, **kwargs)
+        if "offset_mapping" in enc:
+            enc["offset_mapping"] = CountedOffsets(enc["offset_mapping"])
+        return enc
+
+    with monkeypatch.context() as m:
+        m.setattr(tok, "apply_chat_template", counted_render)
+        m.setattr(tok.__class__, "__call__", counted_encode)
+        inputs.read_dataset(_write_lines(path, [{"conversations": messages}]), tok, max_len, vocab_size=512)
+    return work
+
+
+@pytest.mark.parametrize("template", [None, LENGTH_TEMPLATE], ids=["in_place", "in_order"])
+def test_masking_a_long_conversation_grows_linearly_with_its_turns(model, tmp_path, monkeypatch, template):
+    """Each reply was tested against every token (and, where the template renders placeholders differently, the
+    conversation was rendered again per reply): a 1,000-turn conversation took seconds at --max-len 2048. Twice
+    the turns is now at most twice the work."""
+    tok = _tokenizer(model, tmp_path, template)
+    half = _masking_work(tok, monkeypatch, tmp_path / "half.jsonl", _turns(200), 256)
+    whole = _masking_work(tok, monkeypatch, tmp_path / "whole.jsonl", _turns(200) * 2, 256)
+    for what, n in whole.items():
+        assert n <= 2 * half[what] + 100, f"{what}: {half[what]} for 200 turns, {n} for 400"
+
+
+def _every_reply_against_every_token(tok, messages, max_len: int) -> tuple[list[int], inputs.Cut]:
+    """The mask and the cut as they were computed before: every reply located, tested against every token."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = inputs.assistant_spans(tok, messages, text)
+    offsets = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    full = [int(any(s < e_tok and b_tok < e for s, e in spans)) for b_tok, e_tok in offsets]
+    covering = [[j for j, (b_tok, e_tok) in enumerate(offsets) if s < e_tok and b_tok < e] for s, e in spans]
+    kept = [sum(1 for j in c if j < max_len) for c in covering]
+    return full[:max_len], inputs.Cut(max(0, len(offsets) - max_len), sum(full) - sum(full[:max_len]), len(spans),
+                                      sum(1 for c, n in zip(covering, kept) if c and not n),
+                                      sum(1 for c, n in zip(covering, kept) if 0 < n < len(c)))
+
+
+@pytest.mark.parametrize("template", [None, LENGTH_TEMPLATE, R1_LIKE, QWEN3_LIKE],
+                         ids=["in_place", "in_order", "r1_like", "qwen3_like"])
+def test_the_mask_and_the_cut_are_those_of_every_reply_tested_against_every_token(model, tmp_path, template):
+    tok = _tokenizer(model, tmp_path, template)
+    for messages in (_turns(2), _turns(9), _turns(60)):
+        for max_len in (1, 7, 37, 100, 256, 10_000):
+            cut = inputs.Cut()
+            ids, mask = inputs.tokenize_conversation(tok, messages, max_len, cut=cut)
+            assert (mask, cut) == _every_reply_against_every_token(tok, messages, max_len), (len(messages), max_len)
+            assert len(ids) == len(mask) <= max_len
+
+
 def test_writes_left_undone_by_a_failure_log_no_traceback_each(caplog):
     """Writers lagging behind (the GPU case) when the run fails or is interrupted: their queued writes are cancelled,
     and each cancelled write used to log "exception calling callback" with a CancelledError traceback."""

@@ -3,8 +3,10 @@ preprocessing does) or pre-tokenized ids. Every problem is an `InvalidInput` nam
 any engine starts."""
 from __future__ import annotations
 
+import bisect
 import collections
 import json
+import re
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -57,8 +59,24 @@ class Dataset:
 MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
 
 
+def _one_spelling(obj: dict, first: str, second: str, where: str, what: str, meaning: Any = None) -> Any:
+    """The value of `first`, else of `second` (ShareGPT's spelling). Both given (not null) with different meanings
+    (`meaning` of each value; the values themselves by default): refused, never one of them chosen silently."""
+    if obj.get(first) is not None and obj.get(second) is not None:
+        one, other = (obj[first], obj[second]) if meaning is None else (meaning(obj[first]), meaning(obj[second]))
+        if one != other:
+            raise InvalidInput(f"{where}: {what} gives both {first!r} ({_shown(obj[first])}) and {second!r} "
+                               f"({_shown(obj[second])}), which differ; give one of them")
+    return obj[first] if first in obj else obj.get(second)
+
+
+def _role(given: Any) -> str | None:
+    """The role a message's role/from names (None: none): exactly a JSON string, one of ROLE_ALIASES."""
+    return ROLE_ALIASES.get(given.lower()) if isinstance(given, str) else None
+
+
 def _messages(record: dict, where: str, unused_keys: collections.Counter | None = None) -> list[dict] | None:
-    conv = record.get("conversations", record.get("messages"))
+    conv = _one_spelling(record, "conversations", "messages", where, "the line")
     if conv is None:
         return None
     if not isinstance(conv, list) or not conv:
@@ -67,11 +85,11 @@ def _messages(record: dict, where: str, unused_keys: collections.Counter | None 
     for m in conv:
         if not isinstance(m, dict):
             raise InvalidInput(f"{where}: message {m!r} is not an object")
-        role = ROLE_ALIASES.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
+        role = _role(_one_spelling(m, "role", "from", where, "a message", meaning=_role))
+        content = _one_spelling(m, "content", "value", where, "a message")
         if role is None or not isinstance(content, str):
-            raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content, "
-                               f"got {m!r}")
+            raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content "
+                               f"(both JSON strings), got {m!r}")
         out.append({"role": role, "content": content})
         if unused_keys is not None:  # null or empty values (OpenHermes' "weight": null on every message) say nothing
             unused_keys.update(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, "", [], {}))
@@ -88,6 +106,9 @@ def _placeholder(k: int) -> str:
     return f"EagleCompatReply{k}Placeholder7f3a"
 
 
+PLACEHOLDER = re.compile(r"EagleCompatReply(\d+)Placeholder7f3a")  # every _placeholder(k), found in one pass
+
+
 def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
                       replies: list[int] | None = None) -> list[tuple[int, int]] | None:
     """Where the template put the assistant replies (the messages `replies`, else every one) in `text`, from one more
@@ -95,16 +116,16 @@ def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
     by its reply (as it is, or trimmed). None where the template renders the rest around them differently."""
     if replies is None:
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    placed = _render(tokenizer, [{**m, "content": _placeholder(replies.index(i))} if i in replies else m
+    number = {i: k for k, i in enumerate(replies)}  # message index -> its placeholder's number
+    placed = _render(tokenizer, [{**m, "content": _placeholder(number[i])} if i in number else m
                                  for i, m in enumerate(messages)], False)
-    cuts = []
-    for k in range(len(replies)):
-        if placed.count(_placeholder(k)) != 1:
-            return None
-        cuts.append(placed.index(_placeholder(k)))
-    if cuts != sorted(cuts):
+    # one pass over the rendering (a search per reply was quadratic): each placeholder once, in the replies' order
+    named = {str(k): k for k in range(len(replies))}
+    found = [(named[match.group(1)], match.start(), match.end())
+             for match in PLACEHOLDER.finditer(placed) if match.group(1) in named]
+    if [k for k, _, _ in found] != list(range(len(replies))):
         return None
-    ends = [c + len(_placeholder(k)) for k, c in enumerate(cuts)]
+    cuts, ends = [b for _, b, _ in found], [e for _, _, e in found]
     around = [placed[b:e] for b, e in zip([0, *ends], [*cuts, len(placed)])]  # the template's text between replies
     spans, at = [], 0
     for k, i in enumerate(replies):
@@ -119,11 +140,13 @@ def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
         if fits[0]:
             spans.append((at, at + len(fits[0])))
         at += len(fits[0])
-    return spans if text[at:] == around[-1] else None
+    return spans if len(text) - at == len(around[-1]) and text.startswith(around[-1], at) else None
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Character spans of every assistant message's content in `text`, the templated conversation.
+def assistant_spans(tokenizer: Any, messages: list[dict], text: str,
+                    reach: int | None = None) -> list[tuple[int, int]]:
+    """Character spans of every assistant message's content in `text`, the templated conversation, in order and
+    disjoint.
 
     Replies are looked for where the template put them: rendered again with a placeholder in each reply's place,
     the conversation must be `text` around the replies. Short replies are so never matched inside the template's
@@ -132,7 +155,9 @@ def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tup
     order (never inside an earlier message): where a placeholder for it alone renders the rest as `text`, there;
     else after the generation header, where the prefix up to it renders as the text starts. A reply that is not in
     the text (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises
-    UncoveredConversation.
+    UncoveredConversation. Replies that begin at or past `reach` (no token --max-len keeps ends past it) are looked
+    up in order only, without those renderings: a rendering per reply made a long conversation quadratic, and their
+    tokens are cut away (they count in the report).
     """
     in_place = _replies_in_place(tokenizer, messages, text)
     if in_place is not None:
@@ -142,7 +167,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tup
     for i, m in enumerate(messages):
         content = m["content"]
         start = cursor
-        if m["role"] == "assistant":
+        if m["role"] == "assistant" and (reach is None or cursor < reach):
             alone = _replies_in_place(tokenizer, messages, text, [i])
             if alone is not None and all(begin >= cursor for begin, _ in alone):
                 spans += alone
@@ -176,6 +201,12 @@ def _preview(text: str, n: int = 40) -> str:
     return json.dumps(text if len(text) <= n else text[:n] + "...")
 
 
+def _shown(value: Any, n: int = 40) -> str:
+    """A JSON value as the line writes it (1.0, true, "1"), cut to `n` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *, check_decoded: bool = False,
                           cut: Cut | None = None,
                           template_tokens: frozenset[int] | None = None) -> tuple[list[int], list[int]]:
@@ -186,50 +217,80 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
     checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
     tokenizer's character offsets, and that no special token among them reaches outside the reply (`template_tokens`:
     `special_ids(tokenizer)`, given by a caller that tokenizes many). `cut` is filled with what `max_len` took away
-    (tokens, loss tokens, replies).
+    (tokens, loss tokens, replies). Linear in the conversation: two renderings (the text, the placeholders), one
+    tokenization, one pass over the tokens; a template that renders placeholders otherwise adds a rendering per
+    reply that --max-len keeps, none for the replies it cuts away.
     """
     text = _render(tokenizer, messages, False)
-    spans = assistant_spans(tokenizer, messages, text)
     try:  # the whole text (what --max-len takes away is reported), then cut: what truncation=True would keep
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
     except NotImplementedError:
         raise InvalidInput("conversations need a fast tokenizer (character offsets locate the assistant's tokens); "
                            "this model's tokenizer has none. Pre-tokenize into input_ids + loss_mask") from None
     full_offsets = enc["offset_mapping"]
-    full_mask = [1 if any(s < e_tok and b_tok < e for s, e in spans) else 0 for b_tok, e_tok in full_offsets]
-    ids, offsets, mask = list(enc["input_ids"])[:max_len], full_offsets[:max_len], full_mask[:max_len]
+    ids, offsets = list(enc["input_ids"])[:max_len], full_offsets[:max_len]
+    reach = max((e_tok for _, e_tok in offsets), default=0)  # a reply beginning past it covers no kept token
+    spans = assistant_spans(tokenizer, messages, text, reach)
+    full_mask, covering = _tokens_over_spans(full_offsets, spans)
+    mask = full_mask[:max_len]
+    kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each reply's kept tokens
     if cut is not None:
         cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(spans)
-        for s, e in spans:
-            covering = [j for j, (b_tok, e_tok) in enumerate(full_offsets) if s < e_tok and b_tok < e]
-            kept = sum(1 for j in covering if j < max_len)
-            cut.replies_cut_wholly += bool(covering) and kept == 0
-            cut.replies_cut_partly += 0 < kept < len(covering)
+        cut.replies_cut_wholly += sum(1 for whole, left in zip(covering, kept) if whole and not left)
+        cut.replies_cut_partly += sum(1 for whole, left in zip(covering, kept) if 0 < len(left) < len(whole))
     kept_end = offsets[-1][1] if offsets else 0
     if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
         template_tokens = special_ids(tokenizer)
     for k, (s, e) in enumerate(spans):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
-        covering = [j for j, (b_tok, e_tok) in enumerate(offsets) if s < e_tok and b_tok < e]
-        if not covering:
+        if not kept[k]:
             raise UncoveredConversation(f"assistant message {k + 1}: no token of the tokenized text covers its "
                                         f"characters {s}..{e}")
-        if check_decoded:  # the reply tokenized alone, decoded: words the vocabulary lacks read <unk> on both sides
-            alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
-            want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
-            if want not in got:
-                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
-                                            f"{_preview(got)}, not to the reply {_preview(want)}")
-            # a reply found inside the template's own header decodes as part of it: a special or added token that
-            # reaches outside the reply's characters is the template's (by position: tokens are spelled otherwise)
-            outside = [j for j in covering
-                       if ids[j] in template_tokens and not s <= offsets[j][0] <= offsets[j][1] <= e]
-            if outside:
-                token = tokenizer.convert_ids_to_tokens(ids[outside[0]])
-                raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a special "
-                                            f"token reaching outside the reply {_preview(text[s:e])}")
+        if check_decoded:
+            _check_spelled(tokenizer, text, ids, offsets, (s, e), kept[k], k, kept_end, template_tokens)
     return ids, mask
+
+
+def _tokens_over_spans(offsets: Sequence[tuple[int, int]],
+                       spans: list[tuple[int, int]]) -> tuple[list[int], list[list[int]]]:
+    """In one pass over the tokens: each token's mask value (1 where it overlaps a span: span start < token end and
+    token start < span end) and each span's covering tokens, in order. A test of every span per token was quadratic
+    in a long conversation. `spans` are in order and disjoint (as assistant_spans gives them), so the spans a token
+    overlaps are a run from the first whose end is past the token's start: bisected, whatever the offsets' order."""
+    if any(b >= e for b, e in spans) or any(e > b for (_, e), (b, _) in zip(spans, spans[1:])):
+        raise ValueError(f"reply spans must be non-empty, in order and disjoint: {spans[:8]}")
+    ends = [e for _, e in spans]
+    mask, covering = [], [[] for _ in spans]
+    for j, (b_tok, e_tok) in enumerate(offsets):
+        k = bisect.bisect_right(ends, b_tok)
+        overlaps = k < len(spans) and spans[k][0] < e_tok
+        while k < len(spans) and spans[k][0] < e_tok:
+            covering[k].append(j)
+            k += 1
+        mask.append(int(overlaps))
+    return mask, covering
+
+
+def _check_spelled(tokenizer: Any, text: str, ids: list[int], offsets: Sequence[tuple[int, int]],
+                   span: tuple[int, int], covering: list[int], k: int, kept_end: int,
+                   template_tokens: frozenset[int]) -> None:
+    """--validate on reply `k` (its characters `span`, its kept tokens `covering`): the reply tokenized alone,
+    decoded, must be what its masked tokens decode to (words the vocabulary lacks read <unk> on both sides), and no
+    special or added token among them may reach outside the reply."""
+    s, e = span
+    alone = tokenizer(text[s:min(e, kept_end)], add_special_tokens=False)["input_ids"]
+    want, got = (_decoded(tokenizer, alone), _decoded(tokenizer, [ids[j] for j in covering]))
+    if want not in got:
+        raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens decode to "
+                                    f"{_preview(got)}, not to the reply {_preview(want)}")
+    # a reply found inside the template's own header decodes as part of it: a special or added token that
+    # reaches outside the reply's characters is the template's (by position: tokens are spelled otherwise)
+    outside = [j for j in covering if ids[j] in template_tokens and not s <= offsets[j][0] <= offsets[j][1] <= e]
+    if outside:
+        token = tokenizer.convert_ids_to_tokens(ids[outside[0]])
+        raise UncoveredConversation(f"assistant message {k + 1}: its masked tokens hold {token!r}, a special "
+                                    f"token reaching outside the reply {_preview(text[s:e])}")
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
@@ -245,6 +306,23 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
     return "".join(text.split())  # tokenizers differ in the spaces they restore
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a JSON object as a dict, refusing a key given twice (json.loads would keep the
+    last value without a word)."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return record
+
+
 def _record_of(raw: bytes, where: str) -> dict | None:
     """One input line as its JSON object (None: a blank line)."""
     try:
@@ -254,7 +332,10 @@ def _record_of(raw: bytes, where: str) -> dict | None:
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise InvalidInput(f"{where}: the key {exc.args[0]!r} appears twice in one object (a JSON reader keeps one "
+                           f"of them silently); give each key once: {LINE_FORMS}") from None
     except ValueError as exc:
         raise InvalidInput(f"{where}: not JSON ({exc}); each line is one JSON object: {LINE_FORMS}") from None
     if not isinstance(record, dict):
@@ -392,14 +473,34 @@ def describe_notes(notes: dict) -> list[str]:
     return lines
 
 
+def _first_not_int(values: list, allowed: frozenset[int] | None = None) -> int | None:
+    """The index of the first value that is not exactly an int (JSON's 1.0 is a float and true a bool here), or not
+    in `allowed`; None where every value is. Types and values are checked in C first: a per-value Python test was a
+    fifth of a pre-tokenized input's read."""
+    if set(map(type, values)) <= {int} and (allowed is None or set(values) <= allowed):
+        return None
+    return next(k for k, v in enumerate(values) if type(v) is not int or (allowed is not None and v not in allowed))
+
+
 def _token_record(record: dict, where: str) -> tuple[list[int], list[int]]:
     ids = record["input_ids"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list):
         raise InvalidInput(f"{where}: input_ids must be a list of ints, got {_preview(json.dumps(ids))}")
+    bad = _first_not_int(ids)
+    if bad is not None:
+        raise InvalidInput(f"{where}: input_ids must be a list of ints, got input_ids[{bad}] = "
+                           f"{_shown(ids[bad])} (token ids are JSON integers: no 5.0, no true/false)")
     mask = record.get("loss_mask", [1] * len(ids))
-    if (not isinstance(mask, list) or len(mask) != len(ids)
-            or any(v not in (0, 1) for v in mask)):
+    if not isinstance(mask, list) or len(mask) != len(ids):
         got = f"{len(mask)} values" if isinstance(mask, list) else f"a {type(mask).__name__}"
         raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); "
                            f"got {got}")
+    # Exactly the ints 0 and 1, as input_ids are exactly ints: 1.0 or true would convert faithfully, but a float
+    # column is also where weights live (0.5), and one rule said plainly beats a conversion that takes some floats
+    # and refuses others. The message says how to write the column.
+    bad = _first_not_int(mask, frozenset((0, 1)))
+    if bad is not None:
+        raise InvalidInput(f"{where}: loss_mask must be a list of 0/1 values, one per input id ({len(ids)}); got "
+                           f"loss_mask[{bad}] = {_shown(mask[bad])}: write the JSON integers 0 and 1 "
+                           "(not 1.0/0.0 or true/false; pandas: .astype(int) before exporting)")
     return ids, mask
