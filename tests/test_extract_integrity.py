@@ -163,6 +163,40 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, 
     assert not first_error and len(_samples(out)) == N
 
 
+def test_a_lock_file_removed_while_a_run_holds_out_lets_no_second_run_in(model, dataset, tmp_path, fake_engine):
+    """A clean-up of *.lock files while a run holds --out: a second run is refused (the folder itself is locked), and
+    the holder stops before writing its next batch (its lock file no longer guards it)."""
+    out = tmp_path / "out"
+    fake_engine.block = threading.Event()
+    first_error = []
+
+    def first():
+        try:
+            job.run(_opts(model, dataset, out))
+        except BaseException as exc:  # noqa: BLE001
+            first_error.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        for _ in range(600):  # the first run holds the lock once its record is written
+            if os.path.exists(out / "manifest.json"):
+                break
+            thread.join(0.1)
+        (out / writer.LOCK_FILE).unlink()
+        with pytest.raises(writer.OutputDirectoryBusy, match=r"being written by another run \(holder unknown: its "
+                                                             r"\.eagle-compat\.lock was removed"):
+            job.run(_opts(model, dataset, out, shard=(1, 2)))
+        assert not (out / writer.LOCK_FILE).exists()  # refused before it made a lock file of its own
+    finally:
+        fake_engine.block.set()
+        thread.join(60)
+    assert len(first_error) == 1 and isinstance(first_error[0], writer.LockFileRemoved), first_error
+    assert "was removed or replaced while this run held it" in str(first_error[0])
+    assert not _samples(out) and fake_engine.started == 1
+    assert job.run(_opts(model, dataset, out, resume=True))["complete"]
+
+
 def test_temp_files_of_a_dead_run_are_swept(model, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
     job.run(_opts(model, dataset, out, shard=(0, 2)))

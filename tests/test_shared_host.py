@@ -39,6 +39,36 @@ def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, lock)
     assert victim.read_text() == "the victim's own file\n"
 
 
+def test_the_lock_held_is_the_lock_file_at_its_path(tmp_path, monkeypatch):
+    """A lock file removed between its open and its flock is let go and the file at the path locked; a lock file
+    removed or replaced while held is named by the holder's check, and the folder's own lock refuses a second run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_try_flock, removed = writer.try_flock, []
+
+    def removed_after_open(path, *args, **kwargs):
+        fd = real_try_flock(path, *args, **kwargs)
+        if not removed:  # another process removes the file this run has just opened and locked
+            removed.append(os.fstat(fd).st_ino)
+            os.unlink(path)
+        return fd
+    monkeypatch.setattr(writer, "try_flock", removed_after_open)
+    with writer.DirectoryLock(str(out)) as lock:
+        held, at_path = os.fstat(lock.fd), os.stat(out / writer.LOCK_FILE)
+        assert (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino) and removed
+        writer.check_lock_held(str(out))
+        (out / writer.LOCK_FILE).unlink()
+        (out / writer.LOCK_FILE).write_text("{}")  # a new file of another run under the name
+        with pytest.raises(writer.OutputDirectoryBusy, match="holder unknown"):
+            with writer.DirectoryLock(str(out)):
+                pass
+        with pytest.raises(writer.LockFileRemoved, match=r"was removed or replaced while this run held it"):
+            writer.check_lock_held(str(out))
+    writer.check_lock_held(str(out))  # released: nothing to check
+    with writer.DirectoryLock(str(out)):
+        pass
+
+
 def test_a_temporary_file_is_never_opened_through_a_link(tmp_path, monkeypatch):
     # the temporary name made predictable, a link planted under it: the write is refused, the target untouched
     victim = victims_file(tmp_path)

@@ -808,6 +808,8 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         raise Interrupted(f"interrupted; {of_total} files are complete in "
                           f"{p.out} (no partial file is left); rerun the same command with --resume to "
                           "continue") from None
+    except writer.LockFileRemoved:
+        raise  # another run may hold the directory now: its record is left to it
     except BaseException as exc:
         c.record_non_finite()
         c.this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
@@ -828,6 +830,7 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
     """Phase 4: the files counted and, for a whole set, checked and described for the trainer before the manifest
     says "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
     "incomplete", and --resume finishes it. Returns the run's summary."""
+    writer.check_lock_held(p.out)  # before the set is checked and said complete
     if p.streaming:
         end_reading(p, c)
     c.record_non_finite()

@@ -386,6 +386,7 @@ class _Pool:
         self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(self.writing.out) else None
 
     def send(self, rank: int, item: _Item) -> None:
+        writer.check_lock_held(self.writing.out)  # its lock file removed: another run may write here now
         self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)
         item.sent_at, item.ended = time.time(), False
 

@@ -6,7 +6,7 @@ Layout of an output directory (readable by speculators 0.3.0's `Eagle3SampleFile
   manifest.json          the directory's one settings record (every shard layout shares it), written before the
                          first sample: layer convention, versions, model checksums, settings, and each run
   data_config.json       speculators' data-generation config, written once every sample of the data has its file
-  .eagle-compat.lock     flock'ed by the run writing the directory (holds its pid)
+  .eagle-compat.lock     flock'ed by the run writing the directory (holds its pid); the run flocks the folder too
 `i` is the sample's index in the input file, so shards and resumed runs never collide.
 """
 from __future__ import annotations
@@ -926,38 +926,130 @@ def refuse_others_folder(path: str, what: str = "--out") -> None:
             f"anyone could replace its files. chmod o-w {path}, or choose another folder")
 
 
+# The lock is held twice. On --out itself (flock on a descriptor of the folder): a clean-up of files (`rm *.lock`)
+# cannot remove a folder that holds files, so a second run is refused for as long as the first lives. And on
+# `.eagle-compat.lock`, which earlier releases lock (a run of either kind refuses the other) and which holds across
+# the machines of a network file system (NFS locks a folder per machine only). That file's lock counts only while the
+# file is at its path: a run whose lock file was removed or replaced stops at its next batch (`check_lock_held`),
+# since a run on another machine, or of an earlier release, may have made and locked a new one.
+LOCK_ATTEMPTS = 5
+
+
+class LockFileRemoved(OutputDirectoryBusy):
+    """The run's `.eagle-compat.lock` was removed or replaced while the run held it."""
+    run_failed = True
+
+
+def is_file_at(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the one at `path` (a link at `path` is not followed: it is another file)."""
+    try:
+        at_path = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+_HELD_LOCKS: dict[str, "DirectoryLock"] = {}  # this process's locks, by the folder's real path
+
+
+def check_lock_held(out_dir: str) -> None:
+    """Raises LockFileRemoved where this process holds `out_dir`'s lock and its lock file is no longer at its path;
+    the runners call it before each batch's files are written."""
+    lock = _HELD_LOCKS.get(os.path.realpath(out_dir))
+    if lock is not None:
+        lock.check_held()
+
+
 class DirectoryLock:
-    """One writer per output directory: flock on `.eagle-compat.lock`, released by the kernel if the run dies."""
+    """One writer per output directory: flock on the folder and on `.eagle-compat.lock`, released by the kernel if
+    the run dies."""
 
     def __init__(self, out_dir: str):
+        self.out_dir = out_dir
         self.path = os.path.join(out_dir, LOCK_FILE)
         self.fd: int | None = None
+        self.folder_fd: int | None = None
+
+    def busy(self) -> OutputDirectoryBusy:
+        return OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
+                                   f"({self.holder()}); two runs writing one directory could mix their files. "
+                                   "Wait for it to finish, or choose another --out")
 
     def __enter__(self) -> "DirectoryLock":
-        fd = try_flock(self.path)
-        if fd is None:
-            raise OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
-                                      f"({self.holder()}); two runs writing one directory could mix their files. "
-                                      "Wait for it to finish, or choose another --out") from None
+        self.folder_fd = self._lock_folder()
+        try:
+            fd = self._lock_file_at_path()
+        except BaseException:
+            self._release()
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": datetime.now(timezone.utc).isoformat()}).encode())
         self.fd = fd
+        _HELD_LOCKS[os.path.realpath(self.out_dir)] = self
         return self
+
+    def _lock_folder(self) -> int | None:
+        """A descriptor of the folder holding its flock; None on a file system that locks no folder (the lock
+        file's lock and `check_held` remain)."""
+        fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self.busy() from None
+            if exc.errno in (*NO_FLOCK, errno.EBADF):
+                return None
+            raise
+        return fd
+
+    def _lock_file_at_path(self) -> int:
+        """The lock file's descriptor, locked, and the file at its path: one removed or replaced between its open and
+        its flock is let go and the one at the path taken instead."""
+        for _ in range(LOCK_ATTEMPTS):
+            fd = try_flock(self.path)
+            if fd is None:
+                raise self.busy() from None
+            if is_file_at(fd, self.path):
+                return fd
+            os.close(fd)
+        raise OutputDirectoryBusy(f"{self.path} was removed or replaced each of the {LOCK_ATTEMPTS} times this run "
+                                  "locked it: another process keeps removing it. Stop that process (a clean-up of "
+                                  "*.lock files?) and run again, or choose another --out")
+
+    def check_held(self) -> None:
+        if self.fd is None or is_file_at(self.fd, self.path):
+            return
+        raise LockFileRemoved(
+            f"{self.path} was removed or replaced while this run held it (a clean-up of *.lock files?): a run on "
+            "another machine, or of an earlier release, may now write this directory too. This run stopped before "
+            "writing more; its files so far are complete. When no other run writes it, rerun the same command "
+            "with --resume")
 
     def holder(self) -> str:
         try:
             with open(self.path) as f:
                 info = json.load(f)
             return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+        except FileNotFoundError:
+            return (f"holder unknown: its {LOCK_FILE} was removed; `fuser -v {os.path.dirname(self.path) or '.'}` "
+                    "lists the processes that have the folder open")
         except (OSError, ValueError, KeyError):
             return "holder unknown"
 
+    def _release(self) -> None:
+        for fd in (self.fd, self.folder_fd):
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self.fd = self.folder_fd = None
+
     def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+        if _HELD_LOCKS.get(os.path.realpath(self.out_dir)) is self:
+            del _HELD_LOCKS[os.path.realpath(self.out_dir)]
+        self._release()
 
 
 def settings_differences(old: dict, new: dict) -> list[str]:
