@@ -772,6 +772,37 @@ def test_validate_is_part_of_the_settings_record(model, dataset, tmp_path, fake_
     job.run(_opts(model, dataset, out, skip_uncovered=True, resume=True))  # the same settings add to it
 
 
+def test_trust_remote_code_is_part_of_the_settings_record_and_the_stamp(model, dataset, tmp_path, fake_engine):
+    """--trust-remote-code builds a checkpoint with `auto_map` from its own config and model classes (DeepSeek, Kimi):
+    another model than transformers' classes build. A shard or --resume with the other value is refused naming it,
+    a file made with it does not pass for one made without, and a record of an earlier release (which did not
+    record it) resumes as made without it."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    before = _tree(out)
+    for kw in ({"shard": (1, 2)}, {"resume": True}):
+        with pytest.raises(writer.OutputDirectoryConflict, match=r"trust_remote_code: was False, now True"):
+            job.run(_opts(model, dataset, out, trust_remote_code=True, **kw))
+        assert _tree(out) == before
+    settings = json.load(open(out / "manifest.json"))["settings"]
+    assert settings["trust_remote_code"] is False
+    assert writer.states_stamp(settings) != writer.states_stamp({**settings, "trust_remote_code": True})
+    job.run(_opts(model, dataset, other, shard=(1, 2), trust_remote_code=True))
+    copied = _merge(other, out)  # its files copied in: their stamp names the other value
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"its states were made with other settings \(another "
+                                                             r"model, --layers or --dtype, or another --trust-remote"):
+        job.run(_opts(model, dataset, out, resume=True))
+    for name in copied:
+        (out / name).unlink()
+    record = json.load(open(out / "manifest.json"))
+    del record["settings"]["trust_remote_code"]  # as an earlier release wrote it
+    (out / "manifest.json").write_text(json.dumps(record))
+    assert writer.states_stamp(record["settings"]) == writer.states_stamp(settings)  # its files' stamps hold
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"trust_remote_code: was False, now True"):
+        job.run(_opts(model, dataset, out, shard=(1, 2), trust_remote_code=True))
+    assert job.run(_opts(model, dataset, out, shard=(1, 2)))["complete"]
+
+
 def test_a_second_ctrl_c_ends_the_run_at_once():
     """The first Ctrl-C stops the run cleanly (tested with a real engine in test_extract.py); a second one while the
     engine closes (a hung worker, a slow shutdown) used to be ignored. Now it ends the process at once, exit 130,

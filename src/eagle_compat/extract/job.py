@@ -161,6 +161,8 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> Set
             "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
+            # the checkpoint's own config and model classes (auto_map) may build another model than transformers'
+            "trust_remote_code": opts.trust_remote_code,
             # --validate also decides which conversations --skip-uncovered leaves out
             # (without --skip-uncovered a failed check stops the run: it cannot change the sample set)
             "validate": opts.validate and opts.skip_uncovered, "min_loss_tokens": opts.min_loss_tokens}
@@ -723,8 +725,8 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
     if wrong and wrong.states:
         raise writer.OutputDirectoryConflict(
             f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
-            "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
-            "another --out")
+            "model, --layers, --dtype and --trust-remote-code (the README's shard merge included); remove the "
+            "others, or choose another --out")
     formats.refuse_strays(p.fmt, opts.out, p.placed.members(), "Nothing was written", left_out=p.left_out_lines)
     converted = (record or {}).get("converted_from") or {}
     if len(todo) and converted.get("lossy"):

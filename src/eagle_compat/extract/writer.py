@@ -216,9 +216,12 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
 
 
 def states_stamp(settings: dict) -> str:
-    """What made a file's states, in a few bytes: the model's content, the layers, the requested dtype. Not paths
-    (shards of one set run on machines with other paths) and not the token ids (checked on their own)."""
+    """What made a file's states, in a few bytes: the model's content, the layers, the requested dtype, and
+    --trust-remote-code (the checkpoint's own config and model classes instead of transformers'). Not paths (shards of
+    one set run on machines with other paths) and not the token ids (checked on their own)."""
     made_of = {k: settings.get(k) for k in ("model_checksums", "layer_ids", "dtype")}
+    if settings.get("trust_remote_code"):  # only where set: the stamps of every file made without it stay as they were
+        made_of["trust_remote_code"] = True
     return hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -445,8 +448,9 @@ class StatesExpected:
 
     def mismatch(self, facts: SampleFacts) -> str | None:
         if facts.stamp is not None and self.stamp is not None and facts.stamp != self.stamp:
-            return ("its states were made with other settings (another model, --layers or --dtype: the file's "
-                    f"stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in from another directory")
+            return ("its states were made with other settings (another model, --layers or --dtype, or another "
+                    f"--trust-remote-code: the file's stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in "
+                    "from another directory")
         if facts.stamp is None and self.stamp is not None and self.stamped:
             return ("it carries no stamp of the settings that made its states, in a set whose files all do (it was "
                     "written by an earlier release or another tool), e.g. copied in from another directory")
@@ -1052,10 +1056,18 @@ class DirectoryLock:
         self._release()
 
 
+# Settings recorded since a release after sets were begun without them, with the value those sets were made with
+# (an earlier release recorded no --trust-remote-code: it is taken as off, its default)
+SETTINGS_ADDED_SINCE = {"trust_remote_code": False}
+
+
 def settings_differences(old: dict, new: dict) -> list[str]:
-    """One line per setting that differs (a setting one record lacks differs: it was made by another release)."""
-    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
+    """One line per setting that differs (a setting one record lacks differs: it was made by another release; but
+    for those of SETTINGS_ADDED_SINCE, whose value it then had is known)."""
+    def value(settings: dict, k: str) -> Any:
+        return settings.get(k, SETTINGS_ADDED_SINCE.get(k))
+    return [f"{k}: was {value(old, k)!r}, now {value(new, k)!r}" for k in sorted(set(old) | set(new))
+            if value(old, k) != value(new, k)]
 
 
 def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
