@@ -1182,6 +1182,25 @@ def test_a_ray_actor_that_does_not_see_the_drivers_out_refuses_to_start(tmp_path
     assert not os.listdir(tmp_path)  # not even its writers lock
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root (chown)")
+def test_a_ray_actor_of_another_user_than_the_driver_refuses_to_start(tmp_path):
+    """A run trusts only its user's files: an actor running as another user would write files its driver's resume
+    and completion refuse, so it refuses at its start, not after the work."""
+    from eagle_compat.extract import ray_runner
+    from eagle_compat.extract.batch_job import EngineArgs, SampleWriting
+    engine_args = EngineArgs(model="m", layer_ids=[0], max_len=8, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+                             dtype="auto", trust_remote_code=False, kv_cache_memory_bytes=None)
+    writing = SampleWriting(out=str(tmp_path), format="pt", data="d", layer_ids=[0], validate=False, vocab_size=8,
+                            hidden_size=8, stamp=None, skip_non_finite=False)
+    spec = ray_runner.ActorSpec(engine=engine_args, writing=writing, cpus=1, on_gpu=False)
+    (tmp_path / writer.MANIFEST).write_text("{}")
+    os.chown(tmp_path / writer.MANIFEST, 4242, -1)  # the driver's user
+    with pytest.raises(InvalidInput, match=r"runs as uid 0, and the driver that wrote .*manifest.json as uid 4242: a "
+                                           r"run trusts only its own user's files"):
+        ray_runner.ExtractActor(spec, 0)
+    assert os.listdir(tmp_path) == [writer.MANIFEST]  # not even its writers lock
+
+
 # ---- large weight files: what their checksums see ---------------------------------------------------------------
 
 def _train_one_middle_tensor(model_dir) -> str:

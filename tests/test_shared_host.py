@@ -121,6 +121,40 @@ def test_extract_refuses_a_planted_out_folder_before_anything_is_written(tmp_pat
     assert os.listdir(out) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root (chown)")
+def test_in_a_group_writable_out_only_this_users_files_are_trusted(tmp_path, tiny_llama, fake_engine, capsys):
+    """--out its group may write (a team's folder, umask 002) is taken; a file another user put there is never
+    taken for this run's: not a sample file (whose index line still matches it), the tokenized input or the record."""
+    import shutil
+
+    from eagle_compat.extract import job
+    from helpers import extract_options, token_lines
+
+    data = token_lines(tmp_path / "data.jsonl", 12, seed=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o2775)  # its group may write (setgid, no sticky bit): a member can replace any file in it
+    assert job.run(extract_options(tiny_llama, data, out))["complete"]
+    theirs = tmp_path / "theirs.pt"  # the same bytes, size and time as the file it replaces: only its owner differs
+    shutil.copy2(out / "data_1.pt", theirs)
+    os.chown(theirs, OTHER_UID, -1)
+    os.replace(theirs, out / "data_1.pt")
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"data_1\.pt is not this run's: input line 2: the file "
+                                                             rf"belongs to uid {OTHER_UID}, not to this user"):
+        job.run(extract_options(tiny_llama, data, out, resume=True))
+    (out / "data_1.pt").unlink()
+    assert job.run(extract_options(tiny_llama, data, out, resume=True))["written_this_run"] == 4  # its batch
+    os.chown(out / writer.SPOOL_FILE, OTHER_UID, -1)
+    capsys.readouterr()
+    assert job.run(extract_options(tiny_llama, data, out, resume=True))["complete"]
+    assert "input read back from" not in capsys.readouterr().err  # tokenized again, and kept as this user's
+    assert os.stat(out / writer.SPOOL_FILE).st_uid == os.geteuid()
+    os.chown(out / writer.MANIFEST, OTHER_UID, -1)
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"manifest\.json belongs to uid {OTHER_UID}, not to "
+                                                             "this user"):
+        job.run(extract_options(tiny_llama, data, out, resume=True))
+
+
 def test_a_filesystem_without_flock_is_named_with_the_way_out(tmp_path, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

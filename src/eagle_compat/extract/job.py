@@ -586,6 +586,7 @@ def claim(p: RunPlan) -> Claim:
     p.refuse_without_resume()
     replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
     swept = writer.sweep_temp_files(opts.out)
+    writer.drop_index_of_another_user(opts.out)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
     todo, kept = _todo_and_kept(p, non_finite)
@@ -903,8 +904,9 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     del vouched
     # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
     # that made the set)
-    already = c.was_complete and not len(c.todo) and not p.fmt.arrow and \
-        os.path.exists(os.path.join(p.out, p.fmt.finishes))
+    finishes = os.path.join(p.out, p.fmt.finishes)
+    already = (c.was_complete and not len(c.todo) and not p.fmt.arrow and os.path.exists(finishes)
+               and os.lstat(finishes).st_uid == os.geteuid())  # another user's is written anew
     if not already:
         with stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s") \
                 if p.fmt.arrow else contextlib.nullcontext():  # a dataset of every row: minutes on a large set

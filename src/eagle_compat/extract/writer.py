@@ -397,14 +397,22 @@ def hashed_the_earlier_way(checksums: dict[str, Any]) -> list[str]:
 class SampleFacts:
     """What a sample file holds, read without its states: token ids, loss mask (None: --format arrow's hs files,
     whose masks are the Arrow rows'), the stamp of the settings that made it (None: written before stamps), and its
-    states' layer count, hidden size and dtype (None for fp8 files: stored scaled)."""
+    states' layer count, hidden size and dtype (None for fp8 files: stored scaled); and the user id owning it (of a
+    link, the link's: whoever planted it)."""
 
     def __init__(self, ids: list[int], mask: list[int] | None, stamp: str | None, layers: int, hidden: int,
-                 dtype: str | None):
+                 dtype: str | None, owner: int | None = None):
         self.ids, self.mask, self.stamp, self.layers, self.hidden, self.dtype = ids, mask, stamp, layers, hidden, dtype
+        self.owner = owner
 
 
 def read_facts(path: str) -> SampleFacts:
+    facts = _read_facts(path)
+    facts.owner = os.lstat(path).st_uid
+    return facts
+
+
+def _read_facts(path: str) -> SampleFacts:
     import torch
 
     if path.endswith(".pt"):
@@ -531,6 +539,10 @@ def _first_mismatch(pairs: Any, states: StatesExpected | None, on_each: Any) -> 
         if isinstance(facts, Exception):
             return Mismatch(path, f"{what}: the file cannot be read ({type(facts).__name__}: {facts}); if it is "
                                   "damaged (an interrupted copy), delete it and --resume redoes its batch", False)
+        if facts.owner is not None and facts.owner != os.geteuid():  # whatever it holds: no run of this user made it
+            return Mismatch(path, f"{what}: the file belongs to {user_named(facts.owner)}, not to this user (uid "
+                                  f"{os.geteuid()}), so none of this user's runs wrote it: another user who may "
+                                  "write in the folder (its group, or everyone) put it there", True)
         if facts.ids != list(ids):
             return Mismatch(path, f"{what}: the file holds {len(facts.ids)} tokens {facts.ids[:6]}..., the sample "
                                   f"now tokenizes to {len(ids)} tokens {list(ids)[:6]}...", False)
@@ -601,10 +613,13 @@ def index_entries(out_dir: str) -> Iterator[dict]:
     """The index's lines in the order they were written (a sample's later line is a later write of it: a batch
     redone); a line cut short is left out (its file is read instead)."""
     try:
-        f = open(os.path.join(out_dir, INDEX_FILE), encoding="utf-8", errors="replace")
+        fd = open_no_follow(os.path.join(out_dir, INDEX_FILE), os.O_RDONLY)
     except FileNotFoundError:
         return
+    f = open(fd, encoding="utf-8", errors="replace")
     with f:
+        if os.fstat(fd).st_uid != os.geteuid():  # another user's lines vouch for nothing: every file is opened
+            return
         for line in f:
             try:
                 entry = json.loads(line)
@@ -612,6 +627,17 @@ def index_entries(out_dir: str) -> Iterator[dict]:
             except (ValueError, KeyError, TypeError):
                 continue
             yield entry
+
+
+def drop_index_of_another_user(out_dir: str) -> None:
+    """Removes the index where another user owns it (it vouches for nothing: `index_entries`), so that this run's
+    lines start one of this user's; only the lock holder calls this."""
+    path = os.path.join(out_dir, INDEX_FILE)
+    try:
+        if os.lstat(path).st_uid != os.geteuid():
+            os.unlink(path)
+    except OSError:  # none, or one this user may not remove (a sticky folder): its lines are not read either way
+        pass
 
 
 def read_index(out_dir: str) -> dict[int, dict]:
@@ -638,10 +664,10 @@ def entry_matches_file(entry: dict, out_dir: str, path: str, stamp: str | None) 
     if stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
         return False
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return False
-    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m")
+    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m") and st.st_uid == os.geteuid()
 
 
 def any_sample_file(out_dir: str) -> bool:
@@ -679,11 +705,17 @@ def sample_files(out_dir: str) -> list[str]:
         (["state.json"] if "state.json" in found else [])
 
 
-def read_manifest(out_dir: str) -> dict | None:
-    """The directory's settings record (None where there is none)."""
+def read_manifest(out_dir: str, mine: bool = False) -> dict | None:
+    """The directory's settings record (None where there is none). `mine`: refused where another user owns it (a run
+    adding files to the directory trusts it; `report` or a conversion's source may read anyone's)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.isfile(path):
         return None
+    if mine and (owner := os.lstat(path).st_uid) != os.geteuid():
+        raise OutputDirectoryConflict(
+            f"{path} belongs to {user_named(owner)}, not to this user (uid {os.geteuid()}): no run of yours wrote "
+            "this record, so the files it describes cannot be trusted (another user who may write in the folder, "
+            "its group or everyone, put it there). Choose a folder of your own")
     try:
         with open(path) as f:
             record = json.load(f)
@@ -714,7 +746,7 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
 
     Returns the existing record (None for a directory without one and without samples, or whose record describes no
     sample file: a run with other settings may replace it). Reads only."""
-    record = read_manifest(out_dir)
+    record = read_manifest(out_dir, mine=True)
     if record is None:
         found = sample_files(out_dir)
         if found:
@@ -909,9 +941,22 @@ def lock_scope_note(path: str) -> str | None:
             "of one folder on one machine, or give each machine its own --out and merge them (README)")
 
 
+def user_named(uid: int) -> str:
+    """'user NAME (uid N)', or 'uid N' where the system knows no name for it."""
+    try:
+        import pwd
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
 def refuse_others_folder(path: str, what: str = "--out") -> None:
     """A folder this run writes must be the user's own: not another user's (who could plant links or files there),
-    not writable by every user unless sticky (where anyone could replace its files)."""
+    not writable by every user unless sticky (where anyone could replace its files). A folder its group may write
+    (a team's project folder, or umask 002) is taken, and so is one under a folder others may write (which could
+    swap it for theirs): in it a run trusts only this user's files (the record, the index, the tokenized input, each
+    sample file it keeps; `user_named` names the owner of any other), so another user can remove files but never
+    have theirs taken for this run's."""
     import stat
     st = os.stat(path)
     me = os.geteuid()
