@@ -163,6 +163,40 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, 
     assert not first_error and len(_samples(out)) == N
 
 
+def test_a_lock_file_removed_while_a_run_holds_out_lets_no_second_run_in(model, dataset, tmp_path, fake_engine):
+    """A clean-up of *.lock files while a run holds --out: a second run is refused (the folder itself is locked), and
+    the holder stops before writing its next batch (its lock file no longer guards it)."""
+    out = tmp_path / "out"
+    fake_engine.block = threading.Event()
+    first_error = []
+
+    def first():
+        try:
+            job.run(_opts(model, dataset, out))
+        except BaseException as exc:  # noqa: BLE001
+            first_error.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        for _ in range(600):  # the first run holds the lock once its record is written
+            if os.path.exists(out / "manifest.json"):
+                break
+            thread.join(0.1)
+        (out / writer.LOCK_FILE).unlink()
+        with pytest.raises(writer.OutputDirectoryBusy, match=r"being written by another run \(holder unknown: its "
+                                                             r"\.eagle-compat\.lock was removed"):
+            job.run(_opts(model, dataset, out, shard=(1, 2)))
+        assert not (out / writer.LOCK_FILE).exists()  # refused before it made a lock file of its own
+    finally:
+        fake_engine.block.set()
+        thread.join(60)
+    assert len(first_error) == 1 and isinstance(first_error[0], writer.LockFileRemoved), first_error
+    assert "was removed or replaced while this run held it" in str(first_error[0])
+    assert not _samples(out) and fake_engine.started == 1
+    assert job.run(_opts(model, dataset, out, resume=True))["complete"]
+
+
 def test_temp_files_of_a_dead_run_are_swept(model, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
     job.run(_opts(model, dataset, out, shard=(0, 2)))
@@ -822,6 +856,37 @@ def test_validate_is_part_of_the_settings_record(model, dataset, tmp_path, fake_
     job.run(_opts(model, dataset, out, skip_uncovered=True, resume=True))  # the same settings add to it
 
 
+def test_trust_remote_code_is_part_of_the_settings_record_and_the_stamp(model, dataset, tmp_path, fake_engine):
+    """--trust-remote-code builds a checkpoint with `auto_map` from its own config and model classes (DeepSeek, Kimi):
+    another model than transformers' classes build. A shard or --resume with the other value is refused naming it,
+    a file made with it does not pass for one made without, and a record of an earlier release (which did not
+    record it) resumes as made without it."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    job.run(_opts(model, dataset, out, shard=(0, 2)))
+    before = _tree(out)
+    for kw in ({"shard": (1, 2)}, {"resume": True}):
+        with pytest.raises(writer.OutputDirectoryConflict, match=r"trust_remote_code: was False, now True"):
+            job.run(_opts(model, dataset, out, trust_remote_code=True, **kw))
+        assert _tree(out) == before
+    settings = json.load(open(out / "manifest.json"))["settings"]
+    assert settings["trust_remote_code"] is False
+    assert writer.states_stamp(settings) != writer.states_stamp({**settings, "trust_remote_code": True})
+    job.run(_opts(model, dataset, other, shard=(1, 2), trust_remote_code=True))
+    copied = _merge(other, out)  # its files copied in: their stamp names the other value
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"its states were made with other settings \(another "
+                                                             r"model, --layers or --dtype, or another --trust-remote"):
+        job.run(_opts(model, dataset, out, resume=True))
+    for name in copied:
+        (out / name).unlink()
+    record = json.load(open(out / "manifest.json"))
+    del record["settings"]["trust_remote_code"]  # as an earlier release wrote it
+    (out / "manifest.json").write_text(json.dumps(record))
+    assert writer.states_stamp(record["settings"]) == writer.states_stamp(settings)  # its files' stamps hold
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"trust_remote_code: was False, now True"):
+        job.run(_opts(model, dataset, out, shard=(1, 2), trust_remote_code=True))
+    assert job.run(_opts(model, dataset, out, shard=(1, 2)))["complete"]
+
+
 def test_a_second_ctrl_c_ends_the_run_at_once():
     """The first Ctrl-C stops the run cleanly (tested with a real engine in test_extract.py); a second one while the
     engine closes (a hung worker, a slow shutdown) used to be ignored. Now it ends the process at once, exit 130,
@@ -1199,6 +1264,25 @@ def test_a_ray_actor_that_does_not_see_the_drivers_out_refuses_to_start(tmp_path
                                            r"folder every Ray node shares"):
         ray_runner.ExtractActor(spec, 0)
     assert not os.listdir(tmp_path)  # not even its writers lock
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root (chown)")
+def test_a_ray_actor_of_another_user_than_the_driver_refuses_to_start(tmp_path):
+    """A run trusts only its user's files: an actor running as another user would write files its driver's resume
+    and completion refuse, so it refuses at its start, not after the work."""
+    from eagle_compat.extract import ray_runner
+    from eagle_compat.extract.batch_job import EngineArgs, SampleWriting
+    engine_args = EngineArgs(model="m", layer_ids=[0], max_len=8, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+                             dtype="auto", trust_remote_code=False, kv_cache_memory_bytes=None)
+    writing = SampleWriting(out=str(tmp_path), format="pt", data="d", layer_ids=[0], validate=False, vocab_size=8,
+                            hidden_size=8, stamp=None, skip_non_finite=False)
+    spec = ray_runner.ActorSpec(engine=engine_args, writing=writing, cpus=1, on_gpu=False)
+    (tmp_path / writer.MANIFEST).write_text("{}")
+    os.chown(tmp_path / writer.MANIFEST, 4242, -1)  # the driver's user
+    with pytest.raises(InvalidInput, match=r"runs as uid 0, and the driver that wrote .*manifest.json as uid 4242: a "
+                                           r"run trusts only its own user's files"):
+        ray_runner.ExtractActor(spec, 0)
+    assert os.listdir(tmp_path) == [writer.MANIFEST]  # not even its writers lock
 
 
 # ---- large weight files: what their checksums see ---------------------------------------------------------------

@@ -99,6 +99,20 @@ def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(tiny_llama, da
     assert reads[-1] == "data_1.pt"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root (chown)")
+def test_an_index_of_another_user_vouches_for_nothing(tiny_llama, dataset, tmp_path, fake_engine, reads):
+    """In a folder others may write (its group's), another user could replace the index with lines vouching for
+    files of theirs: its lines are not read, every kept file is opened, and the run starts an index of its own."""
+    out = tmp_path / "out"
+    _half_done(tiny_llama, dataset, out)
+    os.chown(out / writer.INDEX_FILE, 4242, -1)
+    reads.clear()
+    assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
+    kept = {f"data_{i}.pt" for k in range(0, N // 4, 2) for i in range(4 * k, 4 * k + 4)}
+    assert kept <= set(reads)
+    assert os.stat(out / writer.INDEX_FILE).st_uid == os.geteuid()
+
+
 def test_the_index_is_not_a_stray_or_a_foreign_file(tiny_llama, dataset, tmp_path, fake_engine):
     """A directory holding only the index and a lock (the record removed) is still ours to start again."""
     out = tmp_path / "out"

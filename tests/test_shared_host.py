@@ -39,6 +39,36 @@ def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, lock)
     assert victim.read_text() == "the victim's own file\n"
 
 
+def test_the_lock_held_is_the_lock_file_at_its_path(tmp_path, monkeypatch):
+    """A lock file removed between its open and its flock is let go and the file at the path locked; a lock file
+    removed or replaced while held is named by the holder's check, and the folder's own lock refuses a second run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_try_flock, removed = writer.try_flock, []
+
+    def removed_after_open(path, *args, **kwargs):
+        fd = real_try_flock(path, *args, **kwargs)
+        if not removed:  # another process removes the file this run has just opened and locked
+            removed.append(os.fstat(fd).st_ino)
+            os.unlink(path)
+        return fd
+    monkeypatch.setattr(writer, "try_flock", removed_after_open)
+    with writer.DirectoryLock(str(out)) as lock:
+        held, at_path = os.fstat(lock.fd), os.stat(out / writer.LOCK_FILE)
+        assert (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino) and removed
+        writer.check_lock_held(str(out))
+        (out / writer.LOCK_FILE).unlink()
+        (out / writer.LOCK_FILE).write_text("{}")  # a new file of another run under the name
+        with pytest.raises(writer.OutputDirectoryBusy, match="holder unknown"):
+            with writer.DirectoryLock(str(out)):
+                pass
+        with pytest.raises(writer.LockFileRemoved, match=r"was removed or replaced while this run held it"):
+            writer.check_lock_held(str(out))
+    writer.check_lock_held(str(out))  # released: nothing to check
+    with writer.DirectoryLock(str(out)):
+        pass
+
+
 def test_a_temporary_file_is_never_opened_through_a_link(tmp_path, monkeypatch):
     # the temporary name made predictable, a link planted under it: the write is refused, the target untouched
     victim = victims_file(tmp_path)
@@ -89,6 +119,40 @@ def test_extract_refuses_a_planted_out_folder_before_anything_is_written(tmp_pat
     with pytest.raises(writer.OutputDirectoryConflict, match="writable by every user"):
         job.run(opts)
     assert os.listdir(out) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root (chown)")
+def test_in_a_group_writable_out_only_this_users_files_are_trusted(tmp_path, tiny_llama, fake_engine, capsys):
+    """--out its group may write (a team's folder, umask 002) is taken; a file another user put there is never
+    taken for this run's: not a sample file (whose index line still matches it), the tokenized input or the record."""
+    import shutil
+
+    from eagle_compat.extract import job
+    from helpers import extract_options, token_lines
+
+    data = token_lines(tmp_path / "data.jsonl", 12, seed=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o2775)  # its group may write (setgid, no sticky bit): a member can replace any file in it
+    assert job.run(extract_options(tiny_llama, data, out))["complete"]
+    theirs = tmp_path / "theirs.pt"  # the same bytes, size and time as the file it replaces: only its owner differs
+    shutil.copy2(out / "data_1.pt", theirs)
+    os.chown(theirs, OTHER_UID, -1)
+    os.replace(theirs, out / "data_1.pt")
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"data_1\.pt is not this run's: input line 2: the file "
+                                                             rf"belongs to uid {OTHER_UID}, not to this user"):
+        job.run(extract_options(tiny_llama, data, out, resume=True))
+    (out / "data_1.pt").unlink()
+    assert job.run(extract_options(tiny_llama, data, out, resume=True))["written_this_run"] == 4  # its batch
+    os.chown(out / writer.SPOOL_FILE, OTHER_UID, -1)
+    capsys.readouterr()
+    assert job.run(extract_options(tiny_llama, data, out, resume=True))["complete"]
+    assert "input read back from" not in capsys.readouterr().err  # tokenized again, and kept as this user's
+    assert os.stat(out / writer.SPOOL_FILE).st_uid == os.geteuid()
+    os.chown(out / writer.MANIFEST, OTHER_UID, -1)
+    with pytest.raises(writer.OutputDirectoryConflict, match=rf"manifest\.json belongs to uid {OTHER_UID}, not to "
+                                                             "this user"):
+        job.run(extract_options(tiny_llama, data, out, resume=True))
 
 
 def test_a_filesystem_without_flock_is_named_with_the_way_out(tmp_path, monkeypatch):

@@ -187,7 +187,7 @@ def _dst_record(src: str, p: dict) -> dict:
 
 def _check_destination(dst: str, p: dict, resume: bool) -> dict | None:
     """DST's own record, if it holds an earlier conversion of this SRC to be resumed; refuses anything else there."""
-    existing = writer.read_manifest(dst)
+    existing = writer.read_manifest(dst, mine=True)
     if existing is not None:
         same = (existing.get("converted_from", {}).get("manifest_sha256") == p["src_manifest_sha256"]
                 and existing["settings"].get("format") == p["to"])

@@ -187,7 +187,8 @@ def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its s
     not_written = f"{finishes} is not written"
     if wrong.states:
         return (f"{wrong.path} does not belong to this set: {wrong.why}. Shards merge only between runs of the same "
-                f"model, --layers and --dtype; remove the files of other runs. {not_written}")
+                f"model, --layers, --dtype and --trust-remote-code, of this user; remove the files of other runs. "
+                f"{not_written}")
     return (f"{wrong.path} does not hold {holds}: {wrong.why}; the shards of this directory were made from differing "
             f"sample sets (another tokenizer, transformers version or option). {not_written}")
 

@@ -161,6 +161,8 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> Set
             "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
+            # the checkpoint's own config and model classes (auto_map) may build another model than transformers'
+            "trust_remote_code": opts.trust_remote_code,
             # --validate also decides which conversations --skip-uncovered leaves out
             # (without --skip-uncovered a failed check stops the run: it cannot change the sample set)
             "validate": opts.validate and opts.skip_uncovered, "min_loss_tokens": opts.min_loss_tokens}
@@ -584,6 +586,7 @@ def claim(p: RunPlan) -> Claim:
     p.refuse_without_resume()
     replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
     swept = writer.sweep_temp_files(opts.out)
+    writer.drop_index_of_another_user(opts.out)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
     todo, kept = _todo_and_kept(p, non_finite)
@@ -723,8 +726,8 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
     if wrong and wrong.states:
         raise writer.OutputDirectoryConflict(
             f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
-            "model, --layers and --dtype (the README's shard merge included); remove the others, or choose "
-            "another --out")
+            "model, --layers, --dtype and --trust-remote-code (the README's shard merge included); remove the "
+            "others, or choose another --out")
     formats.refuse_strays(p.fmt, opts.out, p.placed.members(), "Nothing was written", left_out=p.left_out_lines)
     converted = (record or {}).get("converted_from") or {}
     if len(todo) and converted.get("lossy"):
@@ -808,6 +811,8 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         raise Interrupted(f"interrupted; {of_total} files are complete in "
                           f"{p.out} (no partial file is left); rerun the same command with --resume to "
                           "continue") from None
+    except writer.LockFileRemoved:
+        raise  # another run may hold the directory now: its record is left to it
     except BaseException as exc:
         c.record_non_finite()
         c.this_run.update(status=f"failed: {type(exc).__name__}: {str(exc)[:500]}",
@@ -828,6 +833,7 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
     """Phase 4: the files counted and, for a whole set, checked and described for the trainer before the manifest
     says "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
     "incomplete", and --resume finishes it. Returns the run's summary."""
+    writer.check_lock_held(p.out)  # before the set is checked and said complete
     if p.streaming:
         end_reading(p, c)
     c.record_non_finite()
@@ -898,8 +904,9 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     del vouched
     # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
     # that made the set)
-    already = c.was_complete and not len(c.todo) and not p.fmt.arrow and \
-        os.path.exists(os.path.join(p.out, p.fmt.finishes))
+    finishes = os.path.join(p.out, p.fmt.finishes)
+    already = (c.was_complete and not len(c.todo) and not p.fmt.arrow and os.path.exists(finishes)
+               and os.lstat(finishes).st_uid == os.geteuid())  # another user's is written anew
     if not already:
         with stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s") \
                 if p.fmt.arrow else contextlib.nullcontext():  # a dataset of every row: minutes on a large set

@@ -74,6 +74,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
                 driver_waited_for_engine += time.monotonic() - asked
                 # as of this batch: kept for the last one (the input may still be read: no count of batches yet)
                 driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
+                writer.check_lock_held(writing.out)  # its lock file removed: another run may write here now
                 for s, r in zip(batch, results, strict=True):  # a result short would leave a sample without file
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)

@@ -187,6 +187,12 @@ class ExtractActor:
             raise InvalidInput(f"actor {rank} on {socket.gethostname()} does not see {out}/{writer.MANIFEST}, "
                                "which the driver wrote: --out must be a folder every Ray node shares (files written "
                                "where the driver cannot see them would be lost)")
+        driver_uid = os.stat(os.path.join(out, writer.MANIFEST)).st_uid
+        if driver_uid != os.geteuid():  # its files would be another user's: no run of the driver's user trusts them
+            raise InvalidInput(f"actor {rank} on {socket.gethostname()} runs as uid {os.geteuid()}, and the driver "
+                               f"that wrote {out}/{writer.MANIFEST} as {writer.user_named(driver_uid)}: a run trusts "
+                               "only its own user's files, so this actor's would be refused. Start the Ray cluster "
+                               "as the user who runs the driver")
         # held for the actor's life: a later driver of this directory waits for it (writer.wait_for_other_writers)
         self.writers_fd = writer.hold_as_writer(out)
         self.gen = None
@@ -386,6 +392,7 @@ class _Pool:
         self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(self.writing.out) else None
 
     def send(self, rank: int, item: _Item) -> None:
+        writer.check_lock_held(self.writing.out)  # its lock file removed: another run may write here now
         self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)
         item.sent_at, item.ended = time.time(), False
 

@@ -25,6 +25,7 @@ class Settings(TypedDict, total=False):
     dtype: str
     tensor_parallel_size: int
     skip_uncovered: bool
+    trust_remote_code: bool  # --trust-remote-code (absent from earlier releases' records: False)
     validate: bool  # --validate with --skip-uncovered (it then decides which conversations are left out)
     min_loss_tokens: int
     made_by: str  # a record `convert` made for speculators 0.3.0's own output (extract/convert.py)

@@ -391,6 +391,9 @@ def load(out_dir: str, spool_key: dict) -> inputs.Dataset | None:
         f = os.fdopen(writer.open_no_follow(path, os.O_RDONLY), "rb")
     except OSError:
         return None
+    if os.fstat(f.fileno()).st_uid != os.geteuid():  # another user's: the input is read again, not taken from it
+        f.close()
+        return None
     try:
         data = _opened(f, spool_key)
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error):

@@ -6,7 +6,7 @@ Layout of an output directory (readable by speculators 0.3.0's `Eagle3SampleFile
   manifest.json          the directory's one settings record (every shard layout shares it), written before the
                          first sample: layer convention, versions, model checksums, settings, and each run
   data_config.json       speculators' data-generation config, written once every sample of the data has its file
-  .eagle-compat.lock     flock'ed by the run writing the directory (holds its pid)
+  .eagle-compat.lock     flock'ed by the run writing the directory (holds its pid); the run flocks the folder too
 `i` is the sample's index in the input file, so shards and resumed runs never collide.
 """
 from __future__ import annotations
@@ -216,9 +216,12 @@ def sample_path(out_dir: str, index: int, fmt: str) -> str:
 
 
 def states_stamp(settings: dict) -> str:
-    """What made a file's states, in a few bytes: the model's content, the layers, the requested dtype. Not paths
-    (shards of one set run on machines with other paths) and not the token ids (checked on their own)."""
+    """What made a file's states, in a few bytes: the model's content, the layers, the requested dtype, and
+    --trust-remote-code (the checkpoint's own config and model classes instead of transformers'). Not paths (shards of
+    one set run on machines with other paths) and not the token ids (checked on their own)."""
     made_of = {k: settings.get(k) for k in ("model_checksums", "layer_ids", "dtype")}
+    if settings.get("trust_remote_code"):  # only where set: the stamps of every file made without it stay as they were
+        made_of["trust_remote_code"] = True
     return hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -394,14 +397,22 @@ def hashed_the_earlier_way(checksums: dict[str, Any]) -> list[str]:
 class SampleFacts:
     """What a sample file holds, read without its states: token ids, loss mask (None: --format arrow's hs files,
     whose masks are the Arrow rows'), the stamp of the settings that made it (None: written before stamps), and its
-    states' layer count, hidden size and dtype (None for fp8 files: stored scaled)."""
+    states' layer count, hidden size and dtype (None for fp8 files: stored scaled); and the user id owning it (of a
+    link, the link's: whoever planted it)."""
 
     def __init__(self, ids: list[int], mask: list[int] | None, stamp: str | None, layers: int, hidden: int,
-                 dtype: str | None):
+                 dtype: str | None, owner: int | None = None):
         self.ids, self.mask, self.stamp, self.layers, self.hidden, self.dtype = ids, mask, stamp, layers, hidden, dtype
+        self.owner = owner
 
 
 def read_facts(path: str) -> SampleFacts:
+    facts = _read_facts(path)
+    facts.owner = os.lstat(path).st_uid
+    return facts
+
+
+def _read_facts(path: str) -> SampleFacts:
     import torch
 
     if path.endswith(".pt"):
@@ -445,8 +456,9 @@ class StatesExpected:
 
     def mismatch(self, facts: SampleFacts) -> str | None:
         if facts.stamp is not None and self.stamp is not None and facts.stamp != self.stamp:
-            return ("its states were made with other settings (another model, --layers or --dtype: the file's "
-                    f"stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in from another directory")
+            return ("its states were made with other settings (another model, --layers or --dtype, or another "
+                    f"--trust-remote-code: the file's stamp {facts.stamp}, this run's {self.stamp}), e.g. copied in "
+                    "from another directory")
         if facts.stamp is None and self.stamp is not None and self.stamped:
             return ("it carries no stamp of the settings that made its states, in a set whose files all do (it was "
                     "written by an earlier release or another tool), e.g. copied in from another directory")
@@ -527,6 +539,10 @@ def _first_mismatch(pairs: Any, states: StatesExpected | None, on_each: Any) -> 
         if isinstance(facts, Exception):
             return Mismatch(path, f"{what}: the file cannot be read ({type(facts).__name__}: {facts}); if it is "
                                   "damaged (an interrupted copy), delete it and --resume redoes its batch", False)
+        if facts.owner is not None and facts.owner != os.geteuid():  # whatever it holds: no run of this user made it
+            return Mismatch(path, f"{what}: the file belongs to {user_named(facts.owner)}, not to this user (uid "
+                                  f"{os.geteuid()}), so none of this user's runs wrote it: another user who may "
+                                  "write in the folder (its group, or everyone) put it there", True)
         if facts.ids != list(ids):
             return Mismatch(path, f"{what}: the file holds {len(facts.ids)} tokens {facts.ids[:6]}..., the sample "
                                   f"now tokenizes to {len(ids)} tokens {list(ids)[:6]}...", False)
@@ -597,10 +613,13 @@ def index_entries(out_dir: str) -> Iterator[dict]:
     """The index's lines in the order they were written (a sample's later line is a later write of it: a batch
     redone); a line cut short is left out (its file is read instead)."""
     try:
-        f = open(os.path.join(out_dir, INDEX_FILE), encoding="utf-8", errors="replace")
+        fd = open_no_follow(os.path.join(out_dir, INDEX_FILE), os.O_RDONLY)
     except FileNotFoundError:
         return
+    f = open(fd, encoding="utf-8", errors="replace")
     with f:
+        if os.fstat(fd).st_uid != os.geteuid():  # another user's lines vouch for nothing: every file is opened
+            return
         for line in f:
             try:
                 entry = json.loads(line)
@@ -608,6 +627,17 @@ def index_entries(out_dir: str) -> Iterator[dict]:
             except (ValueError, KeyError, TypeError):
                 continue
             yield entry
+
+
+def drop_index_of_another_user(out_dir: str) -> None:
+    """Removes the index where another user owns it (it vouches for nothing: `index_entries`), so that this run's
+    lines start one of this user's; only the lock holder calls this."""
+    path = os.path.join(out_dir, INDEX_FILE)
+    try:
+        if os.lstat(path).st_uid != os.geteuid():
+            os.unlink(path)
+    except OSError:  # none, or one this user may not remove (a sticky folder): its lines are not read either way
+        pass
 
 
 def read_index(out_dir: str) -> dict[int, dict]:
@@ -634,10 +664,10 @@ def entry_matches_file(entry: dict, out_dir: str, path: str, stamp: str | None) 
     if stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
         return False
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return False
-    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m")
+    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m") and st.st_uid == os.geteuid()
 
 
 def any_sample_file(out_dir: str) -> bool:
@@ -675,11 +705,17 @@ def sample_files(out_dir: str) -> list[str]:
         (["state.json"] if "state.json" in found else [])
 
 
-def read_manifest(out_dir: str) -> dict | None:
-    """The directory's settings record (None where there is none)."""
+def read_manifest(out_dir: str, mine: bool = False) -> dict | None:
+    """The directory's settings record (None where there is none). `mine`: refused where another user owns it (a run
+    adding files to the directory trusts it; `report` or a conversion's source may read anyone's)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.isfile(path):
         return None
+    if mine and (owner := os.lstat(path).st_uid) != os.geteuid():
+        raise OutputDirectoryConflict(
+            f"{path} belongs to {user_named(owner)}, not to this user (uid {os.geteuid()}): no run of yours wrote "
+            "this record, so the files it describes cannot be trusted (another user who may write in the folder, "
+            "its group or everyone, put it there). Choose a folder of your own")
     try:
         with open(path) as f:
             record = json.load(f)
@@ -710,7 +746,7 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
 
     Returns the existing record (None for a directory without one and without samples, or whose record describes no
     sample file: a run with other settings may replace it). Reads only."""
-    record = read_manifest(out_dir)
+    record = read_manifest(out_dir, mine=True)
     if record is None:
         found = sample_files(out_dir)
         if found:
@@ -905,9 +941,22 @@ def lock_scope_note(path: str) -> str | None:
             "of one folder on one machine, or give each machine its own --out and merge them (README)")
 
 
+def user_named(uid: int) -> str:
+    """'user NAME (uid N)', or 'uid N' where the system knows no name for it."""
+    try:
+        import pwd
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
 def refuse_others_folder(path: str, what: str = "--out") -> None:
     """A folder this run writes must be the user's own: not another user's (who could plant links or files there),
-    not writable by every user unless sticky (where anyone could replace its files)."""
+    not writable by every user unless sticky (where anyone could replace its files). A folder its group may write
+    (a team's project folder, or umask 002) is taken, and so is one under a folder others may write (which could
+    swap it for theirs): in it a run trusts only this user's files (the record, the index, the tokenized input, each
+    sample file it keeps; `user_named` names the owner of any other), so another user can remove files but never
+    have theirs taken for this run's."""
     import stat
     st = os.stat(path)
     me = os.geteuid()
@@ -926,44 +975,144 @@ def refuse_others_folder(path: str, what: str = "--out") -> None:
             f"anyone could replace its files. chmod o-w {path}, or choose another folder")
 
 
+# The lock is held twice. On --out itself (flock on a descriptor of the folder): a clean-up of files (`rm *.lock`)
+# cannot remove a folder that holds files, so a second run is refused for as long as the first lives. And on
+# `.eagle-compat.lock`, which earlier releases lock (a run of either kind refuses the other) and which holds across
+# the machines of a network file system (NFS locks a folder per machine only). That file's lock counts only while the
+# file is at its path: a run whose lock file was removed or replaced stops at its next batch (`check_lock_held`),
+# since a run on another machine, or of an earlier release, may have made and locked a new one.
+LOCK_ATTEMPTS = 5
+
+
+class LockFileRemoved(OutputDirectoryBusy):
+    """The run's `.eagle-compat.lock` was removed or replaced while the run held it."""
+    run_failed = True
+
+
+def is_file_at(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the one at `path` (a link at `path` is not followed: it is another file)."""
+    try:
+        at_path = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+_HELD_LOCKS: dict[str, "DirectoryLock"] = {}  # this process's locks, by the folder's real path
+
+
+def check_lock_held(out_dir: str) -> None:
+    """Raises LockFileRemoved where this process holds `out_dir`'s lock and its lock file is no longer at its path;
+    the runners call it before each batch's files are written."""
+    lock = _HELD_LOCKS.get(os.path.realpath(out_dir))
+    if lock is not None:
+        lock.check_held()
+
+
 class DirectoryLock:
-    """One writer per output directory: flock on `.eagle-compat.lock`, released by the kernel if the run dies."""
+    """One writer per output directory: flock on the folder and on `.eagle-compat.lock`, released by the kernel if
+    the run dies."""
 
     def __init__(self, out_dir: str):
+        self.out_dir = out_dir
         self.path = os.path.join(out_dir, LOCK_FILE)
         self.fd: int | None = None
+        self.folder_fd: int | None = None
+
+    def busy(self) -> OutputDirectoryBusy:
+        return OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
+                                   f"({self.holder()}); two runs writing one directory could mix their files. "
+                                   "Wait for it to finish, or choose another --out")
 
     def __enter__(self) -> "DirectoryLock":
-        fd = try_flock(self.path)
-        if fd is None:
-            raise OutputDirectoryBusy(f"{os.path.dirname(self.path) or '.'} is being written by another run "
-                                      f"({self.holder()}); two runs writing one directory could mix their files. "
-                                      "Wait for it to finish, or choose another --out") from None
+        self.folder_fd = self._lock_folder()
+        try:
+            fd = self._lock_file_at_path()
+        except BaseException:
+            self._release()
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": datetime.now(timezone.utc).isoformat()}).encode())
         self.fd = fd
+        _HELD_LOCKS[os.path.realpath(self.out_dir)] = self
         return self
+
+    def _lock_folder(self) -> int | None:
+        """A descriptor of the folder holding its flock; None on a file system that locks no folder (the lock
+        file's lock and `check_held` remain)."""
+        fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self.busy() from None
+            if exc.errno in (*NO_FLOCK, errno.EBADF):
+                return None
+            raise
+        return fd
+
+    def _lock_file_at_path(self) -> int:
+        """The lock file's descriptor, locked, and the file at its path: one removed or replaced between its open and
+        its flock is let go and the one at the path taken instead."""
+        for _ in range(LOCK_ATTEMPTS):
+            fd = try_flock(self.path)
+            if fd is None:
+                raise self.busy() from None
+            if is_file_at(fd, self.path):
+                return fd
+            os.close(fd)
+        raise OutputDirectoryBusy(f"{self.path} was removed or replaced each of the {LOCK_ATTEMPTS} times this run "
+                                  "locked it: another process keeps removing it. Stop that process (a clean-up of "
+                                  "*.lock files?) and run again, or choose another --out")
+
+    def check_held(self) -> None:
+        if self.fd is None or is_file_at(self.fd, self.path):
+            return
+        raise LockFileRemoved(
+            f"{self.path} was removed or replaced while this run held it (a clean-up of *.lock files?): a run on "
+            "another machine, or of an earlier release, may now write this directory too. This run stopped before "
+            "writing more; its files so far are complete. When no other run writes it, rerun the same command "
+            "with --resume")
 
     def holder(self) -> str:
         try:
             with open(self.path) as f:
                 info = json.load(f)
             return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+        except FileNotFoundError:
+            return (f"holder unknown: its {LOCK_FILE} was removed; `fuser -v {os.path.dirname(self.path) or '.'}` "
+                    "lists the processes that have the folder open")
         except (OSError, ValueError, KeyError):
             return "holder unknown"
 
+    def _release(self) -> None:
+        for fd in (self.fd, self.folder_fd):
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self.fd = self.folder_fd = None
+
     def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+        if _HELD_LOCKS.get(os.path.realpath(self.out_dir)) is self:
+            del _HELD_LOCKS[os.path.realpath(self.out_dir)]
+        self._release()
+
+
+# Settings recorded since a release after sets were begun without them, with the value those sets were made with
+# (an earlier release recorded no --trust-remote-code: it is taken as off, its default)
+SETTINGS_ADDED_SINCE = {"trust_remote_code": False}
 
 
 def settings_differences(old: dict, new: dict) -> list[str]:
-    """One line per setting that differs (a setting one record lacks differs: it was made by another release)."""
-    return [f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
+    """One line per setting that differs (a setting one record lacks differs: it was made by another release; but
+    for those of SETTINGS_ADDED_SINCE, whose value it then had is known)."""
+    def value(settings: dict, k: str) -> Any:
+        return settings.get(k, SETTINGS_ADDED_SINCE.get(k))
+    return [f"{k}: was {value(old, k)!r}, now {value(new, k)!r}" for k in sorted(set(old) | set(new))
+            if value(old, k) != value(new, k)]
 
 
 def validate_sample(sample: dict, vocab_size: int, layer_count: int, hidden_size: int | None) -> None:
