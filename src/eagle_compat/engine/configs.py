@@ -24,6 +24,7 @@ def build_vllm_config(model_path: str, *, worker_extension_cls: str, max_model_l
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
+    refuse_unverified_architecture(model_path)
     try:
         model_config = build(ModelConfig, **text_only(dict(
             model=model_path, tokenizer=tokenizer or model_path, trust_remote_code=trust_remote_code, dtype=dtype,
@@ -74,16 +75,19 @@ def import_failure(module: str) -> str | None:
     return (run.stdout.strip().splitlines() or run.stderr.strip().splitlines() or ["(no output)"])[-1]
 
 
-def model_modules(model_path: str) -> list[tuple[str, str]]:
-    """(architecture, vLLM module) for each architecture config.json names that this vLLM registers."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
+def _architectures(model_path: str) -> list[str]:
     config = os.path.join(model_path, "config.json")
     if not os.path.isfile(config):
         return []
     with open(config) as f:
-        architectures = json.load(f).get("architectures") or []
-    return [(arch, module) for arch in architectures
+        return json.load(f).get("architectures") or []
+
+
+def model_modules(model_path: str) -> list[tuple[str, str]]:
+    """(architecture, vLLM module) for each architecture config.json names that this vLLM registers."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return [(arch, module) for arch in _architectures(model_path)
             if (module := getattr(ModelRegistry.models.get(arch), "module_name", None))]
 
 
@@ -123,3 +127,21 @@ def architecture_not_loadable(model_path: str, exc: BaseException) -> Incompatib
         if failure is not None:
             return architecture_refused(model_path, arch, module, failure)
     return IncompatibleEnvironment(f"vLLM could not inspect the architecture of {model_path}: {exc}")
+
+
+def refuse_unverified_architecture(model_path: str) -> None:
+    """A checkpoint of a family no parity run verified is refused before vLLM loads its weights, as the worker's
+    resolver would refuse it after (minutes of loading for a large model)."""
+    import vllm
+
+    from ..capture import families
+    from ..errors import UnsupportedModel
+
+    for arch in _architectures(model_path):
+        family = families.unverified_family_of_architecture(arch)
+        if family is not None and family.name not in families.allowed_unverified():
+            raise UnsupportedModel(
+                f"{arch} ({model_path}) on vLLM {vllm.__version__}: model family {family.name!r} is unverified: "
+                f"{family.unverified}. Refused before its weights load rather than risk wrong hidden states; set "
+                f"{families.ALLOW_UNVERIFIED_ENV}={family.name} to capture it anyway, and compare with HF yourself "
+                "(`eagle-compat check --model DIR`).")
