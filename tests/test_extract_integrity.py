@@ -5,6 +5,7 @@ loss-mask coverage. Where samples must be produced, a deterministic stand-in eng
 about which files the job writes, keeps and refuses; test_extract.py checks the tensors on real vLLM."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -137,10 +138,12 @@ def test_shards_end_with_one_record_and_data_config_for_the_whole_set(model, dat
     assert job.run(_opts(model, dataset, sharded, resume=True))["written_this_run"] == 0  # the merge check
 
 
-def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, dataset, tmp_path, fake_engine):
-    out = tmp_path / "out"
+@contextlib.contextmanager
+def _first_run_held(model, dataset, out, fake_engine):
+    """A first run of --out started on a thread and held inside the engine once its record (and lock) exist; on
+    leaving, released and joined. Yields the list that receives the first run's error, if any."""
     fake_engine.block = threading.Event()
-    first_error = []
+    first_error: list = []
 
     def first():
         try:
@@ -155,11 +158,17 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, 
             if os.path.exists(out / "manifest.json"):
                 break
             thread.join(0.1)
-        with pytest.raises(InvalidInput, match=rf"pid {os.getpid()} on "):
-            job.run(_opts(model, dataset, out, shard=(1, 2)))
+        yield first_error
     finally:
         fake_engine.block.set()
         thread.join(60)
+
+
+def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(model, dataset, tmp_path, fake_engine):
+    out = tmp_path / "out"
+    with _first_run_held(model, dataset, out, fake_engine) as first_error:
+        with pytest.raises(InvalidInput, match=rf"pid {os.getpid()} on "):
+            job.run(_opts(model, dataset, out, shard=(1, 2)))
     assert not first_error and len(_samples(out)) == N
 
 
@@ -167,30 +176,12 @@ def test_a_lock_file_removed_while_a_run_holds_out_lets_no_second_run_in(model, 
     """A clean-up of *.lock files while a run holds --out: a second run is refused (the folder itself is locked), and
     the holder stops before writing its next batch (its lock file no longer guards it)."""
     out = tmp_path / "out"
-    fake_engine.block = threading.Event()
-    first_error = []
-
-    def first():
-        try:
-            job.run(_opts(model, dataset, out))
-        except BaseException as exc:  # noqa: BLE001
-            first_error.append(exc)
-
-    thread = threading.Thread(target=first)
-    thread.start()
-    try:
-        for _ in range(600):  # the first run holds the lock once its record is written
-            if os.path.exists(out / "manifest.json"):
-                break
-            thread.join(0.1)
+    with _first_run_held(model, dataset, out, fake_engine) as first_error:
         (out / writer.LOCK_FILE).unlink()
         with pytest.raises(writer.OutputDirectoryBusy, match=r"being written by another run \(holder unknown: its "
                                                              r"\.eagle-compat\.lock was removed"):
             job.run(_opts(model, dataset, out, shard=(1, 2)))
         assert not (out / writer.LOCK_FILE).exists()  # refused before it made a lock file of its own
-    finally:
-        fake_engine.block.set()
-        thread.join(60)
     assert len(first_error) == 1 and isinstance(first_error[0], writer.LockFileRemoved), first_error
     assert "was removed or replaced while this run held it" in str(first_error[0])
     assert not _samples(out) and fake_engine.started == 1
