@@ -37,6 +37,9 @@ KNOWN_CAUSES: tuple[tuple[str, str], ...] = (
     ("object has no attribute 'gptq_marlin_repack'", "this release's CPU build has no int4 MoE kernel (Marlin only)"),
     ("object has no attribute 'cpu_gemm_wna16'",
      "this CPU's build of vLLM's kernels (the AVX2 one) has no int4 W4A16 GEMM"),
+    ("in dispatch_cpu_unquantized_gemm",
+     "this release's CPU linear layers take 2-D weights only (Gated DeltaNet's convolution weight is 3-D)"),
+    ("the family is newer than this environment", ""),  # tiny_models.unavailable: its message names what lacks it
     ("'layers.0.mlp.experts.w2_weight'",
      "vLLM 0.24 moved MoE expert parameters under `routed_experts` but not gpt-oss's loader for unquantized "
      "(non-MXFP4) checkpoints; fixed in 0.25 (`remap_moe_expert_weights`)"),
@@ -195,6 +198,9 @@ def run(check: str, family: str, dtype: str = "float32", device: str = "cpu") ->
             dtype = TINY[family][1].engine_dtype
     t0 = time.time()
     try:
+        from eagle_compat import tiny_models
+        if family in tiny_models.TINY and (missing := tiny_models.unavailable(family)):
+            raise RuntimeError(f"the family is newer than this environment: {missing}")
         result = (_batch_order(out, family, dtype, device) if check == "batch_order"
                   else parity.run(check, family, dtype=dtype, device=device))
         if check != "shim":

@@ -67,11 +67,11 @@ def no_engine(monkeypatch):
 # xdist's own order (most tests first) put test_ray.py, 409 s in 6 tests, among the last. A stale weight only costs
 # time; correctness does not depend on the order.
 FILE_SECONDS = {
-    "test_extract.py": 476, "test_families.py": 428, "test_ray.py": 409, "test_e2e_generator.py": 318,
+    "test_extract.py": 476, "test_families.py": 600, "test_ray.py": 409, "test_e2e_generator.py": 318,
     "test_e2e_speculators_shim.py": 270, "test_launcher.py": 236, "test_real_model.py": 206, "test_preflight.py": 157,
     "test_quantized.py": 147, "test_tensor_parallel.py": 114, "test_cli.py": 140, "test_compat_matrix.py": 93,
     "test_integrity.py": 88, "test_patch_contract.py": 85, "test_arrow.py": 71, "test_extract_integrity.py": 41,
-    "test_downstream_plugin.py": 40,
+    "test_downstream_plugin.py": 40, "test_gemma4.py": 90,
 }
 
 
