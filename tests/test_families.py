@@ -104,3 +104,31 @@ def test_an_unverified_familys_checkpoint_is_refused_before_any_engine_starts(tm
                                   gpu_memory_utilization=0.3)
     monkeypatch.setenv(families.ALLOW_UNVERIFIED_ENV, family)
     configs.refuse_unverified_architecture(str(tmp_path))  # allowed: left to the worker's resolver
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5_moe"])
+def test_extract_writes_every_layer_equal_to_hf(tmp_path, family):
+    """`eagle-compat extract` on the newest families: every layer of every sample file equals HF's (Gemma 4: its
+    KV-shared layers and per-layer inputs included; Qwen3.5's MoE: its Gated DeltaNet layers, judged in bf16)."""
+    import subprocess
+    import sys
+
+    from eagle_compat.extract import writer
+    from helpers import write_dataset
+
+    too_new = tiny_models.unavailable(family)
+    if too_new:
+        pytest.skip(f"{family} is newer than this environment: {too_new}")
+    path, reference_path, n = tiny_models.build_family(family)
+    tiny = families.TINY[family][1]
+    data = write_dataset(tmp_path / "data.jsonl", 12, 20, 120, seed=5)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", path, "--data", str(data),
+                           "--out", str(out), "--layers", ",".join(map(str, range(n))), "--dtype", tiny.engine_dtype,
+                           "--max-len", "256", "--gpu-memory-utilization", "0.3", "--no-progress"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(12)]
+    assert_matches_hf(samples, reference_path, [s["input_ids"].tolist() for s in samples], list(range(n)),
+                      precision=check.precision_of(tiny.engine_dtype))

@@ -71,25 +71,6 @@ def test_the_generator_refuses_an_engine_with_fast_prefill(gemma4, monkeypatch):
             gen.generate(prompts(2, 20, 60, seed=4))
 
 
-@pytest.mark.engine
-def test_extract_writes_every_layer_equal_to_hf(gemma4, tmp_path):
-    """`eagle-compat extract` on a Gemma 4 (float32): every layer of every sample file equals HF's, the KV-shared
-    layers and the per-layer inputs included, for every token."""
-    from eagle_compat.extract import writer
-    from helpers import assert_matches_hf, write_dataset
-
-    data = write_dataset(tmp_path / "data.jsonl", 12, 20, 120, seed=5)
-    layers = list(range(GEMMA4.num_layers))
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", gemma4, "--data", str(data),
-                           "--out", str(out), "--layers", ",".join(map(str, layers)), "--dtype", "float32",
-                           "--max-len", "256", "--gpu-memory-utilization", "0.3", "--no-progress"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    samples = [writer.load_sample(writer.sample_path(str(out), i, "pt")) for i in range(12)]
-    assert_matches_hf(samples, gemma4, [s["input_ids"].tolist() for s in samples], layers, precision="fp32")
-
-
 def test_a_wrapper_whose_module_cannot_load_here_is_refused_naming_the_cause(monkeypatch):
     """Where transformers' processor cannot be imported (no torchvision beside a `+cpu` torch), a multimodal
     wrapper is refused before any worker starts, naming the module, the cause and the way out."""
