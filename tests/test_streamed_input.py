@@ -209,3 +209,115 @@ def test_a_streamed_run_stopped_after_its_reading_ended_leaves_the_tokenized_inp
     monkeypatch.setattr(inputs, "read_dataset", lambda *a, **k: tokenized.append(1) or real_read(*a, **k))
     summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
     assert not tokenized and summary["complete"] and _files(out) == _files(first)
+
+
+def _run_bounded(opts) -> dict:
+    """job.run on a thread of its own, waited for 120 s at most: a run that hangs fails the test instead of holding
+    the suite (a bound on a failure, not a timing window: a run that works ends long before)."""
+    ended: dict = {}
+
+    def running():
+        try:
+            ended["summary"] = job.run(opts)
+        except BaseException as exc:  # noqa: BLE001 - looked at by the test
+            ended["error"] = exc
+    thread = threading.Thread(target=running, name="the-run", daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the run hangs"
+    return ended
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed"])
+def test_an_input_removed_or_renamed_while_it_is_read_stops_the_run_naming_it(tiny_llama, dataset, tmp_path,
+                                                                              fake_engine, monkeypatch, how):
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held(monkeypatch, hold_after=20)
+    real_generate = fake_engine.generate
+
+    def generate(self, token_ids):  # at the first batch (the run holds --out), the input goes; then the reading ends
+        if not seen["batch_ran"].is_set():
+            if how == "removed":
+                os.unlink(dataset)
+            else:
+                os.rename(dataset, dataset + ".moved")
+            seen["batch_ran"].set()
+        return real_generate(self, token_ids)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    out = tmp_path / "out"
+    ended = _run_bounded(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert seen["held"]
+    error = ended.get("error")
+    assert isinstance(error, spool.InputChanged), repr(error)
+    assert dataset in str(error) and "changed while it was read" in str(error)
+    record = _record(out)
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"].startswith("failed")
+    assert not (out / writer.SPOOL_FILE).exists()  # samples of an input that changed are not kept for a resume
+    for name in _files(out):  # every file written is whole
+        assert writer.read_facts(str(out / name)).ids
+
+
+def _bounded(wait) -> BaseException | None:
+    """`wait()` on a thread of its own, 60 s at most (a wait that never ends fails the test); returns what it
+    raised."""
+    raised: list = []
+
+    def waiting():
+        try:
+            wait()
+            raised.append(None)
+        except BaseException as exc:  # noqa: BLE001 - looked at by the test
+            raised.append(exc)
+    thread = threading.Thread(target=waiting, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert raised, "the wait never ends"
+    return raised[0]
+
+
+def test_a_reading_thread_gone_without_a_word_is_an_error_for_its_waiters_not_a_hang(tmp_path):
+    made = spool.Builder(str(tmp_path))
+    try:  # a reading thread that ended without publishing its end (killed by something no `except` sees)
+        made._thread = threading.Thread(target=lambda: None)
+        made._thread.start()
+        made._thread.join()
+        for wait in (lambda: made.wait_samples(1), lambda: made.wait_lines(None), made.join):
+            assert isinstance(_bounded(wait), spool.ReadingDied)
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("how", ["appended", "touched"])
+def test_an_input_changed_after_it_was_read_whole_leaves_the_finished_set_complete(tiny_llama, dataset, tmp_path,
+                                                                                  fake_engine, monkeypatch, how):
+    """The samples come from the spool once the input is read: a change after its last byte was read (a line
+    appended for the next set, a touch) cannot reach them, and the set the run finished is complete."""
+    first = tmp_path / "read_first"
+    job.run(extract_options(tiny_llama, dataset, first, max_len=32))
+    as_read = open(dataset, "rb").read()
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    real_end_reading = job.end_reading
+
+    def end_reading(p, c):  # every batch ran, so the reading has ended: the input changes now
+        with open(dataset, "ab") as f:
+            f.write(json.dumps({"input_ids": [5, 6, 7, 8]}).encode() + b"\n" if how == "appended" else b"")
+        os.utime(dataset, ns=(os.stat(dataset).st_atime_ns, os.stat(dataset).st_mtime_ns + 10**9))
+        return real_end_reading(p, c)
+    monkeypatch.setattr(job, "end_reading", end_reading)
+    out = tmp_path / "out"
+    summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert summary["complete"] and _files(out) == _files(first)
+    assert _record(out)["status"] == "complete" and (out / "data_config.json").exists()
+    with open(out / writer.SPOOL_FILE, "rb") as a, open(first / writer.SPOOL_FILE, "rb") as b:
+        assert spool.header_of(a)[0] == spool.header_of(b)[0]
+    # the set's resume, with the input the record names: the tokenized input is read back, nothing is redone
+    with open(dataset, "wb") as f:
+        f.write(as_read)
+    monkeypatch.setattr(job, "end_reading", real_end_reading)
+    tokenized, real_read = [], inputs.read_dataset
+    monkeypatch.setattr(inputs, "read_dataset", lambda *a, **k: tokenized.append(1) or real_read(*a, **k))
+    resumed = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
+    assert not tokenized and resumed["complete"] and resumed["written_this_run"] == 0
+    assert _files(out) == _files(first)
