@@ -12,6 +12,7 @@ import pytest
 
 from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
+from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
 from helpers import extract_options, write_dataset
 
@@ -286,6 +287,83 @@ def test_a_reading_thread_gone_without_a_word_is_an_error_for_its_waiters_not_a_
             assert isinstance(_bounded(wait), spool.ReadingDied)
     finally:
         made.close()
+
+
+class _PipeliningEngine:
+    """The stand-in engine with the generator's own pipelining (`_pipelined`): an engine thread takes the batches
+    while the caller waits for each one's results, as with vLLM."""
+
+    @staticmethod
+    def install(monkeypatch, fake_engine):
+        from eagle_compat import generator
+
+        class Pipelining(fake_engine):
+            def generate_batches(self, batches, prefetch=1):
+                return VllmHiddenStatesGenerator._pipelined(self, batches, False, prefetch)
+
+            def _engine_batches(self, batches, truncate):
+                for token_ids in batches:
+                    yield self.generate(token_ids)
+        monkeypatch.setattr(generator, "VllmHiddenStatesGenerator", Pipelining)
+
+
+def test_the_first_ctrl_c_while_the_engine_waits_for_the_input_stops_the_run_at_once(tiny_llama, dataset, tmp_path,
+                                                                                       fake_engine, monkeypatch):
+    """Ctrl-C reaches the caller while it waits for the engine thread's next batch, and that thread waits for samples
+    the reading has not read yet: the run stops then (the reading is cancelled before the engine thread is joined),
+    not when the reading gets there."""
+    import queue
+
+    from eagle_compat import generator
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    hold_after, stopped, queues = 20, threading.Event(), []
+    seen = {"held_to_its_bound": False}
+    real_read, real_stop, real_wait = inputs.read_dataset, spool.Builder.stop, spool.Builder.wait_samples
+
+    class Holding:  # the reading waits after `hold_after` samples until it is stopped (60 s at most)
+        def __init__(self, into):
+            self.into = into
+
+        def append(self, s):
+            self.into.append(s)
+            if len(self.into) == hold_after:
+                seen["held_to_its_bound"] = not stopped.wait(60)
+
+        def __len__(self):
+            return len(self.into)
+    monkeypatch.setattr(inputs, "read_dataset", lambda *a, into, **k: real_read(*a, into=Holding(into), **k))
+
+    def stop(self):
+        real_stop(self)
+        stopped.set()
+    monkeypatch.setattr(spool.Builder, "stop", stop)
+
+    class CtrlCQueue(queue.Queue):  # the caller's wait for the engine thread's next batch is where Ctrl-C lands
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            queues.append(self)
+
+        def get(self, *args, **kwargs):
+            item = super().get(*args, **kwargs)
+            if item[0] == "ctrl-c":
+                raise KeyboardInterrupt
+            return item
+    monkeypatch.setattr(generator, "queue", type("queue", (), {"Queue": CtrlCQueue, "Full": queue.Full}))
+
+    def wait_samples(self, count):  # the engine thread about to wait for samples past the held ones: Ctrl-C
+        if count > hold_after and not seen.get("ctrl_c"):
+            seen["ctrl_c"] = True
+            queues[-1].put(("ctrl-c", None))
+        return real_wait(self, count)
+    monkeypatch.setattr(spool.Builder, "wait_samples", wait_samples)
+    _PipeliningEngine.install(monkeypatch, fake_engine)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt, match="rerun the same command with --resume"):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert seen["ctrl_c"] and not seen["held_to_its_bound"], "the run waited for the reading, not for Ctrl-C"
+    record = _record(out)
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"] == "interrupted"
 
 
 @pytest.mark.parametrize("how", ["appended", "touched"])
