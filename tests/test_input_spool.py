@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
 
 from helpers import extract_options, write_dataset
@@ -187,3 +188,24 @@ def test_the_spool_is_linked_into_out_not_copied_where_the_file_system_can(tiny_
     assert not [f for f in os.listdir(out) if ".tmp" in f]
     with open(out / spool.SPOOL_FILE, "rb") as f:
         assert spool.header_of(f)[0]["samples"] == 20
+
+
+def test_an_input_changed_between_its_digest_and_its_reading_is_refused_before_out_is_made(tiny_llama, dataset,
+                                                                                           tmp_path, fake_engine,
+                                                                                           monkeypatch):
+    """The key's digest must be of the bytes the spool's samples come from: the input's identity is taken before
+    its digest, and judged again when its last byte has been read."""
+    real_sha256 = writer.file_sha256
+
+    def digest_then_append(path):  # a line added between the digest and the reading
+        digest = real_sha256(path)
+        if os.path.abspath(path) == os.path.abspath(dataset):
+            with open(dataset, "a") as f:
+                f.write(json.dumps({"input_ids": [5, 6, 7, 8, 9, 10, 11, 12]}) + "\n")
+        return digest
+    monkeypatch.setattr(writer, "file_sha256", digest_then_append)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match="changed while it was read") as caught:
+        job.run(_opts(tiny_llama, dataset, out))
+    assert isinstance(caught.value, spool.InputChanged) and dataset in str(caught.value)
+    assert not out.exists()

@@ -12,6 +12,7 @@ import pytest
 
 from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
+from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
 from helpers import extract_options, write_dataset
 
@@ -209,3 +210,192 @@ def test_a_streamed_run_stopped_after_its_reading_ended_leaves_the_tokenized_inp
     monkeypatch.setattr(inputs, "read_dataset", lambda *a, **k: tokenized.append(1) or real_read(*a, **k))
     summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
     assert not tokenized and summary["complete"] and _files(out) == _files(first)
+
+
+def _run_bounded(opts) -> dict:
+    """job.run on a thread of its own, waited for 120 s at most: a run that hangs fails the test instead of holding
+    the suite (a bound on a failure, not a timing window: a run that works ends long before)."""
+    ended: dict = {}
+
+    def running():
+        try:
+            ended["summary"] = job.run(opts)
+        except BaseException as exc:  # noqa: BLE001 - looked at by the test
+            ended["error"] = exc
+    thread = threading.Thread(target=running, name="the-run", daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the run hangs"
+    return ended
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed"])
+def test_an_input_removed_or_renamed_while_it_is_read_stops_the_run_naming_it(tiny_llama, dataset, tmp_path,
+                                                                              fake_engine, monkeypatch, how):
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held(monkeypatch, hold_after=20)
+    real_generate = fake_engine.generate
+
+    def generate(self, token_ids):  # at the first batch (the run holds --out), the input goes; then the reading ends
+        if not seen["batch_ran"].is_set():
+            if how == "removed":
+                os.unlink(dataset)
+            else:
+                os.rename(dataset, dataset + ".moved")
+            seen["batch_ran"].set()
+        return real_generate(self, token_ids)
+    monkeypatch.setattr(fake_engine, "generate", generate)
+    out = tmp_path / "out"
+    ended = _run_bounded(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert seen["held"]
+    error = ended.get("error")
+    assert isinstance(error, spool.InputChanged), repr(error)
+    assert dataset in str(error) and "changed while it was read" in str(error)
+    record = _record(out)
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"].startswith("failed")
+    assert not (out / writer.SPOOL_FILE).exists()  # samples of an input that changed are not kept for a resume
+    for name in _files(out):  # every file written is whole
+        assert writer.read_facts(str(out / name)).ids
+
+
+def _bounded(wait) -> BaseException | None:
+    """`wait()` on a thread of its own, 60 s at most (a wait that never ends fails the test); returns what it
+    raised."""
+    raised: list = []
+
+    def waiting():
+        try:
+            wait()
+            raised.append(None)
+        except BaseException as exc:  # noqa: BLE001 - looked at by the test
+            raised.append(exc)
+    thread = threading.Thread(target=waiting, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert raised, "the wait never ends"
+    return raised[0]
+
+
+def test_a_reading_thread_gone_without_a_word_is_an_error_for_its_waiters_not_a_hang(tmp_path):
+    made = spool.Builder(str(tmp_path))
+    try:  # a reading thread that ended without publishing its end (killed by something no `except` sees)
+        made._thread = threading.Thread(target=lambda: None)
+        made._thread.start()
+        made._thread.join()
+        for wait in (lambda: made.wait_samples(1), lambda: made.wait_lines(None), made.join):
+            assert isinstance(_bounded(wait), spool.ReadingDied)
+    finally:
+        made.close()
+
+
+class _PipeliningEngine:
+    """The stand-in engine with the generator's own pipelining (`_pipelined`): an engine thread takes the batches
+    while the caller waits for each one's results, as with vLLM."""
+
+    @staticmethod
+    def install(monkeypatch, fake_engine):
+        from eagle_compat import generator
+
+        class Pipelining(fake_engine):
+            def generate_batches(self, batches, prefetch=1):
+                return VllmHiddenStatesGenerator._pipelined(self, batches, False, prefetch)
+
+            def _engine_batches(self, batches, truncate):
+                for token_ids in batches:
+                    yield self.generate(token_ids)
+        monkeypatch.setattr(generator, "VllmHiddenStatesGenerator", Pipelining)
+
+
+def test_the_first_ctrl_c_while_the_engine_waits_for_the_input_stops_the_run_at_once(tiny_llama, dataset, tmp_path,
+                                                                                       fake_engine, monkeypatch):
+    """Ctrl-C reaches the caller while it waits for the engine thread's next batch, and that thread waits for samples
+    the reading has not read yet: the run stops then (the reading is cancelled before the engine thread is joined),
+    not when the reading gets there."""
+    import queue
+
+    from eagle_compat import generator
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    hold_after, stopped, queues = 20, threading.Event(), []
+    seen = {"held_to_its_bound": False}
+    real_read, real_stop, real_wait = inputs.read_dataset, spool.Builder.stop, spool.Builder.wait_samples
+
+    class Holding:  # the reading waits after `hold_after` samples until it is stopped (60 s at most)
+        def __init__(self, into):
+            self.into = into
+
+        def append(self, s):
+            self.into.append(s)
+            if len(self.into) == hold_after:
+                seen["held_to_its_bound"] = not stopped.wait(60)
+
+        def __len__(self):
+            return len(self.into)
+    monkeypatch.setattr(inputs, "read_dataset", lambda *a, into, **k: real_read(*a, into=Holding(into), **k))
+
+    def stop(self):
+        real_stop(self)
+        stopped.set()
+    monkeypatch.setattr(spool.Builder, "stop", stop)
+
+    class CtrlCQueue(queue.Queue):  # the caller's wait for the engine thread's next batch is where Ctrl-C lands
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            queues.append(self)
+
+        def get(self, *args, **kwargs):
+            item = super().get(*args, **kwargs)
+            if item[0] == "ctrl-c":
+                raise KeyboardInterrupt
+            return item
+    monkeypatch.setattr(generator, "queue", type("queue", (), {"Queue": CtrlCQueue, "Full": queue.Full}))
+
+    def wait_samples(self, count):  # the engine thread about to wait for samples past the held ones: Ctrl-C
+        if count > hold_after and not seen.get("ctrl_c"):
+            seen["ctrl_c"] = True
+            queues[-1].put(("ctrl-c", None))
+        return real_wait(self, count)
+    monkeypatch.setattr(spool.Builder, "wait_samples", wait_samples)
+    _PipeliningEngine.install(monkeypatch, fake_engine)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt, match="rerun the same command with --resume"):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert seen["ctrl_c"] and not seen["held_to_its_bound"], "the run waited for the reading, not for Ctrl-C"
+    record = _record(out)
+    assert record["status"] == "incomplete" and record["runs"][-1]["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("how", ["appended", "touched"])
+def test_an_input_changed_after_it_was_read_whole_leaves_the_finished_set_complete(tiny_llama, dataset, tmp_path,
+                                                                                  fake_engine, monkeypatch, how):
+    """The samples come from the spool once the input is read: a change after its last byte was read (a line
+    appended for the next set, a touch) cannot reach them, and the set the run finished is complete."""
+    first = tmp_path / "read_first"
+    job.run(extract_options(tiny_llama, dataset, first, max_len=32))
+    as_read = open(dataset, "rb").read()
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    real_end_reading = job.end_reading
+
+    def end_reading(p, c):  # every batch ran, so the reading has ended: the input changes now
+        with open(dataset, "ab") as f:
+            f.write(json.dumps({"input_ids": [5, 6, 7, 8]}).encode() + b"\n" if how == "appended" else b"")
+        os.utime(dataset, ns=(os.stat(dataset).st_atime_ns, os.stat(dataset).st_mtime_ns + 10**9))
+        return real_end_reading(p, c)
+    monkeypatch.setattr(job, "end_reading", end_reading)
+    out = tmp_path / "out"
+    summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert summary["complete"] and _files(out) == _files(first)
+    assert _record(out)["status"] == "complete" and (out / "data_config.json").exists()
+    with open(out / writer.SPOOL_FILE, "rb") as a, open(first / writer.SPOOL_FILE, "rb") as b:
+        assert spool.header_of(a)[0] == spool.header_of(b)[0]
+    # the set's resume, with the input the record names: the tokenized input is read back, nothing is redone
+    with open(dataset, "wb") as f:
+        f.write(as_read)
+    monkeypatch.setattr(job, "end_reading", real_end_reading)
+    tokenized, real_read = [], inputs.read_dataset
+    monkeypatch.setattr(inputs, "read_dataset", lambda *a, **k: tokenized.append(1) or real_read(*a, **k))
+    resumed = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
+    assert not tokenized and resumed["complete"] and resumed["written_this_run"] == 0
+    assert _files(out) == _files(first)

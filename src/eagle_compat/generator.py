@@ -294,7 +294,9 @@ class VllmHiddenStatesGenerator:
                          prefetch: int = 1) -> Iterator[list[dict]]:
         """`generate()` for each batch of `batches`, pipelined: the engine computes batch k+1 while the caller
         handles batch k (at most `prefetch` finished batches wait in between; 0 runs everything in the caller's
-        thread). Yields each batch's results, in order, equal to what `generate()` returns for it."""
+        thread). Yields each batch's results, in order, equal to what `generate()` returns for it. Where `batches`
+        has a `cancel()` (batches that wait for their input), it is called when the caller stops early (an error,
+        Ctrl-C) before the engine's thread is joined, so that thread's wait for the next batch ends then."""
         check_batch_options(truncate=truncate, prefetch=prefetch)
         if self.executor is None:
             raise InvalidInput("this generator is closed")
@@ -336,10 +338,12 @@ class VllmHiddenStatesGenerator:
 
         thread = threading.Thread(target=engine_loop, name="eagle-compat-engine", daemon=True)
         thread.start()
+        ended = False
         try:
             while True:
                 kind, value = handed.get()
                 if kind == "end":
+                    ended = True
                     return
                 if kind == "error":
                     raise value
@@ -347,6 +351,9 @@ class VllmHiddenStatesGenerator:
                 del value  # the caller's results alone keep their buffer leased
         finally:
             stop.set()
+            cancel = getattr(batches, "cancel", None)
+            if not ended and cancel is not None:  # before the join: the engine thread may wait for the next batch
+                cancel()
             thread.join()
             while not handed.empty():
                 handed.get_nowait()

@@ -325,7 +325,6 @@ class RunPlan:
     # far, `mine` waits for the rest; its left-out lines, notes and report come with `end_reading`
     streaming: bool = False
     reading_started: float = 0.0
-    input_identity: tuple = ()  # the input's inode, size and modification time when its reading began
 
     @property
     def from_spool(self) -> bool:  # the input was read back from --out's spool, not tokenized again
@@ -399,11 +398,13 @@ def plan(opts: ExtractOptions) -> RunPlan:
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = _checked_layers(opts, num_layers)
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
+    # before its digest (settings_of): a change from here to its last byte read is caught (spool.check_unchanged)
+    input_identity = spool.input_identity(opts.data)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
     writer.check_directory(opts.out, settings)
-    reading_started, input_identity = time.monotonic(), spool.input_identity(opts.data)
-    data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings)
+    reading_started = time.monotonic()
+    data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings, input_identity)
     placed = placement.PlacedSamples(data.samples)
     # a file of a sample the set leaves out is an earlier run's, made from other tokens
     left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
@@ -413,7 +414,7 @@ def plan(opts: ExtractOptions) -> RunPlan:
         placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n))
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed, mine, left_out_lines, spool_key, spool_made,
-                       streaming, reading_started, input_identity)
+                       streaming, reading_started)
     the_plan.refuse_without_resume()
     return the_plan
 
@@ -444,15 +445,16 @@ def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
 READ_AHEAD_LINES = 20_000
 
 
-def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
-                settings: dict) -> tuple[inputs.Dataset, dict, spool.Builder | None, bool]:
+def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: dict,
+                input_identity: tuple) -> tuple[inputs.Dataset, dict, spool.Builder | None, bool]:
     """The input, read and tokenized with the model's tokenizer (pre-tokenized lines need none) on a thread of its
     own, with its stage lines and notes; or read back from the spool an earlier run of this set left in --out, where
     everything that made it is unchanged (spool.py). Either way the samples stay on disk (an unnamed file beside
     --out until the run claims it), read when asked for. A new set (no sample file in --out, run here) whose input
     has more than READ_AHEAD_LINES lines is not waited for: its reading goes on while the batches run (`streaming`).
     Returns (data, the spool's key for this read, this read's spool to keep in --out, or None where it came from
-    there, whether the reading goes on)."""
+    there, whether the reading goes on). `input_identity`: the input's, from before its digest was taken; a reading
+    whose input differs from it at its last byte fails (spool.InputChanged)."""
     tokenizer_error = ""
     reading_started = time.monotonic()  # (plan's, to the same tenth of a second)
     from transformers import AutoTokenizer
@@ -476,7 +478,8 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int,
         with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add)
+                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add,
+                       watched=(opts.data, input_identity))
             ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)
         if not ended:
             stages.say(f"input: the first {made.lines:,} lines read ({stages.plural(len(made.samples), 'sample')}); "
@@ -615,7 +618,7 @@ def claim(p: RunPlan) -> Claim:
     if p.spool_made is not None and not p.streaming:  # before the record says "running": a stop while it is kept
         _keep_spool(p)  # leaves the record as it was
     elif p.streaming:  # kept when its reading ends, by the reading's thread: a run stopped later leaves it
-        p.spool_made.keep_when_read(p.out, p.spool_key, p.opts.data, p.input_identity)
+        p.spool_made.keep_when_read(p.out, p.spool_key)
     manifest_path = os.path.join(opts.out, writer.MANIFEST)
     _write_json(manifest_path, manifest)  # the settings record exists before the first sample does
     return Claim(record, manifest, this_run, todo, non_finite, states, was_complete, swept, versions, manifest_path)
@@ -637,12 +640,9 @@ def _todo_and_kept(p: RunPlan, non_finite: dict) -> tuple[placement.Batches, pla
 
 def _read_whole(p: RunPlan) -> None:
     """A streamed input's reading waited for to its end (its left-out lines, notes and report join the plan): the
-    plan is then that of a run that read the input first. Refused where the input changed while it was read."""
+    plan is then that of a run that read the input first. Refused where the input changed while it was read (judged
+    by the reading, at its last byte: a change after it cannot reach the samples, read from the spool)."""
     data = _input_read(p.opts, p.spool_made, p.spool_key, p.reading_started)
-    if spool.input_identity(p.opts.data) != p.input_identity:
-        raise InvalidInput(f"--data {p.opts.data!r} changed while it was read (its size or modification time differs "
-                           "from the start of the run): the samples would not be those of the input the record "
-                           "names. Keep the input unchanged while a run reads it, and extract it into a new --out")
     p.data = data
     p.left_out_lines.update({i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i})
     p.mine = placement.Batches(p.placed, p.opts.batch_size, p.mine.numbers)  # every batch, now it has ended
@@ -819,7 +819,8 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
                           finished=datetime.now(timezone.utc).isoformat())
         c.manifest.update(status="incomplete", samples_present=p.files_present(p.every_place()))
         _best_effort_json(c.manifest_path, c.manifest)
-        if p.spool_made is not None and exc is p.spool_made.error and isinstance(exc, InvalidInput):  # a line
+        of_the_reading = p.spool_made is not None and exc is p.spool_made.error
+        if of_the_reading and isinstance(exc, InvalidInput) and not isinstance(exc, spool.InputChanged):  # a line
             raise InvalidInput(f"{exc}. The input was read while the batches ran (it has more than "
                                f"{READ_AHEAD_LINES:,} lines): the files written before this line are kept, but a "
                                "changed input is another set; extract it into a new --out") from None

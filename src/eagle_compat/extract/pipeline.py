@@ -87,24 +87,37 @@ class WriterPool:
         self.close()
 
 
+class _TokenIds:
+    """The batches' token ids, as the engine's thread takes them (each batch kept in `sent` for its results).
+    `cancel`: a wait for a batch whose input is still being read ends (the generator calls it before it joins its
+    engine thread, so a Ctrl-C there does not wait for the reading)."""
+
+    def __init__(self, batches: Any, ids_of: Callable[[Any], list[int]], sent: collections.deque):
+        self.batches, self.ids_of, self.sent = batches, ids_of, sent
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        for b in self.batches:
+            self.sent.append(b)
+            yield [self.ids_of(s) for s in b]
+
+    def cancel(self) -> None:
+        cancel = getattr(self.batches, "cancel", None)  # placement.StreamedBatches'; other batches never wait
+        if cancel is not None:
+            cancel()
+
+
 def pipelined(gen: Any, batches: list[list[Any]], ids_of: Callable[[Any], list[int]],
               prefetch: int = 1) -> Iterator[tuple[list[Any], list[dict]]]:
     """(batch, results) for each batch, the engine running ahead by `prefetch` batches (see generate_batches).
     `batches` is iterated once (by the engine's thread: it may wait for a batch whose input is still being read)."""
     sent: collections.deque = collections.deque()
-
-    def token_ids() -> Iterator[list[list[int]]]:
-        for b in batches:
-            sent.append(b)
-            yield [ids_of(s) for s in b]
-    results = gen.generate_batches(token_ids(), prefetch=prefetch)
+    token_ids = _TokenIds(batches, ids_of, sent)
+    results = gen.generate_batches(token_ids, prefetch=prefetch)
     try:
         for r in results:
             yield sent.popleft(), r
     finally:
-        cancel = getattr(batches, "cancel", None)  # an input still being read: the engine's thread stops waiting
-        if cancel is not None:
-            cancel()
+        token_ids.cancel()  # an input still being read: the engine's thread stops waiting
         results.close()  # stops the engine thread at once when the caller stops early (an error, a writer failure)
 
 

@@ -33,6 +33,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..errors import InvalidInput
 from . import inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
@@ -146,7 +147,17 @@ class ReadingStopped(Exception):
     """Raised into a reading of the input that the run no longer needs (it stopped, or was refused)."""
 
 
+class ReadingDied(RuntimeError):
+    """The reading's thread is gone without having published its end (nothing else is left to wake its waiters)."""
+
+
+class InputChanged(InvalidInput):
+    """The input file was replaced, written to or removed between the start of its reading (its digest included)
+    and its last byte: its samples may not be those of the bytes the run's record names."""
+
+
 PUBLISH_EVERY = 64  # samples written before readers may see them (a flush each)
+WAIT_S = 1.0  # a wait for the reading wakes this often to check that its thread still lives
 
 
 class Builder:
@@ -177,7 +188,7 @@ class Builder:
         self.error: BaseException | None = None
         self.result: inputs.Dataset | None = None
         self._thread: threading.Thread | None = None
-        self._keep: tuple | None = None  # (out_dir, key, input path, its identity): keep it there when read
+        self._keep: tuple | None = None  # (out_dir, key): keep it there when read
         self._read_ended = False
         self.kept_at: str | None = None
         self.keep_error: OSError | None = None
@@ -228,9 +239,12 @@ class Builder:
     def line_read(self) -> None:
         self.lines += 1
 
-    def start(self, read: Any, *args: Any, on_line: Any = None, **kwargs: Any) -> None:
+    def start(self, read: Any, *args: Any, on_line: Any = None, watched: tuple[str, tuple] | None = None,
+              **kwargs: Any) -> None:
         """`read(*args, into=self, on_line=..., **kwargs)` (inputs.read_dataset) on a thread of its own; its result
-        or its error is kept for `join`."""
+        or its error is kept for `join`. `watched`: the input file and its `input_identity` from before it was read
+        (its digest included), judged again once its last byte is read: a change is the reading's error
+        (InputChanged); a change after that cannot reach the samples, which are read from the spool."""
         def counted() -> None:
             if self.stopped:
                 raise ReadingStopped()
@@ -241,31 +255,39 @@ class Builder:
         def reading() -> None:
             try:
                 self.result = read(*args, into=self, on_line=counted, **kwargs)
+                if watched is not None:
+                    check_unchanged(*watched)
                 self._publish()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (join, wait_samples)
                 self.error = exc
+            finally:  # whatever happened above, the end is published: nobody waits for a reading that is over
+                self._end_reading()
+        self._thread = threading.Thread(target=reading, name="eagle-compat-input", daemon=True)
+        self._thread.start()
+
+    def _end_reading(self) -> None:
+        try:
             with self._changed:  # with keep_when_read's: exactly one of the two keeps the spool
                 self._read_ended, keep = True, self._keep
             if keep is not None and self.error is None:
                 self._keep_read(*keep)
+        finally:
             with self._changed:
                 self.finished = True
                 self._changed.notify_all()
-        self._thread = threading.Thread(target=reading, name="eagle-compat-input", daemon=True)
-        self._thread.start()
 
-    def keep_when_read(self, out_dir: str, spool_key: dict, input_path: str, identity: tuple) -> None:
+    def keep_when_read(self, out_dir: str, spool_key: dict) -> None:
         """The spool kept in `out_dir` as soon as the reading ends well (by the reading's thread, long before the
         batches end), so that a run stopped later leaves it for its resume; at once where the reading has ended. Not
-        where the input file changed while it was read (`identity`: its inode, size and modification time)."""
+        where the reading failed (an input that changed while it was read included)."""
         with self._changed:
-            self._keep = (out_dir, spool_key, input_path, identity)
+            self._keep = (out_dir, spool_key)
             ended = self._read_ended
         if ended and self.error is None:
             self._keep_read(*self._keep)
 
-    def _keep_read(self, out_dir: str, spool_key: dict, input_path: str, identity: tuple) -> None:
-        if self.kept_at is not None or input_identity(input_path) != identity:
+    def _keep_read(self, out_dir: str, spool_key: dict) -> None:
+        if self.kept_at is not None:
             return
         try:
             self.done(spool_key, self.result)
@@ -273,19 +295,26 @@ class Builder:
         except OSError as exc:  # said by the run when the reading's end is recorded; the next run reads again
             self.keep_error = exc
 
+    def _wait(self, done: Any, every_s: float = WAIT_S) -> None:
+        """Waits (holding `_changed`) until `done()` or the reading's end; raises ReadingDied where its thread is
+        gone without having published its end (a waiter would otherwise wait for ever)."""
+        while not done() and not self.finished:
+            if self._thread is not None and not self._thread.is_alive() and not self.finished:
+                raise ReadingDied("the input's reading ended without a result or an error (its thread is gone); "
+                                  "nothing of it is kept: rerun the same command with --resume")
+            self._changed.wait(every_s)
+
     def wait_lines(self, lines: int | None) -> bool:
         """Waits until the reading has read `lines` lines (None: all) or ended; returns whether it ended."""
-        with self._changed:
-            while not self.finished and (lines is None or self.lines < lines):
-                self._changed.wait(0.05)  # lines are counted without a notification
+        with self._changed:  # lines are counted without a notification: looked at every 50 ms
+            self._wait(lambda: lines is not None and self.lines >= lines, every_s=0.05)
             return self.finished
 
     def wait_samples(self, count: int) -> None:
-        """Waits until `count` samples are readable or the reading ended; raises the reading's error where it ended
-        on one before them."""
+        """Waits until `count` samples are readable or the reading ended (or was stopped); raises the reading's
+        error where it ended on one before them."""
         with self._changed:
-            while len(self._offsets) < count and not self.finished and not self.stopped:
-                self._changed.wait()
+            self._wait(lambda: len(self._offsets) >= count or self.stopped)
         if len(self._offsets) < count and self.error is not None:
             raise self.error
         if len(self._offsets) < count and self.stopped and not self.finished:
@@ -371,6 +400,21 @@ def input_identity(path: str) -> tuple[int, int, int]:
     """A file's inode, size and modification time: another value means it was replaced or written since."""
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_unchanged(path: str, identity: tuple) -> None:
+    """Raises InputChanged where `path` is no longer the file of `identity` (`input_identity` from before it was
+    read): replaced, written to, renamed or removed."""
+    try:
+        now, gone = input_identity(path), ""
+    except OSError as exc:  # renamed or removed: not the file the run read, as far as it can tell
+        now, gone = None, f"; it cannot be found there now: {exc.strerror or exc}"
+    if now == identity:
+        return
+    raise InputChanged(f"--data {path!r} changed while it was read (its inode, size or modification time differs "
+                       f"from the start of the run{gone}): the samples would not be those of the input the record "
+                       "names. Keep the input unchanged while a run reads it, then rerun the same command with it as "
+                       "it was (--resume, where this run wrote files), or extract a changed input into a new --out")
 
 
 def save(out_dir: str, spool_key: dict, data: inputs.Dataset, report: dict | None = None) -> str:
