@@ -70,17 +70,17 @@ class _Layout:
                         members: Members | None = None) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens
         (and mask, where the file keeps it) and states made as this run's, and no other sample file may be there
-        (speculators 0.3.0 trains on every .pt of its folder; Arrow rows bind files by position). `placed`: (index,
-        row, token ids, loss mask, what names the sample), read once; `known`: indices whose files this run wrote or
-        already checked; `members`: the set's samples, where `placed` is not all of them (a list is); `on_each()`
-        after each file read."""
+        (speculators 0.3.0 trains on every .pt under its folder; Arrow rows bind files by position). `placed`: (index,
+        row, token ids, loss mask, what names the sample[, the digest of the bytes written to its file]), read once;
+        `known`: indices whose files this run wrote or already checked; `members`: the set's samples, where `placed`
+        is not all of them (a list is); `on_each()` after each file read."""
         if members is None:
             placed = list(placed)
             members = Members.of(placed)
         refuse_strays(self, out, members, f"{self.finishes_sentence} is not written", left_out)
-        wrong = writer.first_mismatch((self.expected(out, index, row, ids, mask, what)
-                                       for index, row, ids, mask, what in placed if index not in known), states,
-                                      on_each=on_each)
+        wrong = writer.first_mismatch(((*self.expected(out, index, row, ids, mask, what), *written)
+                                       for index, row, ids, mask, what, *written in placed if index not in known),
+                                      states, on_each=on_each)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, self.finishes_sentence, self.holds))
 
@@ -185,6 +185,10 @@ def refuse_strays(fmt: _Layout, out: str, members: Members, finishes: str,
 
 def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its sample") -> str:
     not_written = f"{finishes} is not written"
+    if wrong.changed:
+        return (f"{wrong.path} was changed since a run of this directory wrote it: {wrong.why}. A trainer would read "
+                "states no run made for it: delete it, and a --resume of the shard that wrote it (or of the whole "
+                f"set, without --shard) redoes its batch. {not_written}")
     if wrong.states:
         return (f"{wrong.path} does not belong to this set: {wrong.why}. Shards merge only between runs of the same "
                 f"model, --layers, --dtype and --trust-remote-code, of this user; remove the files of other runs. "
@@ -210,7 +214,7 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
                         layer_ids, stamp)
         if stamp is not None:  # what a --resume trusts without opening the file (writer.INDEX_FILE)
             _, ids, mask, _ = fmt.expected(out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            writer.index_written(out, s.index, path, ids, mask, stamp)
+            writer.index_written(out, s.index, path, ids, mask, stamp, getattr(path, "content", None))
         return path
     except (writer.NonFiniteStates, writer.DegenerateStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
