@@ -815,6 +815,42 @@ def iter_sample_files(out_dir: str) -> Iterator[str]:
         yield "state.json"
 
 
+# What speculators' trainers take for sample files in a folder: 0.3.0's (`list_files`, speculators/train/data.py) walks
+# it with os.walk, subfolders included, and takes every file whose name ends in "pt" (not only ".pt"); the Arrow
+# layout's are safetensors files and the dataset's .arrow files. Such a file under --out that is not one of the set's
+# own (a shard folder copied in as a subfolder, a file manager's `data_0 (copy).pt`) would be trained on beside them.
+MEMBER_LOOKING_ENDINGS = ("pt", ".safetensors", ".arrow")
+
+
+def iter_member_looking(out_dir: str) -> Iterator[str]:
+    """The paths (relative to `out_dir`, "/"-separated) of the files under it that a trainer would take for sample
+    files, and of every `SAMPLE_FILE` name where ours go (the top and hidden_states/), in no order and not held as a
+    list (a million files). Walked as os.walk walks (speculators 0.3.0's trainer): hidden folders too, links to
+    folders not followed, a folder that cannot be read skipped. Temporary files and folders of writes in progress
+    are left out (the next run sweeps them)."""
+    folders = [""]
+    while folders:
+        rel = folders.pop()
+        try:
+            entries = os.scandir(os.path.join(out_dir, rel))
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                if TEMP_FILE.search(e.name):
+                    continue
+                try:
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if not e.is_symlink():
+                        folders.append(f"{rel}{e.name}/")
+                elif e.name.endswith(MEMBER_LOOKING_ENDINGS) or (
+                        rel in ("", "hidden_states/") and SAMPLE_FILE.match(e.name)):
+                    yield f"{rel}{e.name}"
+
+
 def sample_files(out_dir: str) -> list[str]:
     """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
     found = list(iter_sample_files(out_dir))
