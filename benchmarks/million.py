@@ -102,6 +102,7 @@ def ninety_percent_done(out: str) -> int:
                 f.write(b"x")
         st = os.stat(path)
         lines.append(json.dumps({"i": s.index, "f": os.path.relpath(path, out), "n": st.st_size, "m": st.st_mtime_ns,
+                                 "ino": st.st_ino, "c": st.st_ctime_ns,
                                  "d": writer.tokens_digest(s.input_ids, s.loss_mask), "s": stamp},
                                 separators=(",", ":")))
     with open(os.path.join(out, writer.INDEX_FILE), "a") as f:

@@ -774,6 +774,41 @@ def test_the_run_completing_a_set_checks_the_other_shards_files_and_refuses_stra
     assert job.run(_opts(model, dataset, a, format=fmt, resume=True))["complete"]
 
 
+def _files_a_trainer_reads(folder) -> list[str]:
+    """What speculators 0.3.0's trainer takes for its samples (speculators/train/data.py, `list_files`): every file
+    under the folder, subfolders included, whose name ends in "pt"."""
+    return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
+                  for name in names if name.endswith("pt"))
+
+
+@pytest.mark.parametrize("fmt", ["pt", "arrow"])
+def test_files_a_trainer_would_take_for_samples_anywhere_under_out_are_refused(model, dataset, tmp_path, fake_engine,
+                                                                              fmt):
+    """The README's merge done as `cp -r shard1 merged/` (a subfolder), and a file manager's `data_0 (copy).pt`:
+    the set completed with its 12 samples, and speculators 0.3.0's trainer, walking the folder, read 17 files."""
+    merged, shard1 = tmp_path / "merged", tmp_path / "shard1"
+    job.run(_opts(model, dataset, merged, shard=(0, 2), format=fmt))
+    job.run(_opts(model, dataset, shard1, shard=(1, 2), format=fmt))
+    _merge(shard1, merged)  # the README's merge, and the same shard copied in as a subfolder
+    shutil.copytree(shard1, merged / "shard1")
+    first = "data_0.pt" if fmt == "pt" else "hidden_states/hs_0.safetensors"
+    duplicate = first.replace("_0.", "_0 (copy).")
+    shutil.copy2(merged / first, merged / duplicate)
+    if fmt == "pt":
+        assert len(_files_a_trainer_reads(merged)) == N + 5
+    with pytest.raises(writer.OutputDirectoryConflict,
+                       match=rf"{re.escape(str(merged / duplicate))} \(and 4 more: shard1/[^)]*\) is not a file of "
+                             r"this set.*Move (it|them) out of"):
+        job.run(_opts(model, dataset, merged, resume=True, format=fmt))
+    assert json.load(open(merged / "manifest.json"))["status"] == "incomplete"
+    assert not (merged / "data_config.json").exists() and not (merged / "state.json").exists()
+    shutil.move(merged / "shard1", tmp_path / "moved-out")
+    (merged / duplicate).unlink()
+    assert job.run(_opts(model, dataset, merged, resume=True, format=fmt))["complete"]
+    if fmt == "pt":
+        assert _files_a_trainer_reads(merged) == sorted(f"data_{i}.pt" for i in range(N))
+
+
 def test_temporary_names_carry_no_dot_of_the_host_so_every_host_writes_the_same_bytes(tmp_path, monkeypatch):
     """torch.save names its archive after the file's name up to the last dot: a host `node1.cluster` wrote other
     bytes than `node2` for the same sample."""

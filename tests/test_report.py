@@ -257,3 +257,19 @@ def test_the_report_counts_in_the_singular_and_names_the_truncated_lines():
     rep["truncation"].update(samples_truncated=30, lines=list(range(1, 31)))
     assert "30 samples truncated (lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...), " \
            in report.text(rep)
+
+
+def test_the_report_names_files_a_trainer_would_take_that_are_not_the_sets(model, chats, tmp_path, fake_engine):
+    """Files copied in after the set was completed (a subfolder, a file manager's copy): speculators 0.3.0's trainer
+    walks the folder and takes every file whose name ends in "pt". The report said nothing; now a PROBLEM line
+    names them and says to move them out."""
+    out = tmp_path / "out"
+    job.run(_opts(model, chats, out, max_len=MAX_LEN))
+    (out / "shard1").mkdir()
+    first = next(out.glob("data_*.pt"))
+    for copy in (out / "shard1" / first.name, out / f"{first.stem} (copy).pt"):
+        copy.write_bytes(first.read_bytes())
+    text = report.text(report.of_directory(str(out)))
+    assert re.search(rf"PROBLEM: 2 files under {re.escape(str(out))} are not the set's but a trainer would take "
+                     rf"them for samples \({re.escape(first.stem)} \(copy\)\.pt, shard1/{first.name}\)", text), text
+    assert "move them out" in text

@@ -200,3 +200,87 @@ def test_verify_kept_reads_on_threads_only_where_reads_wait_on_storage(monkeypat
     on_threads = [r for r in readers if r.startswith("eagle-compat-check")]
     assert readers[:writer.PROBE_FILES] == [threading.current_thread().name] * writer.PROBE_FILES
     assert bool(on_threads) == storage_bound, readers
+
+
+def _edit_states_in_place(path):
+    """One state value changed in the file's own bytes (same inode, same size), its modification time put back with
+    os.utime: what a script patching the array in place leaves. utime cannot put back the change time: the loop
+    only waits for the clock to pass the one the index saw (a coarse clock may not have moved yet)."""
+    sample = writer.load_sample(str(path))
+    row = sample["hidden_states"][1][2].numpy().tobytes()
+    raw = path.read_bytes()
+    at = raw.find(row)
+    assert at > 0 and raw.find(row, at + 1) == -1
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write((sample["hidden_states"][1][2] + 1).numpy().tobytes())
+    while True:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        now = os.stat(path)
+        if now.st_ctime_ns != before.st_ctime_ns:
+            break
+    assert (now.st_size, now.st_mtime_ns, now.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert writer.load_sample(str(path))["input_ids"].tolist() == sample["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("verify_kept", [False, True])
+def test_a_kept_file_edited_in_place_with_its_size_and_time_put_back_is_refused(tiny_llama, dataset, tmp_path,
+                                                                                 fake_engine, reads, verify_kept):
+    """Its token ids, stamp and shapes are as written: only the digest of its bytes at write time tells. Before,
+    both --resume (size and modification time matched the index) and --resume --verify-kept kept it."""
+    out = tmp_path / "out"
+    _half_done(tiny_llama, dataset, out)
+    victim = out / "data_1.pt"
+    _edit_states_in_place(victim)
+    reads.clear()
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"data_1\.pt was changed since a run of this directory "
+                                                             r"wrote it: input line 2: its bytes are not those"):
+        job.run(_opts(tiny_llama, dataset, out, resume=True, verify_kept=verify_kept))
+    assert "data_1.pt" in reads and not (out / "data_config.json").exists()
+    victim.unlink()  # as the message says: its batch is redone
+    assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
+
+
+def test_each_line_records_what_utime_cannot_put_back_and_the_digest_of_the_bytes_written(tiny_llama, dataset,
+                                                                                          tmp_path, fake_engine):
+    out = tmp_path / "out"
+    job.run(_opts(tiny_llama, dataset, out, format="safetensors"))
+    for entry in writer.read_index(str(out)).values():
+        path = out / entry["f"]
+        st = os.stat(path)
+        assert (entry["ino"], entry["c"]) == (st.st_ino, st.st_ctime_ns)
+        assert entry["h"] == writer.file_content_digest(str(path)) == writer.content_digest(path.read_bytes())
+
+
+def _strip_index(out, *keys):
+    """The index as an earlier release wrote it: its lines without `keys`."""
+    lines = [json.loads(line) for line in (out / writer.INDEX_FILE).read_text().splitlines()]
+    (out / writer.INDEX_FILE).write_text("".join(json.dumps({k: v for k, v in e.items() if k not in keys}) + "\n"
+                                                 for e in lines))
+
+
+def test_lines_of_an_earlier_release_vouch_for_nothing_and_the_log_says_what_was_checked(tiny_llama, dataset,
+                                                                                        tmp_path, fake_engine,
+                                                                                        reads, capsys):
+    """A line without the file's inode and change time cannot tell a file edited in place: its file is opened and
+    checked (ids, mask, stamp, shapes; no digest to compare). The resume's line says which files were not opened
+    and what was checked of the others (it said "(each checked)" of files it never opened)."""
+    out = tmp_path / "out"
+    _half_done(tiny_llama, dataset, out)
+    _strip_index(out, "ino", "c", "h")
+    capsys.readouterr()
+    reads.clear()
+    assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
+    kept = {f"data_{i}.pt" for k in range(0, N // 4, 2) for i in range(4 * k, 4 * k + 4)}
+    assert kept <= set(reads)
+    said = capsys.readouterr().err
+    assert "resume: 12 of this run's files kept, 3 batches to do: 12 opened and checked" in said, said
+    assert "(each checked)" not in said and "no digest of their bytes recorded" in said, said
+    capsys.readouterr()
+    job.run(_opts(tiny_llama, dataset, out, resume=True))  # every line now one of this release
+    said = capsys.readouterr().err
+    assert "resume: 24 of this run's files kept, 0 batches to do: 12 unchanged since written" in said, said
+    job.run(_opts(tiny_llama, dataset, out, resume=True, verify_kept=True))
+    said = capsys.readouterr().err
+    assert "24 opened and checked" in said and "12 of them also against the digest of their bytes as written" in said

@@ -75,8 +75,9 @@ def save_hs(out_dir: str, row: int, input_ids: Any, hidden_states: list | Any, f
     writer.require_varying(row, input_ids, hidden_states, layer_ids)
     path = hs_path(out_dir, row)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    writer.atomic_write_bytes(path, hs_bytes(input_ids, hidden_states, fmt, stamp))
-    return path
+    data = hs_bytes(input_ids, hidden_states, fmt, stamp)
+    writer.atomic_write_bytes(path, data)
+    return writer.WrittenFile.at(path, writer.content_digest(data))
 
 
 def load_hs(path: str, dtype: Any = None) -> dict:

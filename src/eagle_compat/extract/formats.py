@@ -10,6 +10,7 @@ whole set needs before a trainer may open it, and what the manifest says of it.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
@@ -70,17 +71,17 @@ class _Layout:
                         members: Members | None = None) -> None:
         """Every file of the set (other shards' and runs' included: copied in, say) must hold its sample's tokens
         (and mask, where the file keeps it) and states made as this run's, and no other sample file may be there
-        (speculators 0.3.0 trains on every .pt of its folder; Arrow rows bind files by position). `placed`: (index,
-        row, token ids, loss mask, what names the sample), read once; `known`: indices whose files this run wrote or
-        already checked; `members`: the set's samples, where `placed` is not all of them (a list is); `on_each()`
-        after each file read."""
+        (speculators 0.3.0 trains on every .pt under its folder; Arrow rows bind files by position). `placed`: (index,
+        row, token ids, loss mask, what names the sample[, the digest of the bytes written to its file]), read once;
+        `known`: indices whose files this run wrote or already checked; `members`: the set's samples, where `placed`
+        is not all of them (a list is); `on_each()` after each file read."""
         if members is None:
             placed = list(placed)
             members = Members.of(placed)
         refuse_strays(self, out, members, f"{self.finishes_sentence} is not written", left_out)
-        wrong = writer.first_mismatch((self.expected(out, index, row, ids, mask, what)
-                                       for index, row, ids, mask, what in placed if index not in known), states,
-                                      on_each=on_each)
+        wrong = writer.first_mismatch(((*self.expected(out, index, row, ids, mask, what), *written)
+                                       for index, row, ids, mask, what, *written in placed if index not in known),
+                                      states, on_each=on_each)
         if wrong:
             raise writer.OutputDirectoryConflict(whole_set_refusal(wrong, self.finishes_sentence, self.holds))
 
@@ -153,38 +154,80 @@ class Members:
 
 def refuse_strays(fmt: _Layout, out: str, members: Members, finishes: str,
                   left_out: dict[int, int] | None = None) -> None:
-    """A sample file that stands for no sample of the set (copied in from a larger set, another format's, or of a
-    sample the input now leaves out) would be trained on or mistaken for part of it. `left_out`: index -> input line
-    of the samples the set leaves out. Each file's name is read as the number it carries (an index, or a row for
-    Arrow) and must be the name this set gives that number (nothing is listed per sample: a million)."""
-    prefix = os.path.join(out, "")
-    strays = []
-    for name in writer.iter_sample_files(out):
-        if name == "state.json":
-            continue
-        try:
-            number = int(name.rsplit("_", 1)[1].split(".")[0])
-        except ValueError:
-            number = -1
-        ours = number >= 0 and (members.has_row(number) if fmt.arrow else members.has_index(number))
-        if not ours or fmt.path(out, number, number)[len(prefix):] != name:  # a path takes the index or the row
-            strays.append(name)
+    """A file under `out` that a trainer would take for a sample file but that stands for no sample of the set
+    (copied in from a larger set, another format's, of a sample the input now leaves out, or a copy under another
+    name or in a subfolder) would be trained on or mistaken for part of it. `left_out`: index -> input line of the
+    samples the set leaves out. A file's name is read as the number it carries (an index, or a row for Arrow) and
+    must be the name this set gives that number (nothing is listed per sample: a million)."""
+    strays = sorted((name for name in writer.iter_member_looking(out) if not is_own_name(fmt, out, name, members)),
+                    key=lambda f: (len(f), f))
     if not strays:
         return
-    name = min(strays, key=lambda f: (len(f), f))
-    index = int(name.rsplit("_", 1)[1].split(".")[0])
-    why = (f"input line {left_out[index]} is now left out (--skip-uncovered / --min-loss-tokens), but an earlier run "
-           "wrote its file: the samples tokenize differently than they did then"
-           if not fmt.arrow and index in (left_out or {}) else
+    name, others = strays[0], strays[1:]
+    listed = ": " + ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") if others else ""
+    more = f"(and {len(others)} more{listed})"
+    number = number_in_name(name)
+    if number is None:
+        in_subfolder = any(n.count("/") > n.startswith(f"{arrow.HS_DIR}/") for n in strays)
+        raise writer.OutputDirectoryConflict(
+            f"{os.path.join(out, name)} {more} is not a file of this set, but a trainer would take it for one: "
+            f"{trainer_takes(name)}. Move {'them' if others else 'it'} out of {out}"
+            + (" (a shard's folder is merged by copying its files to the same places here, not the folder into a "
+               "subfolder)" if in_subfolder else "") + f", then rerun with --resume. {finishes}")
+    why = (f"input line {left_out[number]} is now left out (--skip-uncovered / --min-loss-tokens), but an earlier "
+           "run wrote its file: the samples tokenize differently than they did then"
+           if not fmt.arrow and number in (left_out or {}) else
            f"the input has {members.count} samples, their files named by "
            f"{'row' if fmt.arrow else 'index'}; copied in from a larger set or another format?")
     raise writer.OutputDirectoryConflict(
-        f"{os.path.join(out, name)} (and {len(strays) - 1} more) stands for no sample of this set: {why}. A trainer "
+        f"{os.path.join(out, name)} {more} stands for no sample of this set: {why}. A trainer "
         f"would read it as part of the set: remove it. {finishes}")
+
+
+NUMBERED_NAME = re.compile(r"^(?:hidden_states/)?(?:data|hs)_(\d+)\.[A-Za-z0-9]+$")
+
+
+def number_in_name(name: str) -> int | None:
+    """The number a sample file's name gives it, where ours go (the top, hidden_states/); None for any other name."""
+    match = NUMBERED_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_own_name(fmt: _Layout, out: str, name: str, members: Members) -> bool:
+    """Whether `name` (relative to `out`) is the name of one of the set's files: a member's sample file, or (Arrow)
+    a data file of the set's dataset, which the run completing the set writes anew."""
+    if fmt.arrow and arrow.DATASET_FILE.match(name):
+        return True
+    number = number_in_name(name)
+    if number is None or not (members.has_row(number) if fmt.arrow else members.has_index(number)):
+        return False
+    return fmt.path(out, number, number)[len(os.path.join(out, "")):] == name  # a path takes the index or the row
+
+
+def trainer_takes(name: str) -> str:
+    """Why a trainer would read the file `name` as part of the set."""
+    if name.endswith("pt"):
+        return ("speculators 0.3.0's trainer reads every file under the folder whose name ends in \"pt\", subfolders "
+                "included, and would train on it beside the set's own")
+    return ("it is named as a sample file or an Arrow data file, and a tool that collects such files under the "
+            "folder (a trainer, a merge or a conversion of it) would read it as part of the set")
+
+
+def not_the_sets_by_name(fmt: _Layout, out: str) -> list[str]:
+    """The files under `out` a trainer would take for sample files whose names no file of this layout has (in a
+    subfolder, a copy under another name), in name order; a report reads them without the set's members."""
+    anyone = Members(0, lambda index: True, lambda row: True)
+    return sorted((name for name in writer.iter_member_looking(out)
+                   if number_in_name(name) is None and not is_own_name(fmt, out, name, anyone)),
+                  key=lambda f: (len(f), f))
 
 
 def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its sample") -> str:
     not_written = f"{finishes} is not written"
+    if wrong.changed:
+        return (f"{wrong.path} was changed since a run of this directory wrote it: {wrong.why}. A trainer would read "
+                "states no run made for it: delete it, and a --resume of the shard that wrote it (or of the whole "
+                f"set, without --shard) redoes its batch. {not_written}")
     if wrong.states:
         return (f"{wrong.path} does not belong to this set: {wrong.why}. Shards merge only between runs of the same "
                 f"model, --layers, --dtype and --trust-remote-code, of this user; remove the files of other runs. "
@@ -210,7 +253,7 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
                         layer_ids, stamp)
         if stamp is not None:  # what a --resume trusts without opening the file (writer.INDEX_FILE)
             _, ids, mask, _ = fmt.expected(out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            writer.index_written(out, s.index, path, ids, mask, stamp)
+            writer.index_written(out, s.index, path, ids, mask, stamp, getattr(path, "content", None))
         return path
     except (writer.NonFiniteStates, writer.DegenerateStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None

@@ -556,24 +556,28 @@ class Claim:
             self.manifest["left_out_non_finite"] = sorted(self.non_finite.values(), key=lambda e: e["index"])
 
 
-def _vouched_by_index(p: RunPlan, stamp: str | None, wanted: bytearray | None = None) -> bytearray:
-    """For each row of the set (those `wanted` marks, or all), whether the directory's index vouches for its file
-    (written by one of its runs for these tokens, unchanged since): the index's lines are read in the order written,
-    the last of a sample deciding (a batch redone wrote it again); one byte a sample is held, and a sample's tokens
-    are read only where its file is the line's. Nothing is vouched for under --verify-kept."""
-    vouched = bytearray(len(p.placed))
-    if p.opts.verify_kept:
-        return vouched
+def _read_index(p: RunPlan, stamp: str | None, wanted: bytearray | None = None) -> writer.IndexVerdicts:
+    """For each row of the set (those `wanted` marks, or all), what the directory's index says of its file: vouched
+    for (written by one of its runs for these tokens, unchanged since: name, size, times, inode), and else the digest
+    of the bytes such a run wrote there, to compare once the file is opened. The index's lines are read in the order
+    written, the last of a sample deciding (a batch redone wrote it again); a sample's tokens are read only where a
+    line is of its file. Nothing is vouched for under --verify-kept (every file is opened, and its bytes compared)."""
+    verdicts = writer.IndexVerdicts(len(p.placed))
     for entry in writer.index_entries(p.out):
         row = p.placed.position_of(entry["i"])
         if row is None or (wanted is not None and not wanted[row]):
             continue
-        vouched[row] = writer.entry_matches_file(entry, p.out, p.path_at(entry["i"], row), stamp)
-        if vouched[row]:
+        verdicts.forget(row)
+        path = p.path_at(entry["i"], row)
+        if not writer.entry_names_file(entry, p.out, path, stamp):
+            continue
+        unchanged = not p.opts.verify_kept and writer.entry_matches_file(entry, p.out, path, stamp)
+        if unchanged or entry.get("h"):
             s = p.placed[row]
             _, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            vouched[row] = entry.get("d") == writer.tokens_digest(ids, mask)
-    return vouched
+            if entry.get("d") == writer.tokens_digest(ids, mask):  # a line of other tokens: the file is opened
+                verdicts.note(row, unchanged, entry.get("h"))
+    return verdicts
 
 
 def claim(p: RunPlan) -> Claim:
@@ -711,18 +715,22 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
                 record: dict | None, todo: placement.Batches) -> None:
     """The files kept must be of these very samples (their token ids) and made as this run's would be; the index
     vouches for those the directory's runs wrote, unchanged since: only the others are opened (every one, on
-    several threads, with --verify-kept). No stray file of another set, and no extracting into a lossy conversion."""
+    several threads, with --verify-kept), and their bytes compared with the digest the index recorded of them. No
+    stray file of another set, and no extracting into a lossy conversion."""
     opts = p.opts
     kept_rows = bytearray(len(p.placed))
     for _, row in kept.all_places():
         kept_rows[row] = 1
-    vouched = _vouched_by_index(p, states.stamp, kept_rows) if len(kept) else bytearray()
+    index = _read_index(p, states.stamp, kept_rows) if len(kept) else writer.IndexVerdicts(0)
     del kept_rows
-    to_read = array("q", (row for index, row in kept.all_places() if index not in non_finite and not vouched[row]))
-    del vouched
+    to_read = array("q", (row for i, row in kept.all_places() if i not in non_finite and not index.vouched[row]))
     with stages.counting("resume check: kept files read", len(to_read), "file") as read:
-        wrong = writer.first_mismatch(p.placed.files_at(p.fmt, opts.out, to_read), states,
+        wrong = writer.first_mismatch(p.placed.files_at(p.fmt, opts.out, to_read, index), states,
                                       threads=8 if opts.verify_kept else 1, on_each=read.add)
+    if wrong and wrong.changed:
+        raise writer.OutputDirectoryConflict(
+            f"{wrong.path} was changed since a run of this directory wrote it: {wrong.why}. A trainer would read "
+            "states no run made for it: delete it, and --resume redoes its batch. Nothing was written")
     if wrong and wrong.states:
         raise writer.OutputDirectoryConflict(
             f"{wrong.path} is not this run's: {wrong.why}. Files join a directory only from runs of the same "
@@ -742,8 +750,28 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
             "or option such as --validate / --skip-uncovered): adding to it would pair rows with other "
             "samples' states. Use the same environment and options, or choose another --out")
     if len(kept):
-        stages.say(f"resume: {stages.plural(kept.sample_count(), 'file')} of this run's kept (each checked), "
-                   f"{stages.plural(len(todo), 'batch', 'batches')} to do")
+        kept_files = kept.sample_count() - sum(i in non_finite for i, _ in kept.all_places())
+        compared = sum(index.content_of(row) is not None for row in to_read)
+        stages.say(f"resume: {kept.sample_count():,} of this run's files kept, "
+                   f"{stages.plural(len(todo), 'batch', 'batches')} to do: "
+                   + kept_files_checked(kept_files - len(to_read), len(to_read), compared))
+
+
+def kept_files_checked(unchanged: int, opened: int, compared: int) -> str:
+    """What the resume check did of the kept files, in words: those the index vouched for were not opened."""
+    said = []
+    if unchanged:
+        said.append(f"{unchanged:,} unchanged since written (the index's record of their name, size, times and "
+                    "inode: not opened)")
+    if opened:
+        without = ("no digest of their bytes recorded" if not compared else
+                   f"{compared:,} of them also against the digest of their bytes as written"
+                   + (f", the other {opened - compared:,} without one" if compared < opened else ""))
+        why_none = (": no line of this directory's index for them, or one of an earlier release"
+                    if compared < opened else "")
+        said.append(f"{opened:,} opened and checked (token ids, loss mask, the states' stamp, layers, hidden size "
+                    f"and dtype; {without}{why_none})")
+    return ", ".join(said) or "none has a file (left out for non-finite states)"
 
 
 def _manifest_for(p: RunPlan, record: dict | None, replaced: dict | None, versions: dict,
@@ -892,17 +920,18 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
 def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     """Every file of the set (other shards' too) checked, then the set described (data_config.json, or the Arrow
     dataset). The files of this run's batches were checked (kept) or written by it, and the index vouches for those
-    the directory's runs wrote, unchanged since: only the others are read (one sample at a time, from the spool)."""
+    the directory's runs wrote, unchanged since: only the others are read (one sample at a time, from the spool),
+    and compared with the digest of the bytes written there where the index has one."""
     writer.fsync_renames(p.out)
     c.states.dtype = (c.manifest.get("states_dtype") or c.manifest.get("engine_dtype")  # this run's engine's
                       or c.states.dtype)
-    vouched = _vouched_by_index(p, c.states.stamp)
+    index = _read_index(p, c.states.stamp)
     non_finite = c.non_finite
     # counted from the first second: a set of a million files takes minutes here (quiet: nothing within a tick)
     with stages.counting("completing the set: files checked", whole_count, "file") as checked:
-        p.fmt.check_whole_set(p.out, p.placed.to_check(non_finite, p.mine, vouched, checked.add), c.states,
+        p.fmt.check_whole_set(p.out, p.placed.to_check(non_finite, p.mine, index, checked.add), c.states,
                               left_out=p.left_out_lines, on_each=checked.add, members=p.placed.members(non_finite))
-    del vouched
+    del index
     # a --resume of a finished set that wrote nothing keeps its description (the command recorded in it is the one
     # that made the set)
     finishes = os.path.join(p.out, p.fmt.finishes)

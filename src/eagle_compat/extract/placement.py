@@ -44,25 +44,25 @@ class PlacedSamples(Sequence):
         return formats.Members(count, lambda index: index not in leaving_out and self.position_of(index) is not None,
                                lambda row: 0 <= row < len(self) and self.indices[row] not in leaving_out)
 
-    def files_at(self, fmt: Any, out: str, rows: Iterable[int]) -> Iterator[tuple]:
-        """(path, token ids, loss mask, what names it) of the samples at `rows`, as writer.first_mismatch reads them."""
+    def files_at(self, fmt: Any, out: str, rows: Iterable[int], index: Any) -> Iterator[tuple]:
+        """(path, token ids, loss mask, what names it, the digest of the bytes written there or None) of the samples
+        at `rows`, as writer.first_mismatch reads them; `index`: the directory's index (writer.IndexVerdicts)."""
         for row in rows:
             s = self[row]
-            yield fmt.path(out, s.index, s.row), s.input_ids, s.loss_mask, f"input line {s.line}"
+            yield fmt.path(out, s.index, s.row), s.input_ids, s.loss_mask, f"input line {s.line}", index.content_of(row)
 
-    def to_check(self, leaving_out: Container[int], known: Batches, vouched: bytearray,
-                 on_known: Any) -> Iterator[tuple]:
-        """(index, row, ids, mask, what names it) of each sample but those left out, whose file is not known good:
-        written or checked by this run (`known`'s rows) or vouched for by the directory's index (`on_known()` for
-        each of those)."""
-        for row, index in enumerate(self.indices):
-            if index in leaving_out:
+    def to_check(self, leaving_out: Container[int], known: Batches, index: Any, on_known: Any) -> Iterator[tuple]:
+        """(index, row, ids, mask, what names it, the digest of the bytes written there or None) of each sample but
+        those left out, whose file is not known good: written or checked by this run (`known`'s rows) or vouched for
+        by the directory's index (writer.IndexVerdicts; `on_known()` for each of those)."""
+        for row, sample_index in enumerate(self.indices):
+            if sample_index in leaving_out:
                 continue
-            if known.holds_row(row) or vouched[row]:
+            if known.holds_row(row) or index.vouched[row]:
                 on_known()
                 continue
             s = self[row]
-            yield s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}"
+            yield s.index, s.row, s.input_ids, s.loss_mask, f"input line {s.line}", index.content_of(row)
 
     def ids_and_masks(self, leaving_out: Container[int] = ()) -> Iterator[tuple[Sequence[int], Sequence[int]]]:
         for s in self.samples:

@@ -81,7 +81,7 @@ def of_directory(out_dir: str) -> dict:
         # the report covers the whole input; an unfinished directory holds only part of it. The files are counted,
         # not taken from the record: a directory copied or pruned since says so
         present = len([n for n in writer.sample_files(out_dir) if n != "state.json"])
-        problems = problems_of(manifest)
+        problems = problems_of(manifest) + strays_named(manifest, out_dir)
         recorded = manifest.get("samples_present")
         if recorded is not None and present != recorded:
             problems.append(f"{present} sample {plural(present, 'file is', 'files are')} in {out_dir}, its record "
@@ -124,6 +124,21 @@ def of_directory(out_dir: str) -> dict:
         from .layers import problems_of
         report["problems"] = problems_of(manifest)
     return report
+
+
+def strays_named(manifest: dict, out_dir: str) -> list[str]:
+    """A problem line for the files under `out_dir` that a trainer would take for samples but whose names are none
+    the set's layout gives (a subfolder copied in, a file manager's copy), where there are any."""
+    from . import formats
+    layout = formats.FORMATS.get((manifest.get("settings") or {}).get("format", "pt"))
+    strays = formats.not_the_sets_by_name(layout, out_dir) if layout is not None else []
+    if not strays:
+        return []
+    them = plural(len(strays), "it", "them")
+    return [f"{len(strays)} {plural(len(strays), 'file')} under {out_dir} {plural(len(strays), 'is', 'are')} not the "
+            f"set's but a trainer would take {them} for samples ({', '.join(strays[:5])}"
+            f"{', ...' if len(strays) > 5 else ''}): speculators 0.3.0's reads every file under the folder whose name "
+            f"ends in \"pt\", subfolders included; move {them} out of the folder"]
 
 
 def running_state(manifest: dict) -> tuple[str, str | None]:

@@ -238,18 +238,78 @@ def save_sample(out_dir: str, index: int, sample: dict, fmt: str, layer_ids: lis
     require_finite(index, sample["hidden_states"], layer_ids)
     require_varying(index, sample["input_ids"], sample["hidden_states"], layer_ids)
     path = sample_path(out_dir, index, fmt)
-    if fmt == "pt":  # torch.save to the file itself: several writer threads scale (a BytesIO copy holds the GIL)
+    if fmt == "pt":
         record = sample if stamp is None else {**sample, STAMP_KEY: stamp}
-        atomic_write_file(path, lambda tmp: torch.save(record, tmp))
-    else:
-        from safetensors.torch import save as st_save
+        digests: list[str] = []
 
-        tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
-        tensors.update({f"hidden_states.{k}": h.contiguous() for k, h in enumerate(sample["hidden_states"])})
-        # one key: safetensors orders metadata keys by a hash map, and a file must be the same bytes from any writer
-        metadata = {STAMP_KEY: stamp} if stamp else {"format": "eagle_compat-1"}
-        atomic_write_bytes(path, st_save(tensors, metadata=metadata))
-    return path
+        # torch.save straight to the file (a BytesIO copy would hold the GIL; hashing and writing let it go, so writer
+        # threads scale), through a hash of each block as it passes. Given a file object, torch names the archive
+        # inside "archive", whatever the file's name
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                through = _DigestingFile(f)
+                torch.save(record, through)
+            digests.append(through.hexdigest())
+        atomic_write_file(path, write)
+        return WrittenFile.at(path, digests[-1])
+    from safetensors.torch import save as st_save
+
+    tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
+    tensors.update({f"hidden_states.{k}": h.contiguous() for k, h in enumerate(sample["hidden_states"])})
+    # one key: safetensors orders metadata keys by a hash map, and a file must be the same bytes from any writer
+    metadata = {STAMP_KEY: stamp} if stamp else {"format": "eagle_compat-1"}
+    data = st_save(tensors, metadata=metadata)
+    atomic_write_bytes(path, data)
+    return WrittenFile.at(path, content_digest(data))
+
+
+# The index records a digest of each sample file's bytes as written (writer.INDEX_FILE): a file whose inode or change
+# time moved since is opened and its bytes hashed again, so an edit in place is told even where its size and
+# modification time were put back. sha256 (hashlib's fastest here, about 1 GB/s a core, the GIL let go), 128 bits
+# kept: no one who may write in the folder can make other bytes of the same digest.
+CONTENT_DIGEST_CHARS = 32
+
+
+def content_digest(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()[:CONTENT_DIGEST_CHARS]
+
+
+def file_content_digest(path: str) -> str:
+    """`content_digest` of a file's bytes, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:CONTENT_DIGEST_CHARS]
+
+
+class _DigestingFile:
+    """A file torch.save writes to, each block hashed on its way (the bytes are never read back)."""
+
+    def __init__(self, f: Any):
+        self.f, self.hash = f, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()[:CONTENT_DIGEST_CHARS]
+
+
+class WrittenFile(str):
+    """The path of a sample file just written (a str: callers that want the path have it), with the digest of the
+    bytes written there (`content`), which the index records."""
+    content: str | None = None
+
+    @classmethod
+    def at(cls, path: str, content: str) -> "WrittenFile":
+        written = cls(path)
+        written.content = content
+        return written
 
 
 def load_sample(path: str) -> dict:
@@ -397,13 +457,14 @@ def hashed_the_earlier_way(checksums: dict[str, Any]) -> list[str]:
 class SampleFacts:
     """What a sample file holds, read without its states: token ids, loss mask (None: --format arrow's hs files,
     whose masks are the Arrow rows'), the stamp of the settings that made it (None: written before stamps), and its
-    states' layer count, hidden size and dtype (None for fp8 files: stored scaled); and the user id owning it (of a
-    link, the link's: whoever planted it)."""
+    states' layer count, hidden size and dtype (None for fp8 files: stored scaled); the user id owning it (of a
+    link, the link's: whoever planted it); and the digest of its bytes, where the index recorded one to compare."""
 
     def __init__(self, ids: list[int], mask: list[int] | None, stamp: str | None, layers: int, hidden: int,
                  dtype: str | None, owner: int | None = None):
         self.ids, self.mask, self.stamp, self.layers, self.hidden, self.dtype = ids, mask, stamp, layers, hidden, dtype
         self.owner = owner
+        self.content: str | None = None  # the digest of its bytes, where they were read (`first_mismatch`)
 
 
 def read_facts(path: str) -> SampleFacts:
@@ -475,6 +536,7 @@ class Mismatch(NamedTuple):
     path: str
     why: str
     states: bool  # the file's states were made otherwise (its tokens may well be right)
+    changed: bool = False  # its bytes are not those a run of the directory wrote there (edited in place since)
 
 
 # --verify-kept reads on threads only where a file's read waits on storage (a cold cache, a network file system):
@@ -486,15 +548,19 @@ THREADS_PAY_FROM_S, PROBE_FILES = 0.002, 32
 
 def first_mismatch(expected: Any, states: StatesExpected | None = None, threads: int = 1,
                    on_each: Any = None) -> Mismatch | None:
-    """(path, what) of the first file that is not the sample it stands for: other token ids or loss mask, or states
-    made otherwise (`states`). `expected` yields (path, token ids, loss mask or None, what names the sample). Files
-    are bound to samples by position; a resume with another tokenizer, transformers, chat template or option that
-    changes the sample set would pair them wrongly, and a file copied in from another run's directory would pass its
-    states off as this run's. `threads` > 1 may read ahead on that many threads, where reads wait on storage (the
-    same first mismatch is found); `on_each()` after each file."""
-    def facts_or_error(path: str) -> Any:
+    """(path, what) of the first file that is not the sample it stands for: other token ids or loss mask, states
+    made otherwise (`states`), or bytes other than those written there. `expected` yields (path, token ids, loss mask
+    or None, what names the sample[, the digest of the bytes written there, or None]). Files are bound to samples by
+    position; a resume with another tokenizer, transformers, chat template or option that changes the sample set
+    would pair them wrongly, and a file copied in from another run's directory would pass its states off as this
+    run's. `threads` > 1 may read ahead on that many threads, where reads wait on storage (the same first mismatch is
+    found); `on_each()` after each file."""
+    def facts_or_error(e: tuple) -> Any:
         try:
-            return read_facts(path)
+            facts = read_facts(e[0])
+            if len(e) > 4 and e[4]:  # its bytes are read whole only where there is a digest to compare
+                facts.content = file_content_digest(e[0])
+            return facts
         except Exception as exc:  # noqa: BLE001 - an unreadable file is not this sample's either
             return exc
 
@@ -502,7 +568,7 @@ def first_mismatch(expected: Any, states: StatesExpected | None = None, threads:
     expected = iter(expected)  # a million samples' tokens are never held at once: read one by one, or a window ahead
     started = time.monotonic()
     head = list(itertools.islice(expected, PROBE_FILES if threads > 1 else 0))
-    head_facts = [facts_or_error(e[0]) for e in head]
+    head_facts = [facts_or_error(e) for e in head]
     waits_on_storage = bool(head) and (time.monotonic() - started) / len(head) > THREADS_PAY_FROM_S
     pool = None
     if waits_on_storage:
@@ -510,7 +576,7 @@ def first_mismatch(expected: Any, states: StatesExpected | None = None, threads:
         pool = ThreadPoolExecutor(threads, thread_name_prefix="eagle-compat-check")
         rest = _read_ahead(pool, facts_or_error, expected, 4 * threads)
     else:
-        rest = ((e, facts_or_error(e[0])) for e in expected)
+        rest = ((e, facts_or_error(e)) for e in expected)
     try:
         return _first_mismatch(itertools.chain(zip(head, head_facts), rest), states, on_each)
     finally:
@@ -519,11 +585,11 @@ def first_mismatch(expected: Any, states: StatesExpected | None = None, threads:
 
 
 def _read_ahead(pool: Any, read: Any, expected: Any, window: int) -> Any:
-    """(e, read(e's path)) in order, at most `window` reads in flight."""
+    """(e, read(e)) in order, at most `window` reads in flight."""
     import collections
     pending: collections.deque = collections.deque()
     for e in expected:
-        pending.append((e, pool.submit(read, e[0])))
+        pending.append((e, pool.submit(read, e)))
         if len(pending) >= window:
             e0, future = pending.popleft()
             yield e0, future.result()
@@ -533,7 +599,7 @@ def _read_ahead(pool: Any, read: Any, expected: Any, window: int) -> Any:
 
 
 def _first_mismatch(pairs: Any, states: StatesExpected | None, on_each: Any) -> Mismatch | None:
-    for (path, ids, mask, what), facts in pairs:
+    for (path, ids, mask, what, *written), facts in pairs:
         if on_each is not None:
             on_each()
         if isinstance(facts, Exception):
@@ -552,13 +618,21 @@ def _first_mismatch(pairs: Any, states: StatesExpected | None, on_each: Any) -> 
         why = states.mismatch(facts) if states is not None else None
         if why:
             return Mismatch(path, f"{what}: {why}", True)
+        if written and written[0] and facts.content != written[0]:
+            return Mismatch(path, f"{what}: its bytes are not those written there (digest {facts.content}; the "
+                                  f"index recorded {written[0]}): it was changed since, in place (its size and "
+                                  "modification time may have been put back)", True, changed=True)
     return None
 
 
-# Append-only record of the sample files written, a JSON line each: its sample, size, modification time, a digest of
-# the tokens and mask it was written for, and the states' stamp. A --resume (and the completion of a set) trusts a
-# file whose line still matches it instead of opening it (1.5-3 ms a file: most of a million-file restart). A line
-# cut short by a killed writer is skipped: its file is read instead. Anything but a match is read as before.
+# Append-only record of the sample files written, a JSON line each: its sample, size, modification time, inode and
+# change time, a digest of the tokens and mask it was written for, the states' stamp, and a digest of the bytes
+# written. A --resume (and the completion of a set) trusts a file whose line still matches it instead of opening it
+# (1.5-3 ms a file: most of a million-file restart). The inode and change time are what os.utime cannot put back: a
+# file edited in place, its size and modification time restored, no longer matches; it is opened, and its bytes are
+# compared with the digest (as every kept file's are under --verify-kept). A line cut short by a killed writer is
+# skipped, and a line of an earlier release (no inode, change time or digest) vouches for nothing: their files are
+# opened and checked as before.
 INDEX_FILE = ".eagle-compat-index.jsonl"
 SPOOL_FILE = ".eagle-compat-input.bin"  # the tokenized input (spool.py)
 
@@ -596,12 +670,17 @@ def _bit_bytes(mask: Any) -> bytes:
     return bytes(int(m) & 1 for m in mask)
 
 
-def index_written(out_dir: str, index: int, path: str, ids: Any, mask: Any, stamp: str | None) -> None:
-    """One line for a file just written (whole: renamed into place). One write of an O_APPEND descriptor: lines of
-    concurrent writers (threads, Ray actors, shards) do not interleave on a local file system."""
+def index_written(out_dir: str, index: int, path: str, ids: Any, mask: Any, stamp: str | None,
+                  content: str | None = None) -> None:
+    """One line for a file just written (whole: renamed into place; its change time is the rename's), `content` the
+    digest of its bytes. One write of an O_APPEND descriptor: lines of concurrent writers (threads, Ray actors,
+    shards) do not interleave on a local file system."""
     st = os.stat(path)
-    line = json.dumps({"i": index, "f": os.path.relpath(path, out_dir), "n": st.st_size, "m": st.st_mtime_ns,
-                       "d": tokens_digest(ids, mask), "s": stamp}, separators=(",", ":")) + "\n"
+    entry = {"i": index, "f": os.path.relpath(path, out_dir), "n": st.st_size, "m": st.st_mtime_ns,
+             "ino": st.st_ino, "c": st.st_ctime_ns, "d": tokens_digest(ids, mask), "s": stamp}
+    if content:
+        entry["h"] = content
+    line = json.dumps(entry, separators=(",", ":")) + "\n"
     fd = open_no_follow(os.path.join(out_dir, INDEX_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line.encode())
@@ -659,15 +738,57 @@ def entry_vouches(entry: dict, out_dir: str, path: str, ids: Any, mask: Any, sta
 
 
 def entry_matches_file(entry: dict, out_dir: str, path: str, stamp: str | None) -> bool:
-    """Whether one index line is `path`'s as it is now (name, size, modification time) with states of `stamp`: the
-    part of `entry_vouches` that needs no tokens."""
-    if stamp is None or entry.get("s") != stamp or entry.get("f") != os.path.relpath(path, out_dir):
+    """Whether one index line is `path`'s as it is now (name, size, modification time, inode, change time) with
+    states of `stamp`: the part of `entry_vouches` that needs no tokens. A line without inode or change time (an
+    earlier release's) matches no file."""
+    if not entry_names_file(entry, out_dir, path, stamp):
         return False
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    return st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m") and st.st_uid == os.geteuid()
+    return (st.st_size == entry.get("n") and st.st_mtime_ns == entry.get("m") and st.st_uid == os.geteuid()
+            and st.st_ino == entry.get("ino") and st.st_ctime_ns == entry.get("c"))
+
+
+def entry_names_file(entry: dict, out_dir: str, path: str, stamp: str | None) -> bool:
+    """Whether one index line is of a write of `path`, with states of `stamp` (the file may have changed since)."""
+    return stamp is not None and entry.get("s") == stamp and entry.get("f") == os.path.relpath(path, out_dir)
+
+
+class IndexVerdicts:
+    """What the directory's index says of each row's file: `vouched[row]` (one byte a row) where the file is the one
+    a run of the directory wrote for these tokens, unchanged since (not opened), and, for a file to open, the digest
+    of the bytes that run wrote there (16 bytes a row, held only once a line gives one; zeros: none to compare)."""
+    DIGEST_BYTES = CONTENT_DIGEST_CHARS // 2
+
+    def __init__(self, rows: int):
+        self.rows, self.vouched, self._digests = rows, bytearray(rows), None
+
+    def forget(self, row: int) -> None:
+        """A later line of the sample: what the earlier ones said no longer holds (a batch redone)."""
+        self.vouched[row] = 0
+        if self._digests is not None:
+            self._digests[row * self.DIGEST_BYTES:(row + 1) * self.DIGEST_BYTES] = bytes(self.DIGEST_BYTES)
+
+    def note(self, row: int, vouched: bool, content: Any) -> None:
+        self.vouched[row] = vouched
+        if vouched or not isinstance(content, str) or len(content) != CONTENT_DIGEST_CHARS:
+            return
+        try:
+            raw = bytes.fromhex(content)
+        except ValueError:  # not ours: nothing to compare
+            return
+        if self._digests is None:
+            self._digests = bytearray(self.rows * self.DIGEST_BYTES)
+        self._digests[row * self.DIGEST_BYTES:(row + 1) * self.DIGEST_BYTES] = raw
+
+    def content_of(self, row: int) -> str | None:
+        """The digest of the bytes written to the row's file, where a line of this directory's index gives one."""
+        if self._digests is None:
+            return None
+        raw = self._digests[row * self.DIGEST_BYTES:(row + 1) * self.DIGEST_BYTES]
+        return raw.hex() if any(raw) else None
 
 
 def any_sample_file(out_dir: str) -> bool:
@@ -695,6 +816,42 @@ def iter_sample_files(out_dir: str) -> Iterator[str]:
                         yield prefix + e.name
     if os.path.exists(os.path.join(out_dir, "state.json")):
         yield "state.json"
+
+
+# What speculators' trainers take for sample files in a folder: 0.3.0's (`list_files`, speculators/train/data.py) walks
+# it with os.walk, subfolders included, and takes every file whose name ends in "pt" (not only ".pt"); the Arrow
+# layout's are safetensors files and the dataset's .arrow files. Such a file under --out that is not one of the set's
+# own (a shard folder copied in as a subfolder, a file manager's `data_0 (copy).pt`) would be trained on beside them.
+MEMBER_LOOKING_ENDINGS = ("pt", ".safetensors", ".arrow")
+
+
+def iter_member_looking(out_dir: str) -> Iterator[str]:
+    """The paths (relative to `out_dir`, "/"-separated) of the files under it that a trainer would take for sample
+    files, and of every `SAMPLE_FILE` name where ours go (the top and hidden_states/), in no order and not held as a
+    list (a million files). Walked as os.walk walks (speculators 0.3.0's trainer): hidden folders too, links to
+    folders not followed, a folder that cannot be read skipped. Temporary files and folders of writes in progress
+    are left out (the next run sweeps them)."""
+    folders = [""]
+    while folders:
+        rel = folders.pop()
+        try:
+            entries = os.scandir(os.path.join(out_dir, rel))
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                if TEMP_FILE.search(e.name):
+                    continue
+                try:
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if not e.is_symlink():
+                        folders.append(f"{rel}{e.name}/")
+                elif e.name.endswith(MEMBER_LOOKING_ENDINGS) or (
+                        rel in ("", "hidden_states/") and SAMPLE_FILE.match(e.name)):
+                    yield f"{rel}{e.name}"
 
 
 def sample_files(out_dir: str) -> list[str]:
