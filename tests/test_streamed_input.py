@@ -14,7 +14,7 @@ from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
 from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
-from helpers import extract_options, write_dataset
+from helpers import extract_options, rewritten_after_its_digest, write_dataset
 
 N = 40
 
@@ -399,3 +399,23 @@ def test_an_input_changed_after_it_was_read_whole_leaves_the_finished_set_comple
     resumed = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
     assert not tokenized and resumed["complete"] and resumed["written_this_run"] == 0
     assert _files(out) == _files(first)
+
+
+def test_a_streamed_input_rewritten_in_place_after_its_digest_stops_the_run_and_is_not_kept(tiny_llama, dataset,
+                                                                                             tmp_path, fake_engine,
+                                                                                             monkeypatch):
+    """Rewritten in place between the settings' digest and its reading (inode, size and modification time put
+    back): the SHA-256 of the bytes the reading consumed is judged when its last byte is read. Before, the set
+    completed from the rewritten bytes, and its spool, keyed by the first digest, let a --resume with the input as
+    it was complete the set from them."""
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    rewritten_after_its_digest(monkeypatch, dataset)
+    out = tmp_path / "out"
+    ended = _run_bounded(extract_options(tiny_llama, dataset, out, max_len=32))
+    error = ended.get("error")
+    assert isinstance(error, spool.InputChanged), repr(ended)
+    assert dataset in str(error) and "SHA-256 of the bytes read" in str(error)
+    record = _record(out)
+    assert record["status"] == "incomplete" and not (out / "data_config.json").exists()
+    assert not (out / writer.SPOOL_FILE).exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import hashlib
 import json
 import re
 from array import array
@@ -54,6 +55,9 @@ class Dataset:
     # what the input gave that the samples do not use, said once: {note: count or {key: count}}
     notes: dict = field(default_factory=dict)
     report: dict | None = None  # the data report of the samples (report.of_samples), where it was made with them
+    # the SHA-256 of the input's bytes the samples were read from (read_dataset: the bytes it consumed, as it read
+    # them; a spool: those its samples were read from); "" where not known
+    data_sha256: str = ""
 
 
 MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
@@ -393,14 +397,18 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
     start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
-    line (the run's progress); `into`: where the samples go (anything with append and len; a list by default)."""
+    line (the run's progress); `into`: where the samples go (anything with append and len; a list by default).
+    `data_sha256` of the result: the SHA-256 of the bytes this reading consumed, taken as they were read (a file
+    rewritten between a digest taken before and this reading gives another one)."""
     data = Dataset(into if into is not None else [])
+    consumed = hashlib.sha256()
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
     template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
+            consumed.update(raw)
             if on_line is not None:
                 on_line()
             where = f"{path}:{n + 1}"
@@ -451,6 +459,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
         data.notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
     if without_mask:
         data.notes["token_lines_without_loss_mask"] = without_mask
+    data.data_sha256 = consumed.hexdigest()
     return data
 
 

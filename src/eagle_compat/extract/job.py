@@ -398,7 +398,8 @@ def plan(opts: ExtractOptions) -> RunPlan:
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = _checked_layers(opts, num_layers)
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
-    # before its digest (settings_of): a change from here to its last byte read is caught (spool.check_unchanged)
+    # before its digest (settings_of): a change from here to its last byte read is caught (spool.check_unchanged),
+    # and one that puts the identity back by the SHA-256 of the bytes the reading consumed (spool.check_bytes_read)
     input_identity = spool.input_identity(opts.data)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
@@ -454,7 +455,8 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
     has more than READ_AHEAD_LINES lines is not waited for: its reading goes on while the batches run (`streaming`).
     Returns (data, the spool's key for this read, this read's spool to keep in --out, or None where it came from
     there, whether the reading goes on). `input_identity`: the input's, from before its digest was taken; a reading
-    whose input differs from it at its last byte fails (spool.InputChanged)."""
+    whose input differs from it at its last byte, or whose bytes read are not those of the settings' data_sha256,
+    fails (spool.InputChanged)."""
     tokenizer_error = ""
     reading_started = time.monotonic()  # (plan's, to the same tenth of a second)
     from transformers import AutoTokenizer
@@ -468,6 +470,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
         "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
     if data is not None:
+        spool.check_bytes_read(opts.data, settings["data_sha256"], data)  # (its key holds the bytes it was read from)
         stages.say(f"input read back from {spool.SPOOL_FILE} in --out (tokenized by an earlier run of this set, "
                    "from the same input, tokenizer and options)")
         _say_input(opts, data, reading_started)
@@ -479,7 +482,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                        min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add,
-                       watched=(opts.data, input_identity))
+                       watched=(opts.data, input_identity, settings["data_sha256"]))
             ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)
         if not ended:
             stages.say(f"input: the first {made.lines:,} lines read ({stages.plural(len(made.samples), 'sample')}); "
