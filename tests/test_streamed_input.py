@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -90,12 +91,54 @@ def test_a_large_new_set_runs_its_first_batch_before_its_input_is_read(tiny_llam
         assert spool.header_of(a)[0] == spool.header_of(b)[0]
 
 
+# a conversation and token ids that differ: the line's shape is right, only its tokenization tells it is wrong
+_DIFFERING_FORMS = {"conversations": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}],
+                    "input_ids": [5, 6, 7]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (b'{"input_ids": [1, 2,', "not JSON"),
+    (b'{"input_ids": [5, 6], "note": "caf\xe9"}', "not UTF-8 text"),
+    (b'{"input_ids": [5, 6], "input_ids": [7]}', "the key 'input_ids' appears twice in one object"),
+    (b'{"input_ids": [5, 6, 7], "loss_mask": [1.0, 0.0, 1.0]}', "write the JSON integers 0 and 1"),
+    (b'{"input_ids": [5, 6.0]}', "input_ids must be a list of ints"),
+    (b'{"input_ids": [5, 600000]}', "token id 600000 outside the model's vocabulary"),
+    (b'{"input_ids": []}', "the sample tokenizes to nothing"),
+    (b'{"conversations": [{"role": "robot", "content": "hi"}]}', "message needs a role in"),
+    (b'{"text": "hello"}', "a line needs 'conversations' (or 'messages') or 'input_ids'"),
+    (b'[1, 2, 3]', "each line is one JSON object"),
+])
+def test_a_bad_line_deep_in_a_streamed_input_is_refused_before_the_engine_starts(tiny_llama, dataset, tmp_path,
+                                                                                 monkeypatch, bad, message):
+    """Every line's JSON, UTF-8, keys and types are checked before the engine starts (inputs.check_lines): a bad
+    line late in an input read while the batches run used to stop the run only after the batches before it ran,
+    and its correction was another set (no --resume took the changed input)."""
+    from eagle_compat import generator
+    with open(dataset, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    lines[34] = bad + b"\n"  # line 35 of 40: the streamed reading meets it long after the first batch
+    with open(dataset, "wb") as f:
+        f.write(b"".join(lines))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    seen = _reading_held(monkeypatch, hold_after=20)  # the reading reaches line 35 only once an engine starts
+
+    class NoEngine:
+        def __init__(self, *args, **kwargs):
+            seen["batch_ran"].set()
+            raise AssertionError("an engine was started")
+    monkeypatch.setattr(generator, "VllmHiddenStatesGenerator", NoEngine)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:35: .*" + re.escape(message)):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert not out.exists()  # nothing written, not even the directory
+
+
 def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_llama, tmp_path, fake_engine,
                                                                            monkeypatch):
     data = tmp_path / "data.jsonl"
     write_dataset(data, N, 10, 40, seed=5, conversations_every=3)
     lines = data.read_text().splitlines(keepends=True)
-    lines[29] = '{"input_ids": [1, 2,\n'  # line 30: cut short
+    lines[29] = json.dumps(_DIFFERING_FORMS) + "\n"  # line 30: only its tokenization tells it is wrong
     data.write_text("".join(lines))
     monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)

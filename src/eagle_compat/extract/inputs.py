@@ -419,8 +419,9 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             cut = Cut()
             if messages is not None:
                 try:
-                    ids, mask, template_tokens = _conversation_tokens(tokenizer, messages, record, where, max_len, cut, check_decoded,
-                                                     template_tokens, tokenizer_error)
+                    ids, mask, template_tokens = _conversation_tokens(
+                        tokenizer, messages, record, where, max_len, cut, check_decoded, template_tokens,
+                        tokenizer_error)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(
@@ -429,21 +430,13 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                     data.skipped.append({"line": n + 1, "index": index, "reason": str(exc)})
                     index += 1
                     continue
-            elif "input_ids" in record:
+            else:
+                _refuse_formless(record, where)
                 without_mask += "loss_mask" not in record
                 ids, mask = _token_record(record, where)
                 cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])
                 ids, mask = ids[:max_len], mask[:max_len]
-            else:
-                raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
-                                   f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
-            if not ids:
-                raise InvalidInput(f"{where}: the sample tokenizes to nothing")
-            # min and max first, in C: a per-token Python test was a fifth of a pre-tokenized input's read
-            bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size and (
-                min(ids) < 0 or max(ids) >= vocab_size) else []
-            if bad:
-                raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
+            _check_ids(ids, vocab_size, where)
             if sum(mask) < min_loss_tokens:
                 data.few_loss_tokens.append({"line": n + 1, "index": index, "loss_tokens": sum(mask),
                                              "reason": _few_loss_tokens_reason(mask, cut, min_loss_tokens), "cut": cut})
@@ -451,9 +444,9 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 data.samples.append(Sample(index, array("i", ids), array("b", mask), n + 1, cut))
             index += 1
     if not len(data.samples):
-        left = [f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped) + \
-            [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * \
-            bool(data.few_loss_tokens)
+        left = ([f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped)
+                + [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"]
+                * bool(data.few_loss_tokens))
         raise InvalidInput(f"{path}: no samples" + (f" ({'; '.join(left)})" if left else ""))
     if unused_keys:  # speculators 0.3.0 keeps role and content only, too: said, never silent
         data.notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
@@ -461,6 +454,51 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
         data.notes["token_lines_without_loss_mask"] = without_mask
     data.data_sha256 = consumed.hexdigest()
     return data
+
+
+def _refuse_formless(record: dict, where: str) -> None:
+    """A line that is neither a conversation (checked first) nor token ids is refused, naming what it has."""
+    if "input_ids" not in record:
+        raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
+                           f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
+    """A sample's ids (after --max-len): at least one, each inside the vocabulary of `vocab_size` (0: not known)."""
+    if not ids:
+        raise InvalidInput(f"{where}: the sample tokenizes to nothing")
+    # min and max first, in C: a per-token Python test was a fifth of a pre-tokenized input's read
+    bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size and (
+        min(ids) < 0 or max(ids) >= vocab_size) else []
+    if bad:
+        raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
+
+
+def check_lines(path: str, max_len: int, vocab_size: int = 0, on_line: Any = None) -> int:
+    """Every line checked as read_dataset checks it where it needs no tokenizer and no chat template: UTF-8, one JSON
+    object with each key once, a conversation's messages (roles, string contents, both spellings agreeing), token
+    ids and a loss mask of their JSON types, ids (those --max-len keeps) inside the vocabulary. Raises the
+    InvalidInput read_dataset raises at the first line that fails these; returns the number of lines. A streamed
+    input's reading meets a line only while the batches run: this pass, before the engine starts, makes a bad line
+    cost no GPU time. About 7 s for a million short conversations, 16 s for a million lines of 10-60 token ids, on
+    one core of a loaded 2-core machine (benchmarks/results/line-check.md), against minutes to tokenize them.
+    `on_line()` after each line."""
+    lines = records = 0
+    with open(path, "rb") as f:
+        for lines, raw in enumerate(f, 1):
+            if on_line is not None:
+                on_line()
+            where = f"{path}:{lines}"
+            record = _record_of(raw, where)
+            if record is None:
+                continue
+            records += 1
+            if _messages(record, where) is None:  # (a conversation's own input_ids are read against its tokens)
+                _refuse_formless(record, where)
+                _check_ids(_token_record(record, where)[0][:max_len], vocab_size, where)
+    if not records:
+        raise InvalidInput(f"{path}: no samples")
+    return lines
 
 
 def describe_notes(notes: dict) -> list[str]:

@@ -475,8 +475,10 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
                    "from the same input, tokenizer and options)")
         _say_input(opts, data, reading_started)
         return data, spool_key, None, False
-    made = _new_spool(opts.out)
     streamable = opts.ray is None and not writer.any_sample_file(opts.out)
+    if streamable:  # a line the streamed reading met late would stop the run after batches ran: every line first
+        _check_lines(opts, max_len, vocab_size)
+    made = _new_spool(opts.out)
     try:
         with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
@@ -492,6 +494,18 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
     except BaseException:
         made.close()
         raise
+
+
+def _check_lines(opts: ExtractOptions, max_len: int, vocab_size: int) -> None:
+    """Every line of the input checked for what needs no tokenizer (inputs.check_lines: JSON, UTF-8, keys and
+    types, token ids inside the vocabulary) before the engine starts and before --out is made: a bad line stops the
+    run here, naming it, instead of where the batches reach it."""
+    started = time.monotonic()
+    with stages.counting("checking the input's lines (JSON, keys, types)", None, "line") as checked:
+        lines = inputs.check_lines(opts.data, max_len, vocab_size, on_line=checked.add)
+    if lines > READ_AHEAD_LINES:  # (a smaller input is read whole before anything is written: nothing to say)
+        stages.say(f"input: every line's JSON, keys and types checked ({stages.plural(lines, 'line')}, "
+                   f"{time.monotonic() - started:.1f} s)")
 
 
 def _input_read(opts: ExtractOptions, made: spool.Builder, spool_key: dict, reading_started: float) -> inputs.Dataset:
