@@ -42,3 +42,22 @@ def test_a_non_finite_reference_fails_rather_than_passes():
     ref[3, 2] = float("nan")
     (layer,) = check.compare([{"hidden_states": [ref.clone()]}], [[ref]], [0], "fp32")
     assert not layer.ok
+
+
+def test_a_token_over_the_fixed_bound_is_judged_by_hfs_own_fp32_error_against_float64():
+    """Where HF's own fp32 forward is itself further from float64 than the fixed bound (rounding a model amplifies
+    with depth), the engine passes within FP32_OWN_FACTOR x that error on the token, and fails beyond it."""
+    ref = _reference()
+    got = ref.clone()
+    got[4, 3] += 3e-4  # 3x the fixed bound
+    (layer,) = check.compare([{"hidden_states": [got]}], [[ref]], [0], "fp32")
+    assert not layer.ok  # without the float64 reference: the fixed bound alone
+    exact = ref.double().clone()
+    exact[4, 5] -= 1e-4  # HF's own fp32 error there: 4x it (4e-4) takes the engine's 3e-4
+    (layer,) = check.compare([{"hidden_states": [got]}], [[ref]], [0], "fp32", exact_reference=[[exact]])
+    assert layer.ok and 0.7 < layer.over_bound < 0.8
+    exact[4, 5] = ref[4, 5].double() - 5e-5  # 4x it is 2e-4: the engine's 3e-4 is over
+    (layer,) = check.compare([{"hidden_states": [got]}], [[ref]], [0], "fp32", exact_reference=[[exact]])
+    assert not layer.ok and layer.reference_own_error is not None
+    message = check.describe_failure(layer, "fp32")
+    assert "HF's own fp32 error against float64 there" in message, message

@@ -8,7 +8,11 @@ HF `output_hidden_states` in float32 on the same weights (the final norm's input
 The criterion (`judge`, the one implementation behind the check, the matrix, the demo and the tests):
 * an fp32 engine: every token of every layer within FP32_ABS_TOL absolute, scaled by that token's own max |value|
   where it exceeds 1 (a trained model's outlier channels reach hundreds; one token's outlier, SmolLM2's first token
-  at 24,800, must not widen the others' bound); NaN or inf anywhere fails;
+  at 24,800, must not widen the others' bound); NaN or inf anywhere fails. Where a token is over that bound, HF's
+  own float32 error on it decides instead (HF in float64 on the same tokens, run only then): within FP32_OWN_FACTOR
+  x that error, where larger. Rounding grows with depth where a model amplifies small differences (the tiny random
+  Gemma 4: HF's own float32 forward is 1.2e-4 of a token's max off float64 at its layer 8, and vLLM's as far off
+  HF's), and no fp32 engine can be held closer to HF than HF is to the exact value;
 * a bf16 (or fp16) engine: the error a low precision makes grows with depth (4x from layer 1 to layer 29 on
   SmolLM2's median, for the engine and for HF's own bf16 forward alike: docs/parity.md), so a fixed bound is
   wrong at depth. Per token, the relative error |engine - fp32| / |fp32| (L2 over the hidden size); per layer its
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 FP32_ABS_TOL = 1e-4
+FP32_OWN_FACTOR = 4.0  # fp32 engines: a token over FP32_ABS_TOL passes within this x HF's own fp32 error (vs float64)
 FACTOR, FLOOR, PERCENTILE = 2.0, 2e-3, 95  # low-precision engines: within FACTOR x HF's own error at that dtype + FLOOR
 BF16_REL_TOL = 5e-2  # only for engine-vs-engine comparisons in one dtype (batch shapes, native files): no reference
 CHECKS = ("shim", "generator")
@@ -65,6 +70,8 @@ class LayerError:
     token: int
     ok: bool
     over_bound: float | None = None  # fp32: that token's error / its own bound (> 1 fails)
+    # fp32, where HF in float64 was run (a token over FP32_ABS_TOL): that token's HF fp32 error against float64
+    reference_own_error: float | None = None
     # low-precision engines: per-token relative error statistics, the engine's and HF's own at the engine's dtype
     median: float | None = None
     high: float | None = None  # the PERCENTILE-th percentile
@@ -114,8 +121,11 @@ def describe_failure(e: LayerError, precision: str) -> str:
     head = (f"layer {e.layer_id}: max abs error {e.max_abs:.3g} ({e.max_rel_to_layer_max:.3g} of the layer's max "
             "|value|)")
     if e.reference_median is None:
+        own = ("" if e.reference_own_error is None else
+               f", or {FP32_OWN_FACTOR:g} x HF's own fp32 error against float64 there ({e.reference_own_error:.3g}) "
+               "where larger")
         return (f"{head}; sequence {e.sequence}, token {e.token} is {e.over_bound:.3g}x its own bound (tolerance "
-                f"{FP32_ABS_TOL:g} absolute, x the token's max |value| above 1; {precision})")
+                f"{FP32_ABS_TOL:g} absolute, x the token's max |value| above 1{own}; {precision})")
     lim_med, lim_high, lim_worst = e.limits()
     return (f"{head} at sequence {e.sequence}, token {e.token}; per-token relative error median {e.median:.3g} "
             f"(limit {lim_med:.3g}), p{PERCENTILE} {e.high:.3g} (limit {lim_high:.3g}), worst token "
@@ -130,10 +140,12 @@ def _token_errors(got, want):
 
 
 def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int], precision: str,
-            low_reference: list[list[Any]] | None = None) -> list[LayerError]:
+            low_reference: list[list[Any]] | None = None,
+            exact_reference: list[list[Any]] | None = None) -> list[LayerError]:
     """Per layer: the largest error over every sequence and token and where it is, judged by the criterion of the
     module docstring. `reference`: HF in fp32; `low_reference` (needed unless precision is fp32): HF in the engine's
-    dtype on the same tokens."""
+    dtype on the same tokens; `exact_reference` (fp32 only, optional): HF in float64, whose distance to `reference`
+    is HF's own fp32 error per token."""
     import torch
     if precision != "fp32" and low_reference is None:
         raise ValueError(f"a {precision} engine is judged against HF's own {precision} forward on the same tokens: "
@@ -141,7 +153,7 @@ def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int
     out = []
     for j, lid in enumerate(layer_ids):
         worst, where, scale = -1.0, (0, 0), 0.0
-        over_bound, over_where = -1.0, (0, 0)
+        over_bound, over_where, own_there = -1.0, (0, 0), None
         engine_err, ref_err = [], []
         for n, (res, ref) in enumerate(zip(results, reference, strict=True)):
             got, want = res["hidden_states"][j].float(), ref[j].float()
@@ -156,17 +168,23 @@ def compare(results: list[dict], reference: list[list[Any]], layer_ids: list[int
             # fp32: each token against its own largest |value| (one outlier token, e.g. a BOS of 24,800 on SmolLM2,
             # must not widen every other token's bound); the failure names the token furthest over its bound, which
             # need not be the one with the largest absolute error
-            ratio = (per_token / (FP32_ABS_TOL * want.abs().amax(dim=-1).clamp_min(1.0))).nan_to_num(nan=math.inf)
+            bound = FP32_ABS_TOL * want.abs().amax(dim=-1).clamp_min(1.0)
+            own = None
+            if exact_reference is not None:
+                own = (want.double() - exact_reference[n][j].double()).abs().amax(dim=-1).float()
+                bound = torch.maximum(bound, FP32_OWN_FACTOR * own)
+            ratio = (per_token / bound).nan_to_num(nan=math.inf)
             token = int(ratio.argmax())
             if ratio[token].item() > over_bound:
                 over_bound, over_where = ratio[token].item(), (n, token)
+                own_there = None if own is None else own[token].item()
             if low_reference is not None:
                 engine_err.append(_token_errors(got, want).nan_to_num(nan=math.inf))
                 ref_err.append(_token_errors(low_reference[n][j].float(), want))
         rel = worst / scale if scale else worst
         if precision == "fp32":
             out.append(LayerError(lid, worst, rel, over_where[0], over_where[1], over_bound <= 1.0,
-                                  over_bound=over_bound))
+                                  over_bound=over_bound, reference_own_error=own_there))
             continue
         e, r = torch.cat(engine_err), torch.cat(ref_err)
         q = PERCENTILE / 100
@@ -194,7 +212,12 @@ def judge(results: list[dict], reference_model: str, sequences: list[list[int]],
         rounding = activation_rounding(engine_model) if engine_model else None
         low = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device,
                                        dtype=LOW_DTYPES[precision], rounding=rounding)
-    return compare(results, reference, layer_ids, precision, low)
+    layers = compare(results, reference, layer_ids, precision, low)
+    if precision == "fp32" and not all(layer.ok for layer in layers):
+        # a token over the fixed bound: HF's own fp32 error on it decides (module docstring)
+        exact = tiny_models.hf_reference(reference_model, sequences, layer_ids, device=device, dtype="float64")
+        layers = compare(results, reference, layer_ids, precision, exact_reference=exact)
+    return layers
 
 
 LOW_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
