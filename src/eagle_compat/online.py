@@ -272,6 +272,12 @@ class HiddenStates(_Base):
         if spool_file is not None:
             spool_file.close()
 
+    def __getstate__(self) -> dict:
+        # a DataLoader whose workers are spawned pickles the dataset for each: said here, not as a pickling error
+        raise InvalidInput("a HiddenStates cannot be sent to another process (a DataLoader worker would start an "
+                           "engine of its own): use DataLoader(..., num_workers=0); the engine already runs ahead of "
+                           "the loop on a thread of its own (read_ahead)")
+
     def __enter__(self) -> "HiddenStates":
         return self
 
