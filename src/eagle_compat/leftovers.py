@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 GRACE_S = 3.0  # from SIGTERM to SIGKILL
+PF_EXITING = 0x4  # /proc/PID/stat's flags: the process is exiting
 
 Key = tuple[int, int]  # (pid, start time in clock ticks after boot): a pid given out again has another start time
 Stat = tuple[int, str, int]  # (parent pid, state, start time)
@@ -40,7 +41,9 @@ def _stat(pid: int) -> Stat | None:
         return None
     # the command name (field 2) may hold spaces and parentheses: the fields after its last ')' are fixed
     fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0], int(fields[19])
+    # a process whose exit is under way (PF_EXITING: killed by vLLM's shutdown a moment ago) counts as dead ("X")
+    state = "X" if int(fields[6]) & PF_EXITING else fields[0]
+    return int(fields[1]), state, int(fields[19])
 
 
 def _parent(pid: int) -> int | None:
