@@ -13,7 +13,7 @@ import pytest
 from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
 
-from helpers import extract_options, write_dataset
+from helpers import extract_options, rewrite_in_place, rewritten_after_its_digest, write_dataset
 
 N = 24
 
@@ -209,3 +209,32 @@ def test_an_input_changed_between_its_digest_and_its_reading_is_refused_before_o
         job.run(_opts(tiny_llama, dataset, out))
     assert isinstance(caught.value, spool.InputChanged) and dataset in str(caught.value)
     assert not out.exists()
+
+
+def test_an_input_rewritten_in_place_between_its_digest_and_its_reading_is_refused_before_out_is_made(
+        tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
+    """Its inode, size and modification time put back, the input's identity says nothing: the SHA-256 of the bytes
+    the reading consumed is compared with the settings' data_sha256. Before, the set completed from the rewritten
+    bytes while its record (and its spool's key) named the digest taken first."""
+    rewritten_after_its_digest(monkeypatch, dataset)
+    out = tmp_path / "out"
+    with pytest.raises(spool.InputChanged, match="SHA-256 of the bytes read") as caught:
+        job.run(_opts(tiny_llama, dataset, out))
+    assert dataset in str(caught.value)
+    assert not out.exists()
+
+
+def test_a_spool_is_keyed_by_the_bytes_its_samples_were_read_from(tiny_llama, dataset, tmp_path):
+    """A spool read from other bytes than the digest it was handed stands for those bytes, never for the digest: a
+    resume with the input the digest is of reads the input again."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    planned = writer.file_sha256(dataset)
+    rewrite_in_place(dataset)
+    data = inputs.read_dataset(dataset, tokenizer, 32)
+    assert data.data_sha256 == writer.file_sha256(dataset) != planned  # the bytes consumed, not those planned
+    key = spool.key(planned, tiny_llama, tokenizer, {"max_len": 32})
+    spool.save(str(tmp_path), key, data)
+    assert spool.load(str(tmp_path), key) is None
+    back = spool.load(str(tmp_path), {**key, "data_sha256": data.data_sha256})
+    assert back is not None and back.data_sha256 == data.data_sha256

@@ -28,7 +28,7 @@ def _write(path, bad) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("bad, message", [
+BAD_LINES = [
     # what pandas or numpy exports write for a 0/1 column: a TypeError (exit 1, no line) after the check took them
     ({"input_ids": [5, 6, 7], "loss_mask": [1.0, 0.0, 1.0]}, "got loss_mask[0] = 1.0: write the JSON integers 0 and 1"),
     ({"input_ids": [5, 6, 7], "loss_mask": [1, 0, 0.0]}, "got loss_mask[2] = 0.0"),
@@ -47,13 +47,48 @@ def _write(path, bad) -> str:
     ({"conversations": [{"role": "user", "content": "w1", "value": "w9"}, CHAT[1]]},
      "a message gives both 'content' (\"w1\") and 'value' (\"w9\"), which differ"),
     ({"conversations": CHAT, "messages": CHAT[:1]}, "the line gives both 'conversations' ("),
-])
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_LINES)
 def test_a_value_of_another_json_type_is_named_before_any_engine(model, tmp_path, no_engine, bad, message):
     data = _write(tmp_path / "data.jsonl", bad)
     out = tmp_path / "out"
     with pytest.raises(InvalidInput, match=r"data\.jsonl:3: .*" + re.escape(message)):
         job.run(job.ExtractOptions(model=model, data=data, out=str(out), progress=False, layers=[0, 5]))
     assert not out.exists()  # refused while the input is read: nothing written, not even the directory
+
+
+@pytest.mark.parametrize("bad", [case[0] for case in BAD_LINES] + [
+    '{"input_ids": [5, 6, 7', b'{"input_ids": [5], "x": "\xff"}', "[5, 6]", '{"text": "w1"}', '{"input_ids": []}',
+    {"input_ids": [5, 6000]}, {"conversations": []}, {"conversations": [{"role": "user"}]},
+    {"conversations": [{"role": "moderator", "content": "w1"}]}, {"input_ids": [5, 6], "loss_mask": [1]},
+])
+def test_the_check_before_the_engine_refuses_a_line_as_the_reading_does(model, tmp_path, bad):
+    """inputs.check_lines (every line, before the engine starts) and read_dataset refuse a line the same way: the
+    same message, naming the same file and line."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    path = tmp_path / "data.jsonl"
+    with open(path, "wb") as f:
+        for record in (GOOD, GOOD, bad, GOOD):
+            line = record if isinstance(record, bytes) else (
+                record if isinstance(record, str) else json.dumps(record)).encode()
+            f.write(line + b"\n")
+    with pytest.raises(InvalidInput) as read:
+        inputs.read_dataset(str(path), tok, 256, vocab_size=512)
+    with pytest.raises(InvalidInput) as checked:
+        inputs.check_lines(str(path), 256, vocab_size=512)
+    assert str(checked.value) == str(read.value) and ":3: " in str(read.value)
+
+
+def test_the_check_before_the_engine_takes_what_the_reading_takes(tmp_path):
+    """Lines only a tokenizer can judge (a conversation beside its own input_ids) pass the check, and ids past
+    --max-len are cut away before the vocabulary is asked, as when the input is read."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        GOOD, {"conversations": CHAT, "input_ids": [1.5]}, {"input_ids": [5, 6, 9999]}, {"messages": CHAT})) + "\n\n")
+    assert inputs.check_lines(str(path), 2, vocab_size=512) == 5
 
 
 def test_a_float_loss_mask_exits_2_naming_the_line(model, tmp_path, capsys):

@@ -222,7 +222,9 @@ class FlakyEngine:
                     open(self.marker, "w").close()
                 raise RuntimeError(f"poisoned sample of {self.poison_len} tokens")
         return [{"input_ids": torch.tensor(ids),
-                 "hidden_states": [torch.full((len(ids), self.hidden), float(k)) for k in range(4)]}
+                 # each layer's states vary by token, as a model's do (equal rows are refused as no states)
+                 "hidden_states": [torch.arange(len(ids), dtype=torch.float32)[:, None] + torch.full(
+                     (len(ids), self.hidden), float(k)) for k in range(4)]}
                 for ids in token_ids]
 
 

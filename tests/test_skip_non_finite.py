@@ -84,3 +84,23 @@ def test_arrow_refuses_the_option_naming_the_way_that_works(tmp_path, model, no_
     with pytest.raises(job.InvalidInput, match=r"--skip-non-finite with --format arrow: .* --format pt .* convert"):
         job.run(_opts(model, _data(tmp_path), tmp_path / "out", format="arrow", skip_non_finite=True))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_corrected_line_of_a_sample_left_out_for_non_finite_states_is_redone(tmp_path, model, nan_engine, capsys):
+    """A --resume with a corrected input keeps a sample out for non-finite states only where the input still gives
+    it the tokens it had then: line 4 without its poisoned token is another sample, whose states were never judged,
+    and is extracted; line 10, unchanged, stays out."""
+    data, out = _data(tmp_path), tmp_path / "out"
+    job.run(_opts(model, data, out, skip_non_finite=True))
+    with open(data) as f:
+        lines = f.readlines()
+    lines[3] = json.dumps({"input_ids": [t for t in json.loads(lines[3])["input_ids"] if t != POISON]}) + "\n"
+    with open(data, "w") as f:
+        f.write("".join(lines))
+    summary = job.run(_opts(model, data, out, resume=True, skip_non_finite=True))
+    assert summary["complete"] and [e["index"] for e in summary["left_out_non_finite"]] == [9]
+    assert os.path.exists(out / "data_3.pt") and not os.path.exists(out / "data_9.pt")
+    record = writer.read_manifest(str(out))
+    assert [e["index"] for e in record["left_out_non_finite"]] == [9] and record["num_samples"] == 11
+    assert record["input_corrections"][0]["non_finite_redone"] == 1
+    assert "1 sample left out for non-finite states is redone" in capsys.readouterr().err

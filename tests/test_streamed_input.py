@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ from eagle_compat.errors import InvalidInput
 from eagle_compat.extract import inputs, job, spool, writer
 from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
-from helpers import extract_options, write_dataset
+from helpers import extract_options, rewritten_after_its_digest, write_dataset
 
 N = 40
 
@@ -90,18 +91,61 @@ def test_a_large_new_set_runs_its_first_batch_before_its_input_is_read(tiny_llam
         assert spool.header_of(a)[0] == spool.header_of(b)[0]
 
 
+# a conversation and token ids that differ: the line's shape is right, only its tokenization tells it is wrong
+_DIFFERING_FORMS = {"conversations": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}],
+                    "input_ids": [5, 6, 7]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (b'{"input_ids": [1, 2,', "not JSON"),
+    (b'{"input_ids": [5, 6], "note": "caf\xe9"}', "not UTF-8 text"),
+    (b'{"input_ids": [5, 6], "input_ids": [7]}', "the key 'input_ids' appears twice in one object"),
+    (b'{"input_ids": [5, 6, 7], "loss_mask": [1.0, 0.0, 1.0]}', "write the JSON integers 0 and 1"),
+    (b'{"input_ids": [5, 6.0]}', "input_ids must be a list of ints"),
+    (b'{"input_ids": [5, 600000]}', "token id 600000 outside the model's vocabulary"),
+    (b'{"input_ids": []}', "the sample tokenizes to nothing"),
+    (b'{"conversations": [{"role": "robot", "content": "hi"}]}', "message needs a role in"),
+    (b'{"text": "hello"}', "a line needs 'conversations' (or 'messages') or 'input_ids'"),
+    (b'[1, 2, 3]', "each line is one JSON object"),
+])
+def test_a_bad_line_deep_in_a_streamed_input_is_refused_before_the_engine_starts(tiny_llama, dataset, tmp_path,
+                                                                                 monkeypatch, bad, message):
+    """Every line's JSON, UTF-8, keys and types are checked before the engine starts (inputs.check_lines): a bad
+    line late in an input read while the batches run used to stop the run only after the batches before it ran,
+    and its correction was another set (no --resume took the changed input)."""
+    from eagle_compat import generator
+    with open(dataset, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    lines[34] = bad + b"\n"  # line 35 of 40: the streamed reading meets it long after the first batch
+    with open(dataset, "wb") as f:
+        f.write(b"".join(lines))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    seen = _reading_held(monkeypatch, hold_after=20)  # the reading reaches line 35 only once an engine starts
+
+    class NoEngine:
+        def __init__(self, *args, **kwargs):
+            seen["batch_ran"].set()
+            raise AssertionError("an engine was started")
+    monkeypatch.setattr(generator, "VllmHiddenStatesGenerator", NoEngine)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:35: .*" + re.escape(message)):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    assert not out.exists()  # nothing written, not even the directory
+
+
 def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_llama, tmp_path, fake_engine,
                                                                            monkeypatch):
     data = tmp_path / "data.jsonl"
     write_dataset(data, N, 10, 40, seed=5, conversations_every=3)
     lines = data.read_text().splitlines(keepends=True)
-    lines[29] = '{"input_ids": [1, 2,\n'  # line 30: cut short
+    lines[29] = json.dumps(_DIFFERING_FORMS) + "\n"  # line 30: only its tokenization tells it is wrong
     data.write_text("".join(lines))
     monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     out = tmp_path / "out"
-    with pytest.raises(InvalidInput, match=r"data\.jsonl:30: .*read while the batches ran .*new --out"):
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:30: .*read while the batches ran .*Fix the line, then rerun "
+                                           r"the same command with --resume"):
         job.run(extract_options(tiny_llama, str(data), out, max_len=32))
     assert seen["held"]
     record = _record(out)
@@ -399,3 +443,103 @@ def test_an_input_changed_after_it_was_read_whole_leaves_the_finished_set_comple
     resumed = job.run(extract_options(tiny_llama, dataset, out, max_len=32, resume=True))
     assert not tokenized and resumed["complete"] and resumed["written_this_run"] == 0
     assert _files(out) == _files(first)
+
+
+def test_a_streamed_input_rewritten_in_place_after_its_digest_stops_the_run_and_is_not_kept(tiny_llama, dataset,
+                                                                                             tmp_path, fake_engine,
+                                                                                             monkeypatch):
+    """Rewritten in place between the settings' digest and its reading (inode, size and modification time put
+    back): the SHA-256 of the bytes the reading consumed is judged when its last byte is read. Before, the set
+    completed from the rewritten bytes, and its spool, keyed by the first digest, let a --resume with the input as
+    it was complete the set from them."""
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    rewritten_after_its_digest(monkeypatch, dataset)
+    out = tmp_path / "out"
+    ended = _run_bounded(extract_options(tiny_llama, dataset, out, max_len=32))
+    error = ended.get("error")
+    assert isinstance(error, spool.InputChanged), repr(ended)
+    assert dataset in str(error) and "SHA-256 of the bytes read" in str(error)
+    record = _record(out)
+    assert record["status"] == "incomplete" and not (out / "data_config.json").exists()
+    assert not (out / writer.SPOOL_FILE).exists()
+
+
+def _stopped_by_line_30(tiny_llama, tmp_path, fake_engine, monkeypatch) -> tuple[str, str, object]:
+    """A new set of 40 lines read while its batches ran, stopped by line 30, which only its tokenization refuses,
+    after batches ran: (the input, line 30 as it should be, --out)."""
+    data = tmp_path / "data.jsonl"
+    write_dataset(data, N, 10, 40, seed=5, conversations_every=3)
+    lines = data.read_text().splitlines(keepends=True)
+    good, lines[29] = lines[29], json.dumps(_DIFFERING_FORMS) + "\n"
+    data.write_text("".join(lines))
+    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
+    seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"data\.jsonl:30: "):
+        job.run(extract_options(tiny_llama, str(data), out, max_len=32))
+    assert seen["held"] and _record(out)["samples_present"] > 0
+    return str(data), good, out
+
+
+def _with_line(path: str, number: int, text: str) -> None:
+    with open(path) as f:
+        lines = f.readlines()
+    lines[number - 1] = text
+    with open(path, "w") as f:
+        f.write("".join(lines))
+
+
+def test_a_corrected_line_lets_resume_finish_the_set_keeping_the_files_written(tiny_llama, tmp_path, fake_engine,
+                                                                               monkeypatch, capsys):
+    """The line that stopped a streamed run fixed, --resume goes on with the corrected input: every file already
+    written holds the tokens the input now gives its sample (checked), so each is kept and the set completes as a
+    clean run of the corrected input would. Before, every --resume refused it (data_sha256 changed), and the batches
+    already run were lost."""
+    data, good, out = _stopped_by_line_30(tiny_llama, tmp_path, fake_engine, monkeypatch)
+    recorded = _record(out)["settings"]["data_sha256"]
+    written = {name: os.stat(out / name).st_ino for name in _files(out)}
+    _with_line(data, 30, good)
+    capsys.readouterr()
+    summary = job.run(extract_options(tiny_llama, data, out, max_len=32, resume=True))
+    clean = tmp_path / "clean"
+    job.run(extract_options(tiny_llama, data, clean, max_len=32))
+    assert summary["complete"] and _files(out) == _files(clean)
+    kept = [name for name, inode in written.items() if os.stat(out / name).st_ino == inode]
+    assert kept and summary["written_this_run"] == N - len(kept)
+    record = _record(out)
+    assert record["status"] == "complete" and record["settings"]["data_sha256"] == writer.file_sha256(data)
+    assert [c["data_sha256_was"] for c in record["input_corrections"]] == [recorded]
+    assert "the set goes on with it as a corrected input" in capsys.readouterr().err
+
+
+def test_a_corrected_input_whose_written_sample_changed_is_refused_naming_the_file(tiny_llama, tmp_path, fake_engine,
+                                                                                  monkeypatch):
+    """A line whose sample was already written, changed with the correction: its file holds the states of the line
+    as it was, so the --resume is refused before anything is written, naming the file and the line; once that file
+    is deleted, the --resume redoes its batch and completes as a clean run of the corrected input."""
+    data, good, out = _stopped_by_line_30(tiny_llama, tmp_path, fake_engine, monkeypatch)
+    _with_line(data, 30, good)
+    _with_line(data, 2, json.dumps({"input_ids": [7, 8, 9, 10, 11, 12]}) + "\n")  # data_1.pt was written before
+    assert (out / "data_1.pt").exists()
+    before = {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out) if name != ".eagle-compat.lock"}
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"data_1\.pt is not the sample the corrected input "
+                                                             r"gives there: input line 2: .*Nothing was written"):
+        job.run(extract_options(tiny_llama, data, out, max_len=32, resume=True))
+    assert {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out) if name != ".eagle-compat.lock"} == before
+    os.unlink(out / "data_1.pt")
+    summary = job.run(extract_options(tiny_llama, data, out, max_len=32, resume=True))
+    clean = tmp_path / "clean"
+    job.run(extract_options(tiny_llama, data, clean, max_len=32))
+    assert summary["complete"] and _files(out) == _files(clean)
+
+
+def test_a_changed_input_without_resume_is_refused_saying_resume_takes_a_corrected_one(tiny_llama, dataset, tmp_path,
+                                                                                    fake_engine):
+    out = tmp_path / "out"
+    job.run(extract_options(tiny_llama, dataset, out, max_len=32))
+    _with_line(dataset, 2, json.dumps({"input_ids": [7, 8, 9, 10, 11, 12]}) + "\n")
+    with pytest.raises(writer.OutputDirectoryConflict, match=r"(?s)another version of --data .*data_sha256: was .*"
+                                                             r"rerun with --resume"):
+        job.run(extract_options(tiny_llama, dataset, out, max_len=32))

@@ -260,8 +260,10 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
 
 
 def left_out_entry(s: Placed, exc: BaseException) -> dict:
-    """The record of a sample --skip-non-finite left out: its index and input line, and what was found."""
-    return {"index": s.index, "line": s.line, "why": str(exc).split("; nothing of this sample")[0][:300]}
+    """The record of a sample --skip-non-finite left out: its index and input line, what was found, and the digest
+    of its tokens ("d": a --resume with a corrected input keeps it out only where its tokens are unchanged)."""
+    return {"index": s.index, "line": s.line, "why": str(exc).split("; nothing of this sample")[0][:300],
+            "d": writer.tokens_digest(s.input_ids, s.loss_mask)}
 
 
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {

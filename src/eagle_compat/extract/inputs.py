@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import hashlib
 import json
 import re
 from array import array
@@ -54,6 +55,9 @@ class Dataset:
     # what the input gave that the samples do not use, said once: {note: count or {key: count}}
     notes: dict = field(default_factory=dict)
     report: dict | None = None  # the data report of the samples (report.of_samples), where it was made with them
+    # the SHA-256 of the input's bytes the samples were read from (read_dataset: the bytes it consumed, as it read
+    # them; a spool: those its samples were read from); "" where not known
+    data_sha256: str = ""
 
 
 MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
@@ -393,14 +397,18 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
     start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
-    line (the run's progress); `into`: where the samples go (anything with append and len; a list by default)."""
+    line (the run's progress); `into`: where the samples go (anything with append and len; a list by default).
+    `data_sha256` of the result: the SHA-256 of the bytes this reading consumed, taken as they were read (a file
+    rewritten between a digest taken before and this reading gives another one)."""
     data = Dataset(into if into is not None else [])
+    consumed = hashlib.sha256()
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
     template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
     index = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
+            consumed.update(raw)
             if on_line is not None:
                 on_line()
             where = f"{path}:{n + 1}"
@@ -411,8 +419,9 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             cut = Cut()
             if messages is not None:
                 try:
-                    ids, mask, template_tokens = _conversation_tokens(tokenizer, messages, record, where, max_len, cut, check_decoded,
-                                                     template_tokens, tokenizer_error)
+                    ids, mask, template_tokens = _conversation_tokens(
+                        tokenizer, messages, record, where, max_len, cut, check_decoded, template_tokens,
+                        tokenizer_error)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(
@@ -421,21 +430,13 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                     data.skipped.append({"line": n + 1, "index": index, "reason": str(exc)})
                     index += 1
                     continue
-            elif "input_ids" in record:
+            else:
+                _refuse_formless(record, where)
                 without_mask += "loss_mask" not in record
                 ids, mask = _token_record(record, where)
                 cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(mask[max_len:])
                 ids, mask = ids[:max_len], mask[:max_len]
-            else:
-                raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
-                                   f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
-            if not ids:
-                raise InvalidInput(f"{where}: the sample tokenizes to nothing")
-            # min and max first, in C: a per-token Python test was a fifth of a pre-tokenized input's read
-            bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size and (
-                min(ids) < 0 or max(ids) >= vocab_size) else []
-            if bad:
-                raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
+            _check_ids(ids, vocab_size, where)
             if sum(mask) < min_loss_tokens:
                 data.few_loss_tokens.append({"line": n + 1, "index": index, "loss_tokens": sum(mask),
                                              "reason": _few_loss_tokens_reason(mask, cut, min_loss_tokens), "cut": cut})
@@ -443,15 +444,61 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 data.samples.append(Sample(index, array("i", ids), array("b", mask), n + 1, cut))
             index += 1
     if not len(data.samples):
-        left = [f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped) + \
-            [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"] * \
-            bool(data.few_loss_tokens)
+        left = ([f"{len(data.skipped)} skipped as uncovered"] * bool(data.skipped)
+                + [f"{len(data.few_loss_tokens)} with fewer than --min-loss-tokens {min_loss_tokens} loss tokens"]
+                * bool(data.few_loss_tokens))
         raise InvalidInput(f"{path}: no samples" + (f" ({'; '.join(left)})" if left else ""))
     if unused_keys:  # speculators 0.3.0 keeps role and content only, too: said, never silent
         data.notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
     if without_mask:
         data.notes["token_lines_without_loss_mask"] = without_mask
+    data.data_sha256 = consumed.hexdigest()
     return data
+
+
+def _refuse_formless(record: dict, where: str) -> None:
+    """A line that is neither a conversation (checked first) nor token ids is refused, naming what it has."""
+    if "input_ids" not in record:
+        raise InvalidInput(f"{where}: a line needs 'conversations' (or 'messages') or 'input_ids' (it has "
+                           f"{sorted(record)[:5]}); allowed: {LINE_FORMS}")
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
+    """A sample's ids (after --max-len): at least one, each inside the vocabulary of `vocab_size` (0: not known)."""
+    if not ids:
+        raise InvalidInput(f"{where}: the sample tokenizes to nothing")
+    # min and max first, in C: a per-token Python test was a fifth of a pre-tokenized input's read
+    bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size and (
+        min(ids) < 0 or max(ids) >= vocab_size) else []
+    if bad:
+        raise InvalidInput(f"{where}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size - 1}]")
+
+
+def check_lines(path: str, max_len: int, vocab_size: int = 0, on_line: Any = None) -> int:
+    """Every line checked as read_dataset checks it where it needs no tokenizer and no chat template: UTF-8, one JSON
+    object with each key once, a conversation's messages (roles, string contents, both spellings agreeing), token
+    ids and a loss mask of their JSON types, ids (those --max-len keeps) inside the vocabulary. Raises the
+    InvalidInput read_dataset raises at the first line that fails these; returns the number of lines. A streamed
+    input's reading meets a line only while the batches run: this pass, before the engine starts, makes a bad line
+    cost no GPU time. About 7 s for a million short conversations, 16 s for a million lines of 10-60 token ids, on
+    one core of a loaded 2-core machine (benchmarks/results/line-check.md), against minutes to tokenize them.
+    `on_line()` after each line."""
+    lines = records = 0
+    with open(path, "rb") as f:
+        for lines, raw in enumerate(f, 1):
+            if on_line is not None:
+                on_line()
+            where = f"{path}:{lines}"
+            record = _record_of(raw, where)
+            if record is None:
+                continue
+            records += 1
+            if _messages(record, where) is None:  # (a conversation's own input_ids are read against its tokens)
+                _refuse_formless(record, where)
+                _check_ids(_token_record(record, where)[0][:max_len], vocab_size, where)
+    if not records:
+        raise InvalidInput(f"{path}: no samples")
+    return lines
 
 
 def describe_notes(notes: dict) -> list[str]:

@@ -329,6 +329,9 @@ class RunPlan:
     # far, `mine` waits for the rest; its left-out lines, notes and report come with `end_reading`
     streaming: bool = False
     reading_started: float = 0.0
+    # a --resume with a corrected input: the input's digest the set's record names (the only setting that differs);
+    # every file already written is checked against the samples the input now gives before anything is written
+    input_corrected_from: str | None = None
 
     @property
     def from_spool(self) -> bool:  # the input was read back from --out's spool, not tokenized again
@@ -402,11 +405,13 @@ def plan(opts: ExtractOptions) -> RunPlan:
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = _checked_layers(opts, num_layers)
     max_len, max_len_note = resolve_max_len(opts.model, text_config, opts.max_len)
-    # before its digest (settings_of): a change from here to its last byte read is caught (spool.check_unchanged)
+    # before its digest (settings_of): a change from here to its last byte read is caught (spool.check_unchanged),
+    # and one that puts the identity back by the SHA-256 of the bytes the reading consumed (spool.check_bytes_read)
     input_identity = spool.input_identity(opts.data)
     settings = settings_of(opts, layer_ids, max_len)
     # read-only first: a refused run leaves --out exactly as it was (checked again under the lock by `claim`)
-    writer.check_directory(opts.out, settings)
+    corrected_from = _input_corrected_from(opts, settings)
+    writer.check_directory(opts.out, settings, ("data_sha256",) if corrected_from else ())
     reading_started = time.monotonic()
     data, spool_key, spool_made, streaming = _read_input(opts, max_len, vocab_size, settings, input_identity)
     placed = placement.PlacedSamples(data.samples)
@@ -418,9 +423,24 @@ def plan(opts: ExtractOptions) -> RunPlan:
         placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n))
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed, mine, left_out_lines, spool_key, spool_made,
-                       streaming, reading_started)
+                       streaming, reading_started, corrected_from)
     the_plan.refuse_without_resume()
     return the_plan
+
+
+def _input_corrected_from(opts: ExtractOptions, settings: Settings) -> str | None:
+    """The input's digest the set's record names, where a --resume continues the set with a corrected input: the
+    same --data path, another SHA-256, every other setting equal (a line fixed after it stopped a streamed run, say).
+    None otherwise (a run without --resume, or with other settings too, is refused by writer.check_directory)."""
+    if not opts.resume or not os.path.isdir(opts.out) or not writer.any_sample_file(opts.out):
+        return None
+    try:
+        recorded = (writer.read_manifest(opts.out, mine=True) or {}).get("settings") or {}
+    except InvalidInput:  # refused with its reason by check_directory
+        return None
+    differences = writer.settings_differences(recorded, settings)
+    corrected = [d.split(":")[0] for d in differences] == ["data_sha256"]
+    return recorded["data_sha256"] if corrected else None
 
 
 def _checked_layers(opts: ExtractOptions, num_layers: int) -> list[int]:
@@ -458,7 +478,8 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
     has more than READ_AHEAD_LINES lines is not waited for: its reading goes on while the batches run (`streaming`).
     Returns (data, the spool's key for this read, this read's spool to keep in --out, or None where it came from
     there, whether the reading goes on). `input_identity`: the input's, from before its digest was taken; a reading
-    whose input differs from it at its last byte fails (spool.InputChanged)."""
+    whose input differs from it at its last byte, or whose bytes read are not those of the settings' data_sha256,
+    fails (spool.InputChanged)."""
     tokenizer_error = ""
     reading_started = time.monotonic()  # (plan's, to the same tenth of a second)
     from transformers import AutoTokenizer
@@ -472,18 +493,21 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
         "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
     if data is not None:
+        spool.check_bytes_read(opts.data, settings["data_sha256"], data)  # (its key holds the bytes it was read from)
         stages.say(f"input read back from {spool.SPOOL_FILE} in --out (tokenized by an earlier run of this set, "
                    "from the same input, tokenizer and options)")
         _say_input(opts, data, reading_started)
         return data, spool_key, None, False
-    made = _new_spool(opts.out)
     streamable = opts.ray is None and not writer.any_sample_file(opts.out)
+    if streamable:  # a line the streamed reading met late would stop the run after batches ran: every line first
+        _check_lines(opts, max_len, vocab_size)
+    made = _new_spool(opts.out)
     try:
         with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                        min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add,
-                       watched=(opts.data, input_identity))
+                       watched=(opts.data, input_identity, settings["data_sha256"]))
             ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)
         if not ended:
             stages.say(f"input: the first {made.lines:,} lines read ({stages.plural(len(made.samples), 'sample')}); "
@@ -493,6 +517,18 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
     except BaseException:
         made.close()
         raise
+
+
+def _check_lines(opts: ExtractOptions, max_len: int, vocab_size: int) -> None:
+    """Every line of the input checked for what needs no tokenizer (inputs.check_lines: JSON, UTF-8, keys and
+    types, token ids inside the vocabulary) before the engine starts and before --out is made: a bad line stops the
+    run here, naming it, instead of where the batches reach it."""
+    started = time.monotonic()
+    with stages.counting("checking the input's lines (JSON, keys, types)", None, "line") as checked:
+        lines = inputs.check_lines(opts.data, max_len, vocab_size, on_line=checked.add)
+    if lines > READ_AHEAD_LINES:  # (a smaller input is read whole before anything is written: nothing to say)
+        stages.say(f"input: every line's JSON, keys and types checked ({stages.plural(lines, 'line')}, "
+                   f"{time.monotonic() - started:.1f} s)")
 
 
 def _input_read(opts: ExtractOptions, made: spool.Builder, spool_key: dict, reading_started: float) -> inputs.Dataset:
@@ -592,20 +628,27 @@ def claim(p: RunPlan) -> Claim:
     versions = detect.installed_versions().as_dict()
     # again: another run may have written between the checks (and a dead run's writers, until they end)
     waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
-    record = writer.check_directory(opts.out, p.settings)
+    p.input_corrected_from = _input_corrected_from(opts, p.settings)  # again: another run may have recorded it
+    record = writer.check_directory(opts.out, p.settings, ("data_sha256",) if p.input_corrected_from else ())
     was_complete = (record or {}).get("status") == "complete"  # before this run's entry says "running"
     p.refuse_without_resume()
     replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
     swept = writer.sweep_temp_files(opts.out)
     writer.drop_index_of_another_user(opts.out)
+    _read_whole_where_others_wrote(p)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
+    if p.input_corrected_from:
+        non_finite = _still_non_finite(p, non_finite)
     todo, kept = _todo_and_kept(p, non_finite)
     first_kept = next((p.path_at(index, row) for index, row in kept.all_places() if index not in non_finite), None)
     states = _states_expected(p, record, first_kept)
+    corrected_files = _check_corrected_input(p, non_finite, states) if p.input_corrected_from else 0
     if not p.streaming:  # (a set whose input is still being read is new: no file to keep or check)
         _check_kept(p, kept, non_finite, states, record, todo)
     manifest = _manifest_for(p, record, replaced, versions, states.dtype)
+    if p.input_corrected_from:
+        _record_correction(p, manifest, record, non_finite, corrected_files)
     shard_i, shard_n = opts.shard
     this_run = {"shard": f"{shard_i}/{shard_n}", "pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.now(timezone.utc).isoformat(), "resume": opts.resume,
@@ -635,15 +678,76 @@ def claim(p: RunPlan) -> Claim:
 def _todo_and_kept(p: RunPlan, non_finite: dict) -> tuple[placement.Batches, placement.Batches]:
     """This shard's batches to do and those kept: a batch with every file (or left out for non-finite states) is
     kept, any other redone whole. A set whose input is still being read is new: all of its batches are to do."""
-    if p.streaming and writer.any_sample_file(p.out):  # another run (a shard) wrote there since `plan`
-        _read_whole(p)
-        p.refuse_without_resume()
     if p.streaming:
         return p.mine, p.mine.select(())
     whole = [all(index in non_finite or os.path.exists(p.path_at(index, row)) for index, row in p.mine.places(j))
              for j in range(len(p.mine))]
     return (p.mine.select([j for j, done in enumerate(whole) if not done]),
             p.mine.select([j for j, done in enumerate(whole) if done]))
+
+
+def _read_whole_where_others_wrote(p: RunPlan) -> None:
+    """A set planned as new whose directory got files since `plan` (another run, a shard, wrote there): its input is
+    read to its end, and the run goes on as one that read it first."""
+    if p.streaming and writer.any_sample_file(p.out):
+        _read_whole(p)
+        p.refuse_without_resume()
+
+
+def _still_non_finite(p: RunPlan, non_finite: dict[int, dict]) -> dict[int, dict]:
+    """Under a corrected input, the samples left out for non-finite states that stay out: those the input still gives
+    the tokens they had when left out ("d"). Any other (its line changed, or an entry of an earlier release, which
+    recorded no digest) is redone: its states were never judged for its tokens now."""
+    still = {}
+    for index, entry in non_finite.items():
+        row = p.placed.position_of(index)
+        s = p.placed[row] if row is not None else None
+        if s is not None and entry.get("d") == writer.tokens_digest(s.input_ids, s.loss_mask):
+            still[index] = entry
+    return still
+
+
+def _check_corrected_input(p: RunPlan, non_finite: dict, states: writer.StatesExpected) -> int:
+    """Under a corrected input, every sample file already in --out (any batch's, any shard's) must hold the tokens the
+    input now gives its sample, before anything is written: the index vouches for a file written for these tokens and
+    unchanged since, any other is opened. A file whose line changed after it was written is refused, naming it (its
+    states are of the line as it was). Returns how many files were there."""
+    present = bytearray(len(p.placed))
+    for index, row in p.every_place(non_finite):
+        present[row] = os.path.exists(p.path_at(index, row))
+    verdicts = _read_index(p, states.stamp, present)
+    to_read = array("q", (row for row, there in enumerate(present) if there and not verdicts.vouched[row]))
+    with stages.counting("corrected input: files already written read", len(to_read), "file") as read:
+        wrong = writer.first_mismatch(p.placed.files_at(p.fmt, p.out, to_read, verdicts), states, on_each=read.add)
+    if wrong:
+        raise writer.OutputDirectoryConflict(
+            f"{wrong.path} is not the sample the corrected input gives there: {wrong.why}. --data differs from the "
+            f"input the set's record names (SHA-256 {p.input_corrected_from[:16]}..., now "
+            f"{p.settings['data_sha256'][:16]}...), and a file of a line changed after it was written holds the "
+            "states of the line as it was. Delete it (--resume then redoes its batch), or extract this input into a "
+            "new --out. Nothing was written")
+    return sum(present)
+
+
+def _record_correction(p: RunPlan, manifest: Manifest, record: dict | None, non_finite: dict,
+                       files: int) -> None:
+    """A --resume with a corrected input, said and recorded: the set's settings name the input's digest now, and
+    `input_corrections` the one they named before; the samples left out for non-finite states are those still out."""
+    redone = len((record or {}).get("left_out_non_finite") or []) - len(non_finite)
+    redone_note = (f"; {stages.plural(redone, 'sample')} left out for non-finite states "
+                   f"{'is' if redone == 1 else 'are'} redone (the input changed them)") if redone else ""
+    print(f"extract: NOTE: --data {p.opts.data} is not the input the set's record names (its SHA-256 was "
+          f"{p.input_corrected_from[:16]}..., now {p.settings['data_sha256'][:16]}...): the set goes on with it as a "
+          f"corrected input, since each of the {files:,} files already written holds the tokens it gives their "
+          f"samples{redone_note}; manifest.json records it (input_corrections)", file=sys.stderr, flush=True)
+    manifest["settings"] = {**manifest["settings"], "data_sha256": p.settings["data_sha256"]}
+    manifest.setdefault("input_corrections", []).append({
+        "data_sha256_was": p.input_corrected_from, "data_sha256": p.settings["data_sha256"],
+        "at": datetime.now(timezone.utc).isoformat(), "files_kept": files, "non_finite_redone": redone})
+    if non_finite:
+        manifest["left_out_non_finite"] = sorted(non_finite.values(), key=lambda e: e["index"])
+    else:
+        manifest.pop("left_out_non_finite", None)
 
 
 def _read_whole(p: RunPlan) -> None:
@@ -854,8 +958,9 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         of_the_reading = p.spool_made is not None and exc is p.spool_made.error
         if of_the_reading and isinstance(exc, InvalidInput) and not isinstance(exc, spool.InputChanged):  # a line
             raise InvalidInput(f"{exc}. The input was read while the batches ran (it has more than "
-                               f"{READ_AHEAD_LINES:,} lines): the files written before this line are kept, but a "
-                               "changed input is another set; extract it into a new --out") from None
+                               f"{READ_AHEAD_LINES:,} lines): the files written before this line are kept. Fix the "
+                               "line, then rerun the same command with --resume: it goes on with the corrected input, "
+                               "keeping each file whose sample it still gives the same tokens") from None
         raise
     finally:
         if previous_handler is not None:

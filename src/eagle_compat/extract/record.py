@@ -90,6 +90,9 @@ class Manifest(TypedDict, total=False):
     converted_from: dict  # eagle-compat convert: the source, its format and record
     arrow_rows: str  # the Arrow layout's note (extract/formats.py: manifest_notes)
     sample_indices: list  # a record made for speculators 0.3.0's own output by convert: the files present
+    # each --resume that went on with a corrected input (extract/job.py: _record_correction): {"data_sha256_was",
+    # "data_sha256", "at", "files_kept", "non_finite_redone"}
+    input_corrections: list
 
 
 def _accepts(expected: Any, value: Any) -> bool:

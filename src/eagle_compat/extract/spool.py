@@ -3,9 +3,10 @@ grow with the input (`Builder` while the input is read, `Samples` to read it). K
 so that a `--resume` or another `--shard` of the same set reads it back in seconds instead of tokenizing the input
 again (minutes for a million conversations).
 
-It is used only where everything that made it is unchanged: the input's bytes (SHA-256), the model folder's files
-other than weights (tokenizer files, chat templates), the tokenizer as loaded, the transformers, tokenizers and jinja2
-releases, the reading code itself, and every option that changes how lines become samples (`key`). Anything else, a
+It is used only where everything that made it is unchanged: the input's bytes (the SHA-256 of the bytes its samples
+were read from, taken as they were read, not a digest taken before), the model folder's files other than weights
+(tokenizer files, chat templates), the tokenizer as loaded, the transformers, tokenizers and jinja2 releases, the
+reading code itself, and every option that changes how lines become samples (`key`). Anything else, a
 file cut short or of another layout included, is read as "no spool": the input is then read and tokenized as if there
 were none, and the spool written again. It holds exactly what `inputs.read_dataset` returned: the samples' ids, masks,
 lines and cuts, the left-out lines, the input's notes, and the input's data report.
@@ -239,12 +240,13 @@ class Builder:
     def line_read(self) -> None:
         self.lines += 1
 
-    def start(self, read: Any, *args: Any, on_line: Any = None, watched: tuple[str, tuple] | None = None,
+    def start(self, read: Any, *args: Any, on_line: Any = None, watched: tuple[str, tuple, str] | None = None,
               **kwargs: Any) -> None:
         """`read(*args, into=self, on_line=..., **kwargs)` (inputs.read_dataset) on a thread of its own; its result
-        or its error is kept for `join`. `watched`: the input file and its `input_identity` from before it was read
-        (its digest included), judged again once its last byte is read: a change is the reading's error
-        (InputChanged); a change after that cannot reach the samples, which are read from the spool."""
+        or its error is kept for `join`. `watched`: the input file, its `input_identity` from before it was read
+        (its digest included) and that digest (the settings' data_sha256), judged once its last byte is read: another
+        identity, or bytes read whose SHA-256 is not that digest, is the reading's error (InputChanged); a change
+        after that cannot reach the samples, which are read from the spool."""
         def counted() -> None:
             if self.stopped:
                 raise ReadingStopped()
@@ -256,7 +258,9 @@ class Builder:
             try:
                 self.result = read(*args, into=self, on_line=counted, **kwargs)
                 if watched is not None:
-                    check_unchanged(*watched)
+                    path, identity, sha256 = watched
+                    check_unchanged(path, identity)
+                    check_bytes_read(path, sha256, self.result)
                 self._publish()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (join, wait_samples)
                 self.error = exc
@@ -339,6 +343,11 @@ class Builder:
         samples."""
         if self.header is not None:
             return self.samples
+        if not data.data_sha256:
+            raise ValueError("a spool is keyed by the SHA-256 of the bytes its samples were read from; none given")
+        # keyed by the bytes read, not by the digest the run planned with: a spool stands only for the bytes its
+        # samples came from
+        spool_key = {**spool_key, "data_sha256": data.data_sha256}
         if data_report is None and self._tally is not None:
             data_report = self._tally.report(spool_key.get("reading", {}).get("max_len"), {
                 "--skip-uncovered": data.skipped, "--min-loss-tokens": data.few_loss_tokens})
@@ -417,6 +426,19 @@ def check_unchanged(path: str, identity: tuple) -> None:
                        "it was (--resume, where this run wrote files), or extract a changed input into a new --out")
 
 
+def check_bytes_read(path: str, sha256: str, data: inputs.Dataset) -> None:
+    """Raises InputChanged where the bytes `data` was read from (their SHA-256, taken as they were read, or the
+    spool's) are not those of `sha256`, the digest the run's settings record: the file was rewritten between the two
+    (in place, its inode, size and modification time put back, say)."""
+    if data.data_sha256 == sha256:
+        return
+    raise InputChanged(f"--data {path!r} changed while it was read: the SHA-256 of the bytes read ("
+                       f"{data.data_sha256[:16] or 'none'}...) is not the one the run's record holds ({sha256[:16]}...,"
+                       " taken before the reading), so the samples would not be those of the input the record names. "
+                       "Keep the input unchanged while a run reads it, then rerun the same command with it as it was "
+                       "(--resume, where this run wrote files), or extract a changed input into a new --out")
+
+
 def save(out_dir: str, spool_key: dict, data: inputs.Dataset, report: dict | None = None) -> str:
     """A read input (`inputs.read_dataset`) as the spool in `out_dir`."""
     b = Builder(out_dir)
@@ -492,4 +514,5 @@ def _opened(f: Any, spool_key: dict) -> inputs.Dataset | None:
     few = [{**e, "cut": inputs.Cut(**e["cut"])} if "cut" in e else e for e in header["few_loss_tokens"]]
     data = inputs.Dataset(Samples(f, offsets, indices, tokens), header["skipped"], few, header["notes"])
     data.report = header.get("report") or None
+    data.data_sha256 = header["key"]["data_sha256"]  # the bytes its samples were read from
     return data

@@ -898,11 +898,12 @@ def refuse_foreign_folder(out_dir: str) -> None:
             f"entries ({names}). Give a new or empty folder, or one an earlier extract made")
 
 
-def check_directory(out_dir: str, settings: dict) -> dict | None:
+def check_directory(out_dir: str, settings: dict, may_differ: tuple[str, ...] = ()) -> dict | None:
     """Refuse a directory whose samples were made with other settings, or by a run that left no record.
 
     Returns the existing record (None for a directory without one and without samples, or whose record describes no
-    sample file: a run with other settings may replace it). Reads only."""
+    sample file: a run with other settings may replace it). `may_differ`: settings whose difference the caller
+    judges itself (the input's digest, for a --resume with a corrected input: extract/job.py). Reads only."""
     record = read_manifest(out_dir, mine=True)
     if record is None:
         found = sample_files(out_dir)
@@ -915,13 +916,19 @@ def check_directory(out_dir: str, settings: dict) -> dict | None:
                 "Move them away or choose another --out")
         refuse_foreign_folder(out_dir)
         return None
-    diffs = settings_differences(record["settings"], settings)
+    diffs = [d for d in settings_differences(record["settings"], settings) if d.split(":")[0] not in may_differ]
     no_files = not any_sample_file(out_dir)
     # its runs wrote nothing and each of them ended (one refused at start-up, say): nothing there to mix with. A run
     # still marked running may be alive where the lock cannot see it (a file system whose locks are per machine).
     if diffs and no_files and record.get("status") != "running" and \
             all(run.get("status") != "running" for run in record.get("runs") or []):
         return None
+    if diffs and [d.split(":")[0] for d in diffs] == ["data_sha256"] and not no_files:
+        raise OutputDirectoryConflict(  # the input's bytes alone: a corrected input, which --resume may continue with
+            f"{out_dir} holds an extraction of another version of --data ({MANIFEST}):\n  {diffs[0]}\nWhere the "
+            "input was corrected since (a line fixed), rerun with --resume: it keeps each file already written whose "
+            "sample the input still gives the same tokens, and refuses one it does not, naming it. Otherwise "
+            "extract this input into another --out")
     if diffs:
         raise OutputDirectoryConflict(
             f"{out_dir} holds an extraction made with other settings ({MANIFEST}); refusing to add to it, with or "
