@@ -612,19 +612,23 @@ def _resume_hint(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is not None:  # called from Python: processes it shares with its caller are the caller's
         return _main(argv)
-    # the command line: end whatever this command started and left behind (a hung vLLM worker keeps its GPU memory)
+    # the command line: every process it started ends with it, on every way out (a hung vLLM worker keeps its GPU
+    # memory); SIGTERM and SIGHUP, whose default skips `finally`, end them first
     from . import leftovers
-    before = leftovers.descendants()
+    processes = leftovers.CommandProcesses()
+    put_back_handlers = leftovers.end_on_deadly_signals()
     try:
         return _main(sys.argv[1:])
     finally:
-        ray = sys.modules.get("ray")
-        if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-            ray.shutdown()  # a local cluster this run started ends the way Ray ends it, before anything is counted
-        ended = leftovers.end_new_descendants(before)
-        if ended:
-            print(f"eagle-compat: ended {len(ended)} process(es) this command started and left running: "
-                  + "; ".join(ended), file=sys.stderr)
+        try:
+            ray = sys.modules.get("ray")
+            if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+                ray.shutdown()  # a local cluster this run started ends the way Ray ends it, before anything is counted
+        finally:
+            ended = processes.end()
+            put_back_handlers()
+            if ended:
+                print(leftovers.ended_line(ended), file=sys.stderr)
 
 
 def _main(argv: list[str]) -> int:

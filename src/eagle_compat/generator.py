@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from . import detect, engine, environment, settings
+from . import detect, engine, environment, leftovers, settings
 from .capture import handshake
 from .remote_errors import (WorkerErrorLog, record_start_error, reply_from_worker, retrying_lost_port_race,
                             translate)
@@ -232,7 +232,7 @@ class VllmHiddenStatesGenerator:
                 raise InvalidInput(f"model {model_path!r}: no vocab_size in its config (or its text config); "
                                    "a positive vocabulary size is needed to check token ids")
             executor_cls = engine.rpc.executor_class(in_process)
-
+            self._processes = leftovers.EngineProcesses()  # what the engine starts: close() ends what is left
             self.executor = retrying_lost_port_race(lambda: self._start_executor(executor_cls))
             replies = handshake.require_patched_workers(
                 self._translated(self.executor.collective_rpc, "collective_rpc"), "generator")
@@ -255,7 +255,9 @@ class VllmHiddenStatesGenerator:
             previous.close()
         self._worker_errors = WorkerErrorLog()  # workers' own tracebacks, for failures inside vLLM's code
         with self._worker_errors.spawning():
-            return executor_cls(vllm_config=self.vllm_config)
+            executor = executor_cls(vllm_config=self.vllm_config)
+        self._processes.record(engine.rpc.worker_pids(executor))
+        return executor
 
     # ------------------------------------------------------------------------------------------------------------
     def _translated(self, fn: Any, method: str) -> Any:
@@ -623,11 +625,19 @@ class VllmHiddenStatesGenerator:
         ring, self._ring = getattr(self, "_ring", None), None
         if ring is not None:
             ring.close(rpc_ok=False)  # the workers' mappings end with them
+        processes, self._processes = getattr(self, "_processes", None), None
+        if processes is not None:
+            processes.record()  # what runs below the workers now: a worker the shutdown kills orphans its children
         if executor is not None:
             try:
                 executor.shutdown()
             except Exception:  # noqa: BLE001
                 log.warning("exception during executor shutdown", exc_info=True)
+        if processes is not None:  # vLLM's shutdown may leave some (older releases, a child of a worker, a hang)
+            ended = processes.end()
+            if ended:
+                log.warning("ended %d process(es) of this generator's engine that were still running after its "
+                            "shutdown: %s", len(ended), "; ".join(ended))
         if getattr(self, "_worker_errors", None) is not None:
             self._worker_errors.close()
             self._worker_errors = None

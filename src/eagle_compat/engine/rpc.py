@@ -25,6 +25,12 @@ def executor_class(in_process: bool) -> Any:
     return MultiprocExecutor
 
 
+def worker_pids(executor: Any) -> list[int]:
+    """The pids of the executor's worker processes (none for the one-rank executor: its worker is this process)."""
+    procs = [getattr(w, "proc", None) for w in getattr(executor, "workers", None) or []]
+    return [p.pid for p in procs if getattr(p, "pid", None)]
+
+
 def can_queue_calls(executor: Any) -> bool:
     """Whether calls to the workers can be queued without waiting for their replies: MultiprocExecutor's
     `futures_queue` (vLLM 0.12+ at least) serves `non_block=True` in every scheduling mode; before it, only with

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
-from .. import detect, options
+from .. import detect, leftovers, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
@@ -227,9 +227,13 @@ SECOND_SIGINT_MESSAGE = (b"\neagle-compat extract: interrupted again: ending now
 
 
 def _end_at_once(signum: int, frame: Any) -> None:
-    """No cleanup that could hang: files are written under temporary names and renamed when whole, the directory
-    lock dies with the process, and vLLM's workers exit when their parent does."""
+    """No cleanup that could hang: files are written under temporary names and renamed when whole, and the directory
+    lock dies with the process. The processes the run started are ended first (SIGTERM, SIGKILL a second later): a
+    hung vLLM worker does not exit with its parent, and os._exit skips every other way they are ended."""
     os.write(2, SECOND_SIGINT_MESSAGE)
+    said = leftovers.end_every_tree(grace_s=1.0)
+    if said:
+        os.write(2, (leftovers.ended_line(said) + "\n").encode())
     os._exit(130)
 
 
