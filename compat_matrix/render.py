@@ -176,8 +176,8 @@ def load_gpu_cells(directory: str = GPU_RESULTS) -> dict[str, dict[str, dict[str
         with open(path) as f:
             for line in filter(str.strip, f):
                 cell = json.loads(line)
-                cells.setdefault(cell["check"], {}).setdefault(cell["family"], {}) \
-                    .setdefault(cell["versions"]["vllm"], []).append(cell)
+                (cells.setdefault(cell["check"], {}).setdefault(cell["family"], {})
+                 .setdefault(cell["versions"]["vllm"], []).append(cell))
     return cells
 
 

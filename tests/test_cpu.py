@@ -69,8 +69,9 @@ def test_a_signal_outside_vllms_loader_or_after_the_verdict_decides_nothing_agai
 
 
 def test_a_probe_whose_loader_registered_no_op_carries_vllms_own_message():
-    line = cpu.PROBE_MARK + '{"decided": true, "loads": false, "loaded": [], "warnings": ["Failed to import from ' \
-        'vllm._C: ImportError(\\"CXXABI_1.3.15 not found\\")"], "why": "Failed to import from vllm._C: CXXABI_1.3.15"}'
+    line = cpu.PROBE_MARK + ('{"decided": true, "loads": false, "loaded": [], "warnings": ["Failed to import from '
+                             'vllm._C: ImportError(\\"CXXABI_1.3.15 not found\\")"], "why": "Failed to import from '
+                             'vllm._C: CXXABI_1.3.15"}')
     verdict = cpu.kernel_verdict(0, "noise\n" + line + "\n", "")
     assert "CXXABI_1.3.15" in verdict["cannot_load"], verdict
 

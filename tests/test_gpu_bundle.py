@@ -88,8 +88,8 @@ def gpu_setup(tmp_path, bundle_dir: str) -> subprocess.CompletedProcess:
     """scripts/gpu_setup.sh's gpu_setup as gpu_parity.sh calls it, then its log."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    script = f'out={out}; source scripts/gpu_setup.sh; BUNDLE={bundle_dir} gpu_setup; rc=$?; cat {out}/setup.log; ' \
-             f'exit $rc'
+    script = (f'out={out}; source scripts/gpu_setup.sh; BUNDLE={bundle_dir} gpu_setup; rc=$?; cat {out}/setup.log; '
+              f'exit $rc')
     return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env(tmp_path), capture_output=True, text=True)
 
 

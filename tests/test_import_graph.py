@@ -186,8 +186,8 @@ def _string_constants() -> dict[str, str]:
     found: dict[str, str] = {}
     for path in glob.glob(os.path.join(SRC, PACKAGE, "**", "*.py"), recursive=True):
         for node in ast.parse(open(path).read()).body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                    isinstance(node.value.value, str):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and
+                    isinstance(node.value.value, str)):
                 found.update((t.id, node.value.value) for t in node.targets if isinstance(t, ast.Name))
     return found
 
@@ -209,8 +209,8 @@ def _environ_reads(tree: ast.AST, constants: dict[str, str]) -> set[str]:
             reads.add(name_of(node.args[0]))
         elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
             reads.add(name_of(node.slice))
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
-                any(is_environ(c) for c in node.comparators):
+        elif (isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and
+                any(is_environ(c) for c in node.comparators)):
             reads.add(name_of(node.left))
     return reads - {None}
 

@@ -456,8 +456,8 @@ def test_unit_contract(unit):
                if isinstance(getattr(c, "owner", None), type)]
     assert patcher.revert() == []
     for owner, attribute, existed, original in changed:  # classes a unit changes are restored exactly too
-        assert (vars(owner).get(attribute) is original) if existed else attribute not in vars(owner), \
-            f"{unit.name} left {owner.__name__}.{attribute} changed"
+        assert (vars(owner).get(attribute) is original) if existed else attribute not in vars(owner), (
+            f"{unit.name} left {owner.__name__}.{attribute} changed")
     after = dict(vars(module)) if module is not None else dict(os.environ)
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] or after[k] == before[k] for k in before)
@@ -644,8 +644,8 @@ def test_affects_is_a_specifier_that_agrees_with_the_units_own_detection(unit):
     if unit.condition:
         pytest.skip(f"{unit.name}: the need also depends on {unit.condition}")
     release = detect.base_version(detect.installed_versions().vllm)
-    assert unit.needed() == affects.contains(release, prereleases=True), \
-        f"{unit.name}: needed()={unit.needed()} on vLLM {release}, but affects={unit.affects!r}"
+    assert unit.needed() == affects.contains(release, prereleases=True), (
+        f"{unit.name}: needed()={unit.needed()} on vLLM {release}, but affects={unit.affects!r}")
 
 
 def test_affects_agrees_with_every_recorded_release():
@@ -667,8 +667,8 @@ def test_affects_agrees_with_every_recorded_release():
         release = detect.base_version(detect.parse_version(cell["versions"]["vllm"]))
         for name, needed in cell["units_needed"].items():
             if name in units and isinstance(needed, bool):
-                assert needed == SpecifierSet(units[name].affects).contains(release, prereleases=True), \
-                    (path.name, name)
+                assert needed == SpecifierSet(units[name].affects).contains(release, prereleases=True), (
+                    (path.name, name))
                 checked += 1
     if not checked:
         pytest.skip("no recorded release carries units_needed yet (recorded by cells run from now on)")
@@ -798,8 +798,8 @@ def test_speculators_trainer_builds_saves_and_reloads_its_drafter_config_under_i
     assert training_env["ok"], training_env
     vllm_free = {u.name for u in REGISTRY if not u.needs_vllm}
     assert set(training_env["units"]) <= vllm_free, set(training_env["units"]) - vllm_free
-    assert "speculators_config_init" in training_env["units"] or \
-        not detect.feature("transformers_generates_config_init")
+    assert ("speculators_config_init" in training_env["units"] or
+            not detect.feature("transformers_generates_config_init"))
     if not detect.feature("transformers_generates_config_init"):
         pytest.skip("this transformers keeps speculators' own config __init__ (transformers 4): nothing to break")
     broken = _speculators_config_result({"EAGLE_COMPAT_DISABLE": "speculators_config_init"})
@@ -852,8 +852,8 @@ def test_every_workarounds_where_names_code_that_exists():
         assert named, f"{w.name}: `where` names no file and function: {w.where!r}"
         for path, symbol in named:
             source = open(os.path.join(package, path)).read()
-            assert re.search(rf"^\s*(def|class) {re.escape(symbol)}\b|^{re.escape(symbol)} =", source, re.M), \
-                f"{w.name}: {path} has no {symbol}"
+            assert re.search(rf"^\s*(def|class) {re.escape(symbol)}\b|^{re.escape(symbol)} =", source, re.M), (
+                f"{w.name}: {path} has no {symbol}")
 
 
 def test_gpu_engines_skip_the_flashinfer_sampler_build_that_vllm_021_starts_with(monkeypatch):

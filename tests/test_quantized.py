@@ -76,8 +76,8 @@ def test_the_quantized_configs_are_where_the_real_checkpoints_keep_them():
     quant = kimi["text_config"]["quantization_config"]
     assert "quantization_config" not in kimi
     group = quant["config_groups"]["group_0"]["weights"]
-    assert (quant["format"], group["num_bits"], group["group_size"], group["symmetric"]) == \
-        ("pack-quantized", 4, 32, True)
+    assert ((quant["format"], group["num_bits"], group["group_size"], group["symmetric"]) ==
+            ("pack-quantized", 4, 32, True))
     deepseek = json.load(open(f"{quantized_models.build('deepseek_v3_fp8')[0]}/config.json"))
     assert deepseek["quantization_config"]["weight_block_size"] == [128, 128]
     assert deepseek["q_lora_rank"] == 128  # 96 would put fused scales on the wrong rows in vLLM

@@ -163,8 +163,8 @@ def test_an_actor_killed_mid_batch_is_replaced_and_its_batch_redone(cluster, mod
     # one kill, one death, whichever way Ray reported it: ActorDiedError (a failed try, the batch redone anywhere;
     # seen on Intel) or ActorUnavailableError (the batch back to the same actor; seen on AMD EPYC, Ray 2.60)
     assert sum(a["deaths"] for a in per_actor) == 1, per_actor
-    assert ("(try 1 of 3)" in stderr and "Ray restarts the actor" in stderr) or \
-        "the batch goes back to the same actor" in stderr, stderr[-4000:]
+    assert (("(try 1 of 3)" in stderr and "Ray restarts the actor" in stderr) or
+            "the batch goes back to the same actor" in stderr), stderr[-4000:]
     assert sum(a["samples"] for a in per_actor) == N  # the killed batch counted once, when it was redone
     assert manifest["runs"][-1]["status"] == "complete" and manifest["runs"][-1]["ray"]["actors"] == 2
     # the actors ran this eagle_compat (the driver gives them its own source directory first on PYTHONPATH)

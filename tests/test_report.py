@@ -250,13 +250,13 @@ def test_the_report_counts_in_the_singular_and_names_the_truncated_lines():
     text = report.text(rep)
     assert text.startswith("data report: 1 sample, 1 token, 1 in the loss mask"), text
     assert "  1 sample has no token in the loss mask" in text
-    assert "--max-len 1: 2 samples truncated (lines 2, 4), 4 tokens cut (1 of them loss tokens); replies cut partly " \
-           "in 1 sample, wholly in 1" in text, text
+    assert ("--max-len 1: 2 samples truncated (lines 2, 4), 4 tokens cut (1 of them loss tokens); replies cut partly "
+            "in 1 sample, wholly in 1") in text, text
     assert "left out (--min-loss-tokens): 1 sample, line 2: no reply" in text
     # past 20 the lines end in "..."
     rep["truncation"].update(samples_truncated=30, lines=list(range(1, 31)))
-    assert "30 samples truncated (lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...), " \
-           in report.text(rep)
+    assert ("30 samples truncated (lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, ...), "
+            in report.text(rep))
 
 
 def test_the_report_names_files_a_trainer_would_take_that_are_not_the_sets(model, chats, tmp_path, fake_engine):

@@ -36,8 +36,8 @@ def test_the_served_config_carries_the_manifests_aux_ids_and_nothing_else_change
              "transformer_layer_config": {"num_hidden_layers": 1}, "draft_vocab_size": 8192}
     served = proof.aux_ids_config(saved, [3, 16, 28])
     assert served["eagle_aux_hidden_state_layer_ids"] == [3, 16, 28]
-    assert {k: v for k, v in served.items() if k != "eagle_aux_hidden_state_layer_ids"} == \
-        {k: v for k, v in saved.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    assert ({k: v for k, v in served.items() if k != "eagle_aux_hidden_state_layer_ids"} ==
+            {k: v for k, v in saved.items() if k != "eagle_aux_hidden_state_layer_ids"})
     assert saved["eagle_aux_hidden_state_layer_ids"] is None  # the checkpoint's own config is left as saved
 
 

@@ -230,8 +230,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .errors import InvalidInput
     from .extract import writer
     earlier = (writer.read_manifest(args.out) or {}).get("settings") or {}
-    if earlier and writer.sample_files(args.out) and \
-            (earlier.get("model"), earlier.get("layer_ids")) != (os.path.abspath(path), layer_ids):
+    if (earlier and writer.sample_files(args.out) and
+            (earlier.get("model"), earlier.get("layer_ids")) != (os.path.abspath(path), layer_ids)):
         # refused now, not after the comparison below: the main job could not add to that directory
         raise InvalidInput(f"--out {args.out} holds the demo of another model or layers ({earlier.get('model')}, "
                            f"layers {earlier.get('layer_ids')}): give this one another --out (e.g. --out "

@@ -349,10 +349,10 @@ QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
 def matrix_checks() -> list[tuple[str, str]]:
     """(check, model) for every cell the compatibility matrix runs: speculators' shim first, then ours; the tiny
     models of each family, then the real models."""
-    return [(check, t.name) for check in ("shim", "generator") for fam in FAMILIES for t in fam.tiny
-            if check in t.matrix] + [(check, name) for check in ("shim", "generator")
-                                     for name, row in REAL_MODELS.items() if check in row[4]] + \
-        [(check, q.name) for check in ("shim", "generator") for q in QUANTIZED.values() if check in q.matrix]
+    return ([(check, t.name) for check in ("shim", "generator") for fam in FAMILIES for t in fam.tiny
+             if check in t.matrix] + [(check, name) for check in ("shim", "generator")
+                                      for name, row in REAL_MODELS.items() if check in row[4]] +
+            [(check, q.name) for check in ("shim", "generator") for q in QUANTIZED.values() if check in q.matrix])
 
 
 def gpu_matrix_checks() -> list[tuple[str, str]]:

@@ -48,8 +48,8 @@ def check_reports(replies: Any, expected_capture: str) -> list[dict]:
     replies = replies if isinstance(replies, list) else [replies]
     bad = []
     for rank, reply in enumerate(replies):
-        if not isinstance(reply, dict) or reply.get("contract") != CAPTURE_CONTRACT \
-                or reply.get("version") != __version__ or reply.get("capture") != expected_capture:
+        if (not isinstance(reply, dict) or reply.get("contract") != CAPTURE_CONTRACT
+                or reply.get("version") != __version__ or reply.get("capture") != expected_capture):
             bad.append(f"worker {rank}: {reply!r}")
     if bad:
         raise IncompatibleEnvironment(

@@ -27,8 +27,8 @@ def require_vllm() -> None:
 
 
 def cpu_numa_nodes() -> int:
-    nodes = [d for d in os.listdir("/sys/devices/system/node") if d.startswith("node") and d[4:].isdigit()] \
-        if os.path.isdir("/sys/devices/system/node") else []
+    nodes = ([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node") and d[4:].isdigit()]
+             if os.path.isdir("/sys/devices/system/node") else [])
     return max(1, len(nodes))
 
 

@@ -107,8 +107,8 @@ def _read_source(src: str, num_layers: int | None = None) -> tuple[dict, str]:
     fmt = source_format(src, record)
     if fmt not in TARGETS:
         raise InvalidInput(f"{src}: unknown format {fmt!r} in its manifest")
-    if record.get("status") != "complete" or record.get("samples_present", record.get("num_samples")) != \
-            record.get("num_samples"):
+    if (record.get("status") != "complete" or record.get("samples_present", record.get("num_samples")) !=
+            record.get("num_samples")):
         raise InvalidInput(f"{src} is not complete (manifest status {record.get('status')!r}, "
                            f"{record.get('samples_present')} of {record.get('num_samples')} samples): finish it with "
                            "eagle-compat extract ... --resume first")

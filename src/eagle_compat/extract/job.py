@@ -419,8 +419,8 @@ def plan(opts: ExtractOptions) -> RunPlan:
     left_out_lines = {i["index"]: i["line"] for i in [*data.skipped, *data.few_loss_tokens] if "index" in i}
     shard_i, shard_n = opts.shard
     batch_count = -(-len(placed) // opts.batch_size)
-    mine = placement.StreamedBatches(placed, opts.batch_size, opts.shard, spool_made) if streaming else \
-        placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n))
+    mine = (placement.StreamedBatches(placed, opts.batch_size, opts.shard, spool_made) if streaming else
+            placement.Batches(placed, opts.batch_size, range(shard_i, batch_count, shard_n)))
     the_plan = RunPlan(opts, formats.get(opts.format), text_config, num_layers, hidden_size, vocab_size, layer_ids,
                        max_len, max_len_note, settings, data, placed, mine, left_out_lines, spool_key, spool_made,
                        streaming, reading_started, corrected_from)
@@ -1047,8 +1047,8 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     already = (c.was_complete and not len(c.todo) and not p.fmt.arrow and os.path.exists(finishes)
                and os.lstat(finishes).st_uid == os.geteuid())  # another user's is written anew
     if not already:
-        with stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s") \
-                if p.fmt.arrow else contextlib.nullcontext():  # a dataset of every row: minutes on a large set
+        with (stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s")
+              if p.fmt.arrow else contextlib.nullcontext()):  # a dataset of every row: minutes on a large set
             p.fmt.finish(p.out, p.placed.ids_and_masks(non_finite), p.description(whole_count, c.versions))
     writer.fsync_renames(p.out)
 

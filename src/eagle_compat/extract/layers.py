@@ -55,8 +55,8 @@ def problems_of(record: dict) -> list[str]:
             problems.append(f"{exc} (written by an earlier release, which did not check this)")
     converted = record.get("converted_from") or {}
     order = converted.get("slot_order")
-    if str((record.get("settings") or {}).get("made_by", "")).startswith("speculators 0.3.0") and order and \
-            order != list(range(len(order))):
+    if (str((record.get("settings") or {}).get("made_by", "")).startswith("speculators 0.3.0") and order and
+            order != list(range(len(order)))):
         problems.append("converted from speculators 0.3.0's own output by an earlier release, which took the layers "
                         "in data_config.json's order, not in the files' (model) order: the slots are permuted. "
                         "Convert the source again")

@@ -68,8 +68,8 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
         # work is left to pace; what the last files take after it is `last_batch_to_last_file_s`.
         driver_waited_for_engine = driver_waited_for_writers = 0.0
         started = asked = last_batch = time.monotonic()
-        with pipeline.WriterPool(opts.writer_threads) as pool, \
-                contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches:
+        with (pipeline.WriterPool(opts.writer_threads) as pool,
+              contextlib.closing(pipeline.pipelined(gen, todo, lambda s: s.input_ids)) as batches):
             for batch, results in batches:
                 driver_waited_for_engine += time.monotonic() - asked
                 # as of this batch: kept for the last one (the input may still be read: no count of batches yet)

@@ -124,6 +124,6 @@ def problems(record: dict, schema: type = Manifest, where: str = "manifest") -> 
     if isinstance(record.get("settings"), dict):
         found += problems(record["settings"], Settings, f"{where}.settings")
     for k, run in enumerate(record.get("runs") or []):
-        found += problems(run, RunEntry, f"{where}.runs[{k}]") if isinstance(run, dict) else \
-            [f"{where}.runs[{k}] is {type(run).__name__}, not an object"]
+        found += (problems(run, RunEntry, f"{where}.runs[{k}]") if isinstance(run, dict) else
+                  [f"{where}.runs[{k}] is {type(run).__name__}, not an object"])
     return found

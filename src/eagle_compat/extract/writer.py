@@ -441,8 +441,8 @@ def model_checksums(model_path: str, recorded: dict[str, Any] | None = None) -> 
         method = (HASHED_FULL if size <= FULL_HASH_LIMIT
                   else HASHED_TENSORS if name.endswith(".safetensors") else HASHED_SPREAD)
         before = (recorded or {}).get(name)
-        if method != HASHED_FULL and isinstance(before, dict) and before.get("size") == size \
-                and before.get("hashed") == HASHED_ENDS:
+        if (method != HASHED_FULL and isinstance(before, dict) and before.get("size") == size
+                and before.get("hashed") == HASHED_ENDS):
             method = HASHED_ENDS
         digest = file_sha256(path) if method == HASHED_FULL else _large_file_sha256(path, method)
         out[name] = {"size": size, "sha256": digest, "hashed": method}
@@ -857,9 +857,9 @@ def iter_member_looking(out_dir: str) -> Iterator[str]:
 def sample_files(out_dir: str) -> list[str]:
     """Sample files of any writer, and an Arrow dataset (its state.json; --format arrow, speculators >= 0.5)."""
     found = list(iter_sample_files(out_dir))
-    return sorted((f for f in found if f.startswith("data") or f.startswith("hs")), key=lambda f: (len(f), f)) + \
-        sorted((f for f in found if f.startswith("hidden_states/")), key=lambda f: (len(f), f)) + \
-        (["state.json"] if "state.json" in found else [])
+    return (sorted((f for f in found if f.startswith("data") or f.startswith("hs")), key=lambda f: (len(f), f)) +
+            sorted((f for f in found if f.startswith("hidden_states/")), key=lambda f: (len(f), f)) +
+            (["state.json"] if "state.json" in found else []))
 
 
 def read_manifest(out_dir: str, mine: bool = False) -> dict | None:
@@ -920,8 +920,8 @@ def check_directory(out_dir: str, settings: dict, may_differ: tuple[str, ...] = 
     no_files = not any_sample_file(out_dir)
     # its runs wrote nothing and each of them ended (one refused at start-up, say): nothing there to mix with. A run
     # still marked running may be alive where the lock cannot see it (a file system whose locks are per machine).
-    if diffs and no_files and record.get("status") != "running" and \
-            all(run.get("status") != "running" for run in record.get("runs") or []):
+    if (diffs and no_files and record.get("status") != "running" and
+            all(run.get("status") != "running" for run in record.get("runs") or [])):
         return None
     if diffs and [d.split(":")[0] for d in diffs] == ["data_sha256"] and not no_files:
         raise OutputDirectoryConflict(  # the input's bytes alone: a corrected input, which --resume may continue with
