@@ -71,7 +71,7 @@ FILE_SECONDS = {
     "test_e2e_speculators_shim.py": 270, "test_launcher.py": 236, "test_real_model.py": 206, "test_preflight.py": 157,
     "test_quantized.py": 147, "test_tensor_parallel.py": 114, "test_cli.py": 140, "test_compat_matrix.py": 93,
     "test_integrity.py": 88, "test_patch_contract.py": 85, "test_arrow.py": 71, "test_extract_integrity.py": 41,
-    "test_downstream_plugin.py": 40, "test_gemma4.py": 90,
+    "test_downstream_plugin.py": 40, "test_gemma4.py": 90, "test_online.py": 200, "test_leftovers.py": 150,
 }
 
 
