@@ -6,6 +6,7 @@ input line named; a sample of one token repeated (whose states are equal by righ
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -47,9 +48,13 @@ def test_an_all_zero_layer_stops_the_run_naming_the_layer_and_line(tmp_path, mod
     FakeEngine.started, FakeEngine.block = 0, None
     monkeypatch.setattr(eagle_compat.generator, "VllmHiddenStatesGenerator", ZeroLayerEngine)
     data, out = _data(tmp_path, prompts(6, 10, 30, seed=2)), tmp_path / "out"
+    # the first sample a writer thread checks is named (threads write a batch's samples side by side)
     with pytest.raises(writer.DegenerateStates,
-                       match=r"data.jsonl:1: sample 0: layer id 5 is all zeros at all \d+ tokens.*vllm#46301"):
+                       match=r"data.jsonl:(\d+): sample (\d+): layer id 5 is all zeros at all \d+ tokens.*vllm#46301"
+                       ) as raised:
         job.run(_opts(model, data, out, format=fmt))
+    line, sample = (int(x) for x in re.search(r"data.jsonl:(\d+): sample (\d+)", str(raised.value)).groups())
+    assert line == sample + 1
     assert not [f for f in os.listdir(out) if f.startswith(("data_", "hs_"))]
 
 

@@ -50,7 +50,8 @@ def test_a_scratch_downstream_repo_passes_and_catches_a_broken_capture(tmp_path)
     assert "test_generator_with_a_broken_capture_is_caught" in out.split("short test summary")[-1]
     assert "generator on llama differs from HF transformers" in out and "layer 0: max abs error" in out, out[-4000:]
     assert re.search(r"sequence \d+, token \d+ is [\d.e+]+x its own bound \(tolerance 0\.0001 absolute, x the token's "
-                     r"max \|value\| above 1; fp32\)", out), out[-4000:]
+                     r"max \|value\| above 1, or 4 x HF's own fp32 error against float64 there \([\d.e+-]+\) where "
+                     r"larger; fp32\)", out), out[-4000:]
 
 
 def test_plugin_is_registered_and_inert():

@@ -107,7 +107,7 @@ FLOORS = [
     ("install() and the processes it reaches", {"installer", "workarounds", "plugin", "launcher"}),
     ("the stable generator, and the models tests and preflight build", {"generator", "tiny_models",
                                                                          "quantized_models", "preflight"}),
-    ("jobs over the generator", {"check", "extract", "extract.*"}),
+    ("jobs over the generator", {"check", "extract", "extract.*", "online", "online_trainer"}),
     ("entry points", {"cli", "pytest_plugin", "", "__main__"}),  # "": the package's __init__ (the public API)
 ]
 
