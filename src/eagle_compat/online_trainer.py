@@ -208,6 +208,9 @@ def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
 def main(argv: list[str]) -> int:
     """`eagle-compat run --online ...`: exit status 2 for a bad command line or input, the script's otherwise."""
     from .errors import EagleCompatError
+    if argv[:1] in (["-h"], ["--help"]):
+        print(ONLINE_USAGE)
+        return 0
     try:
         options, command = parse_online(argv)
         return run_script(command, options)
