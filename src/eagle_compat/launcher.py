@@ -81,9 +81,6 @@ def _exit_status(code) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .errors import EagleCompatError
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--online"]:  # speculators' trainer, its data from the engine (online_trainer.py)
-        from . import online_trainer
-        return online_trainer.main(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):  # help for `run` itself; a script's own --help comes after its name
         print(USAGE)
         return 0
