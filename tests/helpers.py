@@ -98,6 +98,9 @@ class FakeEngine:
     def __exit__(self, *exc):
         pass
 
+    def close(self):
+        pass
+
     def describe(self):
         return {"stand_in": True}
 

@@ -632,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if argv[:2] == ["run", "--online"]:  # speculators' trainer, its data from the engine (online_trainer.py)
+        from . import online_trainer
+        return online_trainer.main(argv[2:])
     if argv[:1] == ["run"]:  # everything after `run` belongs to the script: argparse must not read it
         from . import launcher
         return launcher.main(argv[1:])

@@ -14,7 +14,9 @@ import runpy
 import sys
 
 USAGE = ("usage: eagle-compat run SCRIPT.py [ARGS...]  |  eagle-compat run -m MODULE [ARGS...]\n"
-         "       (or python -m eagle_compat ...): runs it unmodified under eagle_compat.install()")
+         "       (or python -m eagle_compat ...): runs it unmodified under eagle_compat.install()\n"
+         "       eagle-compat run --online --model M --data D.jsonl [...] -- python scripts/train.py ARGS...:\n"
+         "       speculators 0.3.0's trainer, its data from the engine (eagle-compat run --online --help)")
 
 
 def parse(argv: list[str]) -> tuple[str, str, list[str]]:
