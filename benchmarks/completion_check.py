@@ -10,7 +10,9 @@ usage: python benchmarks/completion_check.py --dir /tmp/cc --out result.json [--
 No vLLM: the files hold random bf16 states of the given shape. --pool N also times the same per-file check N files
 at a time from threads (a trial: extract reads one at a time; on the 2-core CPU machine threads gained nothing:
 benchmarks/results/cpu-completion-check-8b-shape-thread-pool-tried.json; docs/performance.md, "The completion
-check")."""
+check").
+--smoke: 4 samples of 16 tokens, 2 layers of 64, every format, one repeat, --pool 2, in a temporary folder (seconds;
+CI: tests/test_benchmark_smoke.py)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +22,7 @@ import os
 import platform
 import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -102,8 +105,8 @@ def _time_pairs(paths: list[str], repeats: int, check) -> tuple[list[float], lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--dir", help="required unless --smoke")
+    parser.add_argument("--out", help="required unless --smoke")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -111,7 +114,19 @@ def main() -> None:
     parser.add_argument("--formats", default="pt,safetensors,arrow")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pool", type=int, default=0, help="also time the reads N at a time from threads (a trial)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes in a temporary folder: seconds")
     args = parser.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="completion-check-") as tmp:
+            args.dir, args.out = args.dir or os.path.join(tmp, "sets"), args.out or os.path.join(tmp, "result.json")
+            args.samples, args.tokens, args.layers, args.hidden, args.repeats, args.pool = 4, 16, 2, 64, 1, 2
+            return run(args)
+    if not (args.dir and args.out):
+        parser.error("--dir and --out are required (or --smoke)")
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     rows = [measure(f, args.dir, args.samples, args.tokens, args.layers, args.hidden, args.repeats,
                     args.pool)
             for f in args.formats.split(",")]

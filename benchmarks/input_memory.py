@@ -3,7 +3,8 @@ process, peak RSS above the process's RSS after its imports, and the time the re
 tree (a checkout of an earlier commit, to compare). Pre-tokenized lines isolate the storage of the samples from the
 chat template's work.
 
-usage: python benchmarks/input_memory.py [--src src] [--samples 25000,100000] [--tokens 256] [--out FILE.json]
+usage: python benchmarks/input_memory.py [--src src] [--samples 25000,100000] [--tokens 256] [--out FILE.json] [--smoke]
+--smoke: 200 and 400 lines of 16 ids (seconds; CI: tests/test_benchmark_smoke.py).
 """
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def main() -> int:
     ap.add_argument("--samples", default="25000,100000")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--out")
+    ap.add_argument("--smoke", action="store_true", help="200 and 400 lines of 16 ids: seconds")
     a = ap.parse_args()
+    if a.smoke:
+        a.samples, a.tokens = "200,400", 16
     rng = random.Random(0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,8 @@ once, the keys and types a line needs, token ids inside the vocabulary; no token
 generated input of short two-message conversations and one of pre-tokenized lines of 10-60 ids with their loss mask.
 Each is checked twice; the faster run is reported.
 
-usage: python benchmarks/line_check.py [--lines 1000000] [--dir DIR] [--out FILE.json]
+usage: python benchmarks/line_check.py [--lines 1000000] [--dir DIR] [--out FILE.json] [--smoke]
+--smoke: 500 lines of each (seconds; CI: tests/test_benchmark_smoke.py).
 """
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--dir", default=None, help="where the inputs are written (default: a temporary folder)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="500 lines of each: seconds")
     args = parser.parse_args()
+    if args.smoke:
+        args.lines = 500
     rng = random.Random(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         results = {}

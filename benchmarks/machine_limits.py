@@ -3,7 +3,8 @@ pageable), host memcpy with 1/4/16 threads, torch.save + fsync to a local direct
 sequential O_DIRECT write. docs/performance.md compares what the 8B shape needs at plain speed with these.
 
 usage: python benchmarks/machine_limits.py --dir /tmp/limits --out limits.json [--mib 1024]
-On a machine without CUDA the GPU rows are left out (they say why)."""
+On a machine without CUDA the GPU rows are left out (they say why).
+--smoke: 8 MiB per measurement in a temporary folder (seconds; CI: tests/test_benchmark_smoke.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import mmap
 import os
 import platform
 import shutil
+import tempfile
 import time
 
 import torch
@@ -105,10 +107,22 @@ def direct_write(directory: str, nbytes: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", required=True, help="a directory on the disk to measure (emptied files only)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", help="a directory on the disk to measure (emptied files only); required unless --smoke")
+    ap.add_argument("--out", help="required unless --smoke")
     ap.add_argument("--mib", type=int, default=1024, help="bytes moved per measurement, MiB")
+    ap.add_argument("--smoke", action="store_true", help="8 MiB per measurement in a temporary folder: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="machine-limits-") as tmp:
+            args.dir, args.out = args.dir or os.path.join(tmp, "disk"), args.out or os.path.join(tmp, "limits.json")
+            args.mib = 8
+            return run(args)
+    if not (args.dir and args.out):
+        ap.error("--dir and --out are required (or --smoke)")
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     nbytes = args.mib << 20
     result = {
         "what": "torch-only limits: GPU->host, host memcpy, torch.save+fsync, O_DIRECT (benchmarks/machine_limits.py)",

@@ -2,14 +2,16 @@
 first batch, and how much memory its driver holds by then, for a new set and for a `--resume` of a set 90% done;
 at two input sizes (100,000 and 1,000,000 pre-tokenized lines by default), so that what grows with the input shows.
 
-The engine is a stand-in (no GPU, no vLLM start: the driver's own work is what is measured); each measurement runs in
-a fresh process that stops at its first batch. The 90%-done set is made the way a killed run leaves one as far as
+The engine is the stand-in of `eagle_compat.testing`, the tests' own (no GPU, no vLLM start: the driver's own work
+is what is measured); each measurement runs in a fresh process that stops at its first batch. The 90%-done set is made the way a killed run leaves one as far as
 a resume can see: the first run's files of its first batches, then, for the other batches up to 90%, a file per
 sample and its line in the directory's index (size, modification time, token digest, stamp) as the writer records
 them; a resume trusts what the index vouches for without opening it, so the files' bytes are not read. The resume is
 measured with the tokenized input kept in `--out` (`.eagle-compat-input.bin`) and without it (every resume before).
 
 usage: python benchmarks/million.py [--sizes 100000,1000000] [--tokens 64] [--conversations] [--out FILE.json]
+       [--smoke]
+--smoke: every measurement at 64 lines of 16 ids (or 64 conversations), seconds (CI: tests/test_benchmark_smoke.py).
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ BATCH = 8  # extract's default batch size
 
 CHILD = r"""
 import json, os, sys, time
-sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), "benchmarks")]
+sys.path.insert(0, sys.argv[1])
 model, data, out, resume = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "resume"
 import torch  # noqa: F401 - imported before the baseline RSS, as in an engine's driver
 import eagle_compat.generator
 from eagle_compat.extract import job
-from resume_index import StandInEngine  # the resume benchmark's stand-in: states of the model's shape
+from eagle_compat.testing import StandInEngine  # the tests' stand-in: states of the model's shape
 
 def rss_mib():
     for line in open("/proc/self/status"):
@@ -54,21 +56,21 @@ class FirstBatch(KeyboardInterrupt):
 seen = {}
 
 class StandIn(StandInEngine):
-    def generate(self, batch):
+    def generate(self, batch, **kwargs):
         if "first_batch_s" not in seen:
             seen["first_batch_s"] = time.monotonic() - started
             seen["peak_rss_mib"] = peak_rss_mib()
         seen["batches"] = seen.get("batches", 0) + 1
         if seen["batches"] > int(os.environ.get("BENCH_BATCHES", "1")):
             raise FirstBatch()
-        return super().generate(batch)
+        return super().generate(batch, **kwargs)
 
 eagle_compat.generator.VllmHiddenStatesGenerator = StandIn
 base = rss_mib()
 started = time.monotonic()
 try:
-    job.run(job.ExtractOptions(model=model, data=data, out=out, layers=[0, 5], batch_size=8, progress=False,
-                               resume=resume, quiet=True))
+    job.run(job.ExtractOptions(model=model, data=data, out=out, layers=[0, 5], batch_size=8, dtype="bfloat16",
+                               progress=False, resume=resume, quiet=True))
 except KeyboardInterrupt:
     pass
 print("BENCH " + json.dumps({**seen, "rss_after_imports_mib": round(base, 1)}))
@@ -118,7 +120,10 @@ def main() -> int:
     ap.add_argument("--conversations", action="store_true",
                     help="lines are conversations (chat-templated and tokenized by the run); the resume without the "
                          "tokenized input is left out (about 0.6 ms a conversation to tokenize again)")
+    ap.add_argument("--smoke", action="store_true", help="64 lines of 16 ids (or conversations): seconds")
     a = ap.parse_args()
+    if a.smoke:
+        a.sizes, a.tokens = "64", 16
     sys.path.insert(0, SRC)
     from eagle_compat import tiny_models
     model = tiny_models.build_tiny_model("llama")

@@ -12,6 +12,8 @@ file's pages dropped with posix_fadvise first) and warm, in one run:
   (the tensor count, which sets the number of reads, is the real one).
 
 Run: PYTHONPATH=src python3 benchmarks/model_checksum_cost.py --dir /tmp/ckcost --out RESULT.json
+--smoke: one Llama layer 16 times smaller in each dimension, Kimi's 64 times, one repeat, in a temporary folder
+(seconds, the real tensor counts; CI: tests/test_benchmark_smoke.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import os
 import platform
 import statistics
 import struct
+import tempfile
 import time
 
 from eagle_compat.extract import writer
@@ -46,8 +49,8 @@ def _write_safetensors(path: str, tensors: list[tuple[str, str, list[int], int]]
     return len(tensors)
 
 
-def llama8b(layers: int) -> list[tuple[str, str, list[int], int]]:
-    h, kv, ffn = 4096, 1024, 14336
+def llama8b(layers: int, shrink: int = 1) -> list[tuple[str, str, list[int], int]]:
+    h, kv, ffn = 4096 // shrink, 1024 // shrink, 14336 // shrink
     out = []
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -108,14 +111,27 @@ def _cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--dir", help="required unless --smoke")
+    parser.add_argument("--out", help="required unless --smoke")
     parser.add_argument("--llama-layers", type=int, default=4)
+    parser.add_argument("--llama-shrink", type=int, default=1, help="the Llama's matrices N times smaller a side")
     parser.add_argument("--kimi-shrink", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny files in a temporary folder: seconds")
     args = parser.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="checksum-cost-") as tmp:
+            args.dir, args.out = args.dir or os.path.join(tmp, "files"), args.out or os.path.join(tmp, "result.json")
+            args.llama_layers, args.llama_shrink, args.kimi_shrink, args.repeats = 1, 16, 64, 1
+            return run(args)
+    if not (args.dir and args.out):
+        parser.error("--dir and --out are required (or --smoke)")
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     os.makedirs(args.dir, exist_ok=True)
-    layouts = {"llama8b": llama8b(args.llama_layers), "kimi_int4": kimi_int4(args.kimi_shrink)}
+    layouts = {"llama8b": llama8b(args.llama_layers, args.llama_shrink), "kimi_int4": kimi_int4(args.kimi_shrink)}
     methods = {"ends (earlier releases)": writer.HASHED_ENDS, "tensor ends (now)": writer.HASHED_TENSORS}
     results = {}
     for layout, tensors in layouts.items():

@@ -8,6 +8,10 @@ does not count an actor whose engine came up late as idle).
 The output directories are compared byte for byte with the local run's.
 
   python benchmarks/ray_scaling.py --prompts 2048 --tokens 256 --out benchmarks/results/cpu-ray-scaling-vllm-0.32.0.json
+  python benchmarks/ray_scaling.py --smoke   # 8 prompts of 16 tokens, 1 actor, the stand-in engine: seconds (CI)
+
+--smoke runs every extract with the stand-in engine of `eagle_compat.testing` (`python -m eagle_compat.testing -m
+eagle_compat.cli extract ...`; in the actors too): the runs, the records and the comparison, no vLLM engine.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import filecmp
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +34,12 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--actors", default="1,2")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="8 prompts of 16 tokens, 1 actor, the stand-in engine")
     a = ap.parse_args()
+    if a.smoke:
+        a.prompts, a.tokens, a.batch_size, a.actors = 8, 16, 4, "1"
+    # the command: eagle-compat's, or under the stand-in engine (eagle_compat.testing) for a smoke run
+    command = ["-m", "eagle_compat.testing", "-m", "eagle_compat.cli"] if a.smoke else ["-m", "eagle_compat.cli"]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import ray
 
@@ -50,7 +60,7 @@ def main() -> int:
 
     def extract(out: str, *extra: str) -> tuple[dict, float]:
         t = time.time()
-        proc = subprocess.run([sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", data,
+        proc = subprocess.run([sys.executable, *command, "extract", "--model", model, "--data", data,
                                "--out", out, "--layers", "0,2,4,5", "--batch-size", str(a.batch_size), "--max-len",
                                str(a.tokens + 1), "--gpu-memory-utilization", "0.3", "--no-progress", *extra],
                               capture_output=True, text=True)
@@ -92,6 +102,8 @@ def main() -> int:
                                                                    base["sum_of_actor_rates"], 2),
                                        "wall": round(base["wall_s"] / r["wall_s"], 2)}
     ray.shutdown()
+    if a.smoke:
+        shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(results, indent=1, sort_keys=True)
     print(text)
     if a.out:

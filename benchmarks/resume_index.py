@@ -1,10 +1,11 @@
 """A 90%-done `extract --resume`: how long until its first batch starts, with the directory's index (the default),
 without it (every kept file opened and compared, as before the index), and with --verify-kept ("verify kept": every kept file
-opened, on 8 threads); and the driver's peak RSS. A stand-in engine writes states of the tiny Llama's shape (so the
-files are real sample files, checked as real ones are); no vLLM engine starts. Each measurement runs in a fresh
-process; the ratios are of one run on one machine.
+opened, on 8 threads); and the driver's peak RSS. The stand-in engine (`eagle_compat.testing`, the tests' one)
+writes bf16 states of the tiny Llama's shape (so the files are real sample files, checked as real ones are); no vLLM
+engine starts. Each measurement runs in a fresh process; the ratios are of one run on one machine.
 
-usage: python benchmarks/resume_index.py [--samples 20000] [--out benchmarks/results/resume-index.json]
+usage: python benchmarks/resume_index.py [--samples 20000] [--out benchmarks/results/resume-index.json] [--smoke]
+--smoke: every measurement on 64 samples, the result in a temporary folder (CI: tests/test_benchmark_smoke.py).
 """
 from __future__ import annotations
 
@@ -22,49 +23,26 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from eagle_compat.testing import StandInEngine  # noqa: E402 - after the path above
+
 LAYERS = [0, 5]
 
 
-class StandInEngine:
-    """Stands in for VllmHiddenStatesGenerator: states of the model's hidden size, a function of the tokens."""
+class FirstBatchTimed(StandInEngine):
+    """The stand-in engine (the tests' one), noting when the run's first batch reaches it."""
     first_batch_at: float | None = None
 
-    def __init__(self, model, layer_ids=None, **kwargs):
-        import json as _json
-        self.layer_ids = list(layer_ids)
-        self.hidden = _json.load(open(os.path.join(model, "config.json")))["hidden_size"]
-        from types import SimpleNamespace
-        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.bfloat16"))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def describe(self):
-        return {"stand_in": True}
-
-    def generate(self, batch):
-        import torch
-        if StandInEngine.first_batch_at is None:
-            StandInEngine.first_batch_at = time.monotonic()
-        out = []
-        for ids in batch:
-            t = torch.tensor(ids, dtype=torch.long)
-            base = (t.float()[:, None] / 512 + torch.arange(self.hidden) / self.hidden).to(torch.bfloat16)
-            out.append({"input_ids": t, "hidden_states": [base * (k + 1) for k in range(len(self.layer_ids))]})
-        return out
-
-    def generate_batches(self, batches, prefetch=0):
-        return (self.generate(b) for b in batches)
+    def generate(self, token_ids, **kwargs):
+        if FirstBatchTimed.first_batch_at is None:
+            FirstBatchTimed.first_batch_at = time.monotonic()
+        return super().generate(token_ids, **kwargs)
 
 
 def child(model: str, data: str, out: str, mode: str) -> None:
     """One run in this process: prints its timings and peak RSS as JSON."""
     import eagle_compat.generator
     from eagle_compat.extract import job, writer
-    eagle_compat.generator.VllmHiddenStatesGenerator = StandInEngine
+    eagle_compat.generator.VllmHiddenStatesGenerator = FirstBatchTimed
     # the kept-file check on its own, the index's vouching included (the rest of the start is the same in every mode:
     # imports, tokenizer, model hashes)
     check = {"seconds": 0.0, "files_opened": 0}
@@ -94,9 +72,9 @@ def child(model: str, data: str, out: str, mode: str) -> None:
         os.unlink(os.path.join(out, writer.INDEX_FILE))
     started = time.monotonic()
     summary = job.run(job.ExtractOptions(model=model, data=data, out=out, layers=LAYERS, batch_size=16,
-                                         progress=False, quiet=True, resume=mode != "first run",
+                                         dtype="bfloat16", progress=False, quiet=True, resume=mode != "first run",
                                          verify_kept=mode == "verify kept"))
-    first = StandInEngine.first_batch_at
+    first = FirstBatchTimed.first_batch_at
     print(json.dumps({"mode": mode, "to_first_batch_s": round(first - started, 2) if first else None,
                       "total_s": round(time.monotonic() - started, 2), "written": summary["written_this_run"],
                       "kept_check_s": round(check["seconds"], 3), "files_opened": check["files_opened"],
@@ -107,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=20000)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "resume-index.json"))
+    ap.add_argument("--smoke", action="store_true", help="64 samples, the result in a temporary folder (seconds)")
     ap.add_argument("--child", nargs=4, metavar=("MODEL", "DATA", "OUT", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -115,6 +94,8 @@ def main() -> None:
     from eagle_compat.extract import writer
     model = tiny_models.build_tiny_model("llama")
     work = tempfile.mkdtemp(prefix="eagle-compat-bench-")
+    if a.smoke:
+        a.samples, a.out = 64, os.path.join(work, "resume-index.json")
     try:
         rng = random.Random(0)
         data = os.path.join(work, "data.jsonl")

@@ -21,6 +21,10 @@ each phase's peak memory (driver and engine processes, VmHWM; shared-memory page
   python benchmarks/throughput.py --model llama-8b-dummy --prompts 256 --tokens 1024 --gmu 0.85   # H200
 `tiny-llama` builds the tests' tiny model; `llama-8b-dummy` (and `qwen3-30b-a3b-dummy`, a MoE) write a config of
 that shape and run it with dummy weights (`load_format="dummy"`).
+
+  python benchmarks/throughput.py --smoke      # CI: tiny-llama, 8 x 32, phases disk,delivered,written, seconds
+`--stand-in` runs delivered, written and written_shm with the stand-in engine of `eagle_compat.testing` (no vLLM:
+the phases' own work; plain and native are vLLM's and refused with it); `--smoke` is tiny sizes with it.
 """
 from __future__ import annotations
 
@@ -252,6 +256,9 @@ def phase(args: argparse.Namespace) -> dict:
         return native_phase(args, batch, layers, extra)
     if args.phase == "disk":
         return disk_phase(args, batch, layers)
+    if args.stand_in:  # the generator looked up below is the stand-in (eagle_compat.testing)
+        from eagle_compat import testing
+        testing.install()
     from eagle_compat import VllmHiddenStatesGenerator
     from eagle_compat.generator import QUEUED_BATCHES
 
@@ -369,6 +376,10 @@ def main() -> int:
     ap.add_argument("--keep-files", action="store_true", help="keep the written and native files")
     ap.add_argument("--native-timeout", type=float, default=120.0, help="seconds to wait for native files")
     ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="delivered, written, written_shm with the stand-in engine (eagle_compat.testing): no vLLM")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny-llama, 8 prompts x 32 tokens, phases disk,delivered,written, --stand-in: seconds")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
@@ -376,6 +387,11 @@ def main() -> int:
     ap.add_argument("--native-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compare-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.prompts, args.tokens, args.batch, args.batch_tokens = "tiny-llama", 8, 32, 4, 256
+        args.writer_threads, args.phases, args.stand_in = 2, "disk,delivered,written", True
+    if args.stand_in and not args.phase and {"plain", "native"} & set(args.phases.split(",")):
+        ap.error("--stand-in: the phases plain and native are vLLM's own; leave them out (--phases)")
     if args.phase:
         print("PHASE " + json.dumps(phase(args)), flush=True)
         return 0
@@ -386,6 +402,7 @@ def main() -> int:
     layers = args.layers or ",".join(str(i) for i in sorted({2, n // 2, n - 3, n - 1}))
     phases = [p for p in args.phases.split(",") if p]
     results = {"model": args.model, "prompts": args.prompts, "tokens_per_prompt": args.tokens, "layers": layers,
+               **({"engine": "stand-in (eagle_compat.testing)"} if args.stand_in else {}),
                "batch": args.batch, "writer_threads": args.writer_threads, "phases_asked": phases, "phases": {}}
     written_dir = tempfile.mkdtemp(prefix="eagle-bench-written-", dir=args.write_dir)
     native_dir = tempfile.mkdtemp(prefix="eagle-bench-native-", dir=args.write_dir)
@@ -397,7 +414,7 @@ def main() -> int:
                "--written-dir", written_dir, "--native-dir", native_dir,
                "--native-timeout", str(args.native_timeout)] + (["--dummy"] if dummy else []) + (
                ["--write-dir", args.write_dir] if args.write_dir else []) + (
-               ["--keep-files"] if args.keep_files else [])
+               ["--keep-files"] if args.keep_files else []) + (["--stand-in"] if args.stand_in else [])
         if name == "native" and "written" in results["phases"] and "error" not in results["phases"]["written"]:
             cmd += ["--compare-dir", written_dir]
         # the phase's output goes to a file as it runs: a phase cut off by a time limit still shows how far it got
@@ -461,7 +478,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    return 0
+    failed = [name for name, r in results["phases"].items() if "error" in r and "skipped" not in r]
+    return 1 if failed else 0  # (native skipped where vLLM cannot run it is no failure)
 
 
 if __name__ == "__main__":

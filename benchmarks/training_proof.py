@@ -21,6 +21,11 @@ skipped, so a run cut by a time limit continues where it stopped):
 
 Scales: `full` (the committed run, on a GPU), `cpu` (the data stages on CPU: how far 0.3.0's training target is from
 the verifier's, benchmarks/results/cpu-trainer-target-smollm2-vllm-0.32.0.json) and `smoke` (the wiring, a minute).
+
+    python benchmarks/training_proof.py --smoke [--work DIR]   # CI: what runs without a GPU or an engine, seconds
+
+`--smoke`: the `prompts` stage at the smoke scale on CPU, the trainer units' record, and the report's table and
+verdict over the committed run 2 (`h200-training-proof-vllm-0.20.0-run2.json`).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -637,10 +643,29 @@ def print_table(result: dict) -> None:
         print(f"{name}: {c['mean']:+.3f} +- {c['se']:.3f} (paired over {len(c['groups'])} groups)")
 
 
+COMMITTED_RUN = os.path.join(HERE, "results", "h200-training-proof-vllm-0.20.0-run2.json")
+
+
+def smoke(work: str | None) -> None:
+    """What runs without a GPU or an engine: the prompts stage (smoke scale, CPU), the trainer units' record, the
+    report's table and verdict over the committed run."""
+    with tempfile.TemporaryDirectory(prefix="training-proof-") as tmp:
+        run = Run(work or tmp, "smoke", "cpu")
+        run.timed("prompts", run.stage_prompts)
+        run.record_trainer_units()
+        train, held = run.prompts("prompts_train.jsonl"), run.prompts("prompts_heldout.jsonl")
+        units = json.load(open(run.path("trainer_units.json")))
+        log(f"smoke: {len(train)} training and {len(held)} held-out prompts; trainer units {units}")
+    committed = json.load(open(COMMITTED_RUN))
+    print_table(committed)
+    print(f"verdict of {os.path.basename(COMMITTED_RUN)}: {json.dumps(verdict(committed))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stages", nargs="+", help=f"stage names, or all: {' '.join(STAGES)}")
-    ap.add_argument("--work", required=True)
+    ap.add_argument("stages", nargs="*", help=f"stage names, or all: {' '.join(STAGES)}")
+    ap.add_argument("--work", help="the work directory (required unless --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="what runs without a GPU or an engine: seconds")
     ap.add_argument("--scale", default="full", choices=sorted(SCALES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", help="the report's JSON file")
@@ -649,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant")
     ap.add_argument("--drafter")
     a = ap.parse_args(argv)
+    if a.smoke:
+        smoke(a.work)
+        return 0
+    if not a.stages or not a.work:
+        ap.error("give the stages and --work (or --smoke)")
     run = Run(a.work, a.scale, a.device)
     if a.stages == ["_responses"]:
         run.child_responses()

@@ -13,6 +13,8 @@
 #   last part with OUTDIR/setup.sh, OUTDIR/bundle.md5, OUTDIR/release.txt, OUTDIR/extra:
 #   BUNDLE=OUTDIR CELLS=... bash scripts/gpu_parity.sh
 #   (gpu_parity.sh runs setup.sh once per machine; OUTDIR/extra holds wrapt and speculators 0.3.0's wheels)
+# SMOKE=1 records the build in OUTDIR/bundle-builds.md instead of the project's table (CI runs the script with a
+# stand-in for pip on PATH, offline: tests/test_benchmark_smoke.py).
 set -euo pipefail
 release=${1:?usage: gpu_bundle.sh RELEASE OUTDIR}
 out=${2:?usage: gpu_bundle.sh RELEASE OUTDIR}
@@ -199,6 +201,7 @@ cat "$(dirname "$0")/gpu_bundle_setup.sh" >> "$out/setup.sh"
 # the build, recorded (compat_matrix/results/gpu/bundle-builds.md): which releases the builder makes, and the bundle
 # a GPU result ran from
 builds="$(dirname "$0")/../compat_matrix/results/gpu/bundle-builds.md"
+[ -z "${SMOKE:-}" ] || builds="$out/bundle-builds.md"
 printf '| %s | %d | %d | %s | %s |\n' "$release${BASE:+ (delta over $(cat "$BASE/bundle.md5"))}" \
   "$(ls "$out"/$prefix* | wc -l)" "$(( $(cat "$out"/$prefix* | wc -c) / 1000000 ))" "$(cat "$out/bundle.md5")" \
   "$(date -u +%F)" >> "$builds"

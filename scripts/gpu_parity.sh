@@ -19,13 +19,25 @@
 # Needs a bundle (bash scripts/gpu_bundle.sh RELEASE DIR; BUNDLE=DIR, default .gpu) and DIR/extra/ with the wheels
 # the image lacks: wrapt for eagle_compat, speculators 0.3.0 and what it imports (loguru, accelerate,
 # pydantic-settings, python-dotenv, typer-slim, typer) for the shim cells.
+# SMOKE=1 [PY=python3] runs this script's flow on CPU, without a GPU or a bundle (CI: tests/test_benchmark_smoke.py):
+# each cell on the CPU with the stand-in engine of eagle_compat.testing (its verdict is not parity's: the stand-in's
+# states are not the model's), default cells generator:llama; PREFLIGHT's checkpoints built and their commands
+# printed (scripts/gpu_preflight.py --dry-run).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-source scripts/gpu_setup.sh
-gpu_setup || exit 1
-export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
-python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
+if [ -z "${SMOKE:-}" ]; then
+  source scripts/gpu_setup.sh
+  gpu_setup || exit 1
+  export EAGLE_COMPAT_TINY_MODELS=/tmp/tiny
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
+  python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt" 2>&1
+  py=python3; cell_py=python3; device=cuda; preflight_args=()
+else
+  py=${PY:-python3}; cell_py="$py -m eagle_compat.testing"; device=cpu
+  preflight_args=(--dry-run --work "$out/config-only")
+  export PYTHONPATH=$PWD/src
+  free_gpu() { :; }
+fi
 # each cell's log is written under $OUT as it runs: a call cut off by the device budget still brings back how far
 # the running cell got (vLLM 0.21.0's first cell came back with nothing from /tmp:
 # results/gpu/attempts/h200-vllm-0.21.0-bundle-attempt2.machine.txt)
@@ -33,9 +45,11 @@ python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 't
 # on Hopper refuses the CPU-sized tiny MLA models' head dims at engine start (results/gpu/attempts/
 # h200-vllm-0.26.0-mla-dims.*): there the MLA families run their v_head_dim 128 variants (families.Tiny.gpu_variant)
 release=$(cat "${BUNDLE:-.gpu}/release.txt" 2>/dev/null)
-if [ -n "$release" ] && [ "$(printf '%s\n' 0.26 "$release" | sort -V | head -1)" = 0.26 ]; then
+if [ -n "${SMOKE:-}" ]; then
+  default_cells=generator:llama
+elif [ -n "$release" ] && [ "$(printf '%s\n' 0.26 "$release" | sort -V | head -1)" = 0.26 ]; then
   # every model of the compatibility matrix, shim and generator, GPU-sized where it must be (families.gpu_matrix_checks)
-  default_cells=$(python3 -c "from eagle_compat.capture.families import gpu_matrix_checks
+  default_cells=$($py -c "from eagle_compat.capture.families import gpu_matrix_checks
 print(' '.join(f'{c}:{m}' for c, m in gpu_matrix_checks()))")
 else
   default_cells=$(for check in generator shim; do
@@ -47,8 +61,8 @@ run_cell() {
   local cell=$1 start verdict log
   start=$(date +%s)
   log="$out/cell-${cell/:/-}.log"
-  timeout "${CELL_TIMEOUT_S:-400}" python3 compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto --device cuda \
-    --moe-env "${MOE_ENV:-}" > "$log" 2>&1
+  timeout "${CELL_TIMEOUT_S:-400}" $cell_py compat_matrix/cell.py ${cell%%:*} ${cell##*:} --dtype auto \
+    --device $device --moe-env "${MOE_ENV:-}" > "$log" 2>&1
   if grep -q '^EAGLE_COMPAT_CELL ' "$log"; then
     # one writer at a time: a result line is longer than an atomic append
     { flock 9; grep '^EAGLE_COMPAT_CELL ' "$log" | sed 's/^EAGLE_COMPAT_CELL //' >> "$out/gpu_parity.jsonl"; } \
@@ -74,7 +88,7 @@ done
 wait
 rm -f "$out/.results.lock"
 if [ -n "${PREFLIGHT:-}" ]; then
-  timeout 500 python3 scripts/gpu_preflight.py --device cuda --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
-    > "$out/preflight.log" 2>&1
+  timeout 500 $py scripts/gpu_preflight.py --device $device --only "$(echo $PREFLIGHT | tr ' ' ,)" --out "$out" \
+    "${preflight_args[@]}" > "$out/preflight.log" 2>&1
   grep -E '^[a-z0-9_-]+: ok=' "$out/preflight.log"
 fi

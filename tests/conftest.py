@@ -73,6 +73,7 @@ FILE_SECONDS = {
     "test_integrity.py": 88, "test_patch_contract.py": 85, "test_arrow.py": 71, "test_extract_integrity.py": 41,
     "test_downstream_plugin.py": 40, "test_gemma4.py": 90, "test_online.py": 200, "test_leftovers.py": 150,
     "test_online_trainer.py": 40,
+    "test_benchmark_smoke.py": 125,  # an estimate: 122 s of CPU alone (176 s on a machine busy with another pass)
 }
 
 

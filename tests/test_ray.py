@@ -17,6 +17,7 @@ import pytest
 
 from eagle_compat import tiny_models
 from eagle_compat.extract import writer
+from eagle_compat.testing import StandInEngine
 
 from helpers import in_newest_pass_only, write_dataset
 
@@ -205,27 +206,20 @@ def test_a_killed_driver_is_continued_by_resume_to_a_local_runs_bytes(cluster, m
 
 # -- a batch that keeps failing: real Ray actors, a stand-in engine (no vLLM start) ---------------------------------
 
-class FlakyEngine:
-    """Deterministic states; raises for the batch holding the poisoned sample (always, or once: `marker`)."""
+class FlakyEngine(StandInEngine):
+    """The stand-in engine, raising for the batch holding the poisoned sample (always, or once: `marker`)."""
 
-    def __init__(self, poison_len, marker, hidden):
-        self.poison_len, self.marker, self.hidden = poison_len, marker, hidden  # the model's: the set check reads it
+    def __init__(self, poison_len, marker, **engine_keywords):
+        super().__init__(**engine_keywords)
+        self.poison_len, self.marker = poison_len, marker
 
-    def describe(self):
-        return {"stand_in": True}
-
-    def generate(self, token_ids):
-        import torch
+    def generate(self, token_ids, **kwargs):
         if any(len(ids) == self.poison_len for ids in token_ids):
             if self.marker is None or not os.path.exists(self.marker):
                 if self.marker is not None:
                     open(self.marker, "w").close()
                 raise RuntimeError(f"poisoned sample of {self.poison_len} tokens")
-        return [{"input_ids": torch.tensor(ids),
-                 # each layer's states vary by token, as a model's do (equal rows are refused as no states)
-                 "hidden_states": [torch.arange(len(ids), dtype=torch.float32)[:, None] + torch.full(
-                     (len(ids), self.hidden), float(k)) for k in range(4)]}
-                for ids in token_ids]
+        return super().generate(token_ids, **kwargs)
 
 
 def _standin_actor(poison_len, marker):
@@ -233,7 +227,7 @@ def _standin_actor(poison_len, marker):
 
     class StandInActor(ray_runner.ExtractActor):
         def _start(self):
-            self.gen = FlakyEngine(poison_len, marker, self.spec.writing.hidden_size)
+            self.gen = FlakyEngine(poison_len, marker, **self.spec.engine.keywords())
     return StandInActor
 
 
@@ -271,16 +265,6 @@ def test_a_failing_batch_is_redone_and_one_that_keeps_failing_stops_the_run(clus
 
 # -- every format through the pool: real Ray actors, the stand-in engine of the local suites ---------------------------
 
-def _fake_engine_actor():
-    from eagle_compat.extract import ray_runner
-    from helpers import FakeEngine  # pickled by value with the class (the workers cannot import the test helpers)
-
-    class FakeEngineActor(ray_runner.ExtractActor):
-        def _start(self):
-            self.gen = FakeEngine(self.spec.engine.model, layer_ids=self.spec.engine.layer_ids)
-    return FakeEngineActor
-
-
 def _files(d):
     """Sample files and the Arrow data, not the records (their times and paths differ from run to run)."""
     skip = {"manifest.json", "data_config.json", "state.json", "dataset_info.json", writer.LOCK_FILE,
@@ -294,12 +278,9 @@ def test_ray_writes_every_format_as_a_local_run_does(cluster, model, dataset, tm
                                                      fmt):
     """The actors save through the local run's format objects (extract/formats.py) and the driver finishes the set
     (the Arrow dataset, data_config.json) as a local run does: the two directories hold the same bytes."""
-    import helpers
-    import ray.cloudpickle
+    from eagle_compat import testing
     from eagle_compat.extract import arrow, job, ray_runner
-    ray.cloudpickle.register_pickle_by_value(helpers)  # the workers cannot import the test helpers
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    monkeypatch.setattr(ray_runner, "ExtractActor", _fake_engine_actor())
+    monkeypatch.setattr(ray_runner, "ExtractActor", testing.stand_in_actor())  # the local run's: fake_engine
     common = dict(model=model, data=dataset, layers=[0, 2, 4, 5], batch_size=4, max_len=256, progress=False,
                   format=fmt)
     local, pooled = tmp_path / "local", tmp_path / "ray"
@@ -326,7 +307,7 @@ def _mixed_gpus_actor():
     class MixedGpusActor(ray_runner.ExtractActor):
         """Actor 1's GPU resolves --dtype auto to float16 (a V100 beside A100s), actor 0's to bfloat16."""
         def _start(self):
-            self.gen = FlakyEngine(-1, None, self.spec.writing.hidden_size)
+            self.gen = FlakyEngine(-1, None, **self.spec.engine.keywords())
 
         def engine_dtype(self):
             return "torch.float16" if self.rank == 1 else "torch.bfloat16"
