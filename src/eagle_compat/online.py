@@ -252,16 +252,14 @@ class HiddenStates(_Base):
 
     def _sample(self, s: Any, result: dict) -> dict:
         """What extract's file of this sample holds, checked as extract checks it before writing."""
-        import torch
-
-        from .extract import writer
-        ids, states = result["input_ids"], result["hidden_states"]
+        from .extract import formats, writer
+        sample = formats.training_sample(result, s.loss_mask)
         try:
-            writer.require_finite(s.index, states, self.layer_ids)
-            writer.require_varying(s.index, ids, states, self.layer_ids)
+            writer.require_finite(s.index, sample["hidden_states"], self.layer_ids)
+            writer.require_varying(s.index, sample["input_ids"], sample["hidden_states"], self.layer_ids)
         except (writer.NonFiniteStates, writer.DegenerateStates) as exc:
             raise type(exc)(f"{self.data}:{s.line}: {exc}") from None
-        return {"input_ids": ids, "hidden_states": states, "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+        return sample
 
     def close(self) -> None:
         """Ends the engine and its processes; the input's spool goes. Idempotent."""

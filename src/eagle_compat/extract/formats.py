@@ -236,15 +236,20 @@ def whole_set_refusal(wrong: writer.Mismatch, finishes: str, holds: str = "its s
             f"sample sets (another tokenizer, transformers version or option). {not_written}")
 
 
+def training_sample(result: dict, loss_mask: Any) -> dict:
+    """What a training file holds for a sample (and what the online iterable yields): the engine's ids and states,
+    the input's loss mask as a LongTensor."""
+    import torch
+    return {"input_ids": result["input_ids"], "hidden_states": result["hidden_states"],
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long)}
+
+
 def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: dict, layer_ids: list[int], *,
                  data: str, validate: bool, vocab_size: int, hidden_size: int, stamp: str | None = None) -> str:
     """The one sample writer of every runner (local, Ray actors): the engine's result for a placed sample, checked
     (`--validate`), saved atomically in the run's format. A non-finite sample is refused naming its input line; an
     OSError is the caller's to word (it knows what was written before)."""
-    import torch
-
-    sample = {"input_ids": result["input_ids"], "hidden_states": result["hidden_states"],
-              "loss_mask": torch.as_tensor(s.loss_mask, dtype=torch.long)}
+    sample = training_sample(result, s.loss_mask)
     try:
         if validate:
             writer.require_finite(s.index, sample["hidden_states"], layer_ids)  # its own message, as without
