@@ -8,6 +8,10 @@
   disk       the same writer, same threads, writing the same number of same-sized files (fsynced) from memory, no
              engine: how fast this machine's disk takes what `written` writes. `disk_over_plain` < 1 means the disk
              alone cannot keep up with plain prefill, whatever the software does. Needs no GPU (a few seconds).
+  online     eagle_compat.online.HiddenStates over the same prompts as token-id lines, in order, batches of --batch:
+             every sample's states taken as a training loop takes them (stacked and, on a GPU, copied onto it); no
+             file of states written. Its samples are compared bit for bit with `written`'s files where that phase
+             ran before it in the same run (same batches: `compared_with_written`).
   native     vLLM's own `extract_hidden_states` speculative method + `ExampleHiddenStatesConnector` (one safetensors
              file per request), same layers (vLLM's id k is the input of layer k: speculators' id i -> vLLM i+1);
              a few of its files are compared with `written`'s at bf16 tolerance. Skipped, with the reason, where this
@@ -22,8 +26,8 @@ each phase's peak memory (driver and engine processes, VmHWM; shared-memory page
 `tiny-llama` builds the tests' tiny model; `llama-8b-dummy` (and `qwen3-30b-a3b-dummy`, a MoE) write a config of
 that shape and run it with dummy weights (`load_format="dummy"`).
 
-  python benchmarks/throughput.py --smoke      # CI: tiny-llama, 8 x 32, phases disk,delivered,written, seconds
-`--stand-in` runs delivered, written and written_shm with the stand-in engine of `eagle_compat.testing` (no vLLM:
+  python benchmarks/throughput.py --smoke      # CI: tiny-llama, 8 x 32, phases disk,delivered,written,online
+`--stand-in` runs delivered, written, written_shm and online with the stand-in engine of `eagle_compat.testing` (no vLLM:
 the phases' own work; plain and native are vLLM's and refused with it); `--smoke` is tiny sizes with it.
 """
 from __future__ import annotations
@@ -259,6 +263,8 @@ def phase(args: argparse.Namespace) -> dict:
     if args.stand_in:  # the generator looked up below is the stand-in (eagle_compat.testing)
         from eagle_compat import testing
         testing.install()
+    if args.phase == "online":
+        return online_phase(args, batch, layers, extra)
     from eagle_compat import VllmHiddenStatesGenerator
     from eagle_compat.generator import QUEUED_BATCHES
 
@@ -309,6 +315,44 @@ def phase(args: argparse.Namespace) -> dict:
               "memory": peak_memory(), **extra_out}
     gen.close()
     return result
+
+
+def online_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int], extra: dict) -> dict:
+    """The iterable a training loop takes, fed the prompts as token-id lines in their order; the clock runs from the
+    first batch after the warm-up to the last sample taken, as for `delivered`."""
+    import torch
+
+    from eagle_compat.online import HiddenStates
+
+    data = os.path.join(tempfile.mkdtemp(prefix="eagle-bench-online-"), "data.jsonl")
+    with open(data, "w") as f:
+        for ids in batch:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    device = "cuda" if torch.cuda.is_available() else None
+    states = HiddenStates(args.model_path, data, layers=layers, max_len=args.tokens, batch_size=args.batch,
+                          shuffle=False, read_ahead=2, gpu_memory_utilization=args.gmu, show_load_progress=False,
+                          **extra)
+    engine = states._started()  # started and warmed before the clock, as the other phases' engines are
+    engine.generate(warm_prompts(args, batch))
+    compared, differ, checked = 0, [], 8
+    t0 = time.perf_counter()
+    for k, sample in enumerate(states):
+        stacked = torch.stack(sample["hidden_states"])  # what a trainer does with a sample's layers
+        if device:
+            stacked = stacked.to(device, non_blocking=True)
+        if k < checked and args.written_dir and os.path.exists(os.path.join(args.written_dir, f"data_{k}.pt")):
+            kept = torch.load(os.path.join(args.written_dir, f"data_{k}.pt"))
+            compared += 1
+            if not all(torch.equal(a, b) for a, b in zip(kept["hidden_states"], sample["hidden_states"],
+                                                         strict=True)):
+                differ.append(k)
+        del sample, stacked
+    if device:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    states.close()
+    return {"seconds": seconds, "tokens": sum(map(len, batch)), "memory": peak_memory(),
+            "compared_with_written": {"samples": compared, "differ": differ, "equal": compared > 0 and not differ}}
 
 
 def disk_phase(args: argparse.Namespace, batch: list[list[int]], layers: list[int]) -> dict:
@@ -377,9 +421,10 @@ def main() -> int:
     ap.add_argument("--native-timeout", type=float, default=120.0, help="seconds to wait for native files")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--stand-in", action="store_true",
-                    help="delivered, written, written_shm with the stand-in engine (eagle_compat.testing): no vLLM")
+                    help="delivered, written, written_shm, online with the stand-in engine (eagle_compat.testing): "
+                         "no vLLM")
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny-llama, 8 prompts x 32 tokens, phases disk,delivered,written, --stand-in: seconds")
+                    help="tiny-llama, 8 prompts x 32 tokens, phases disk,delivered,written,online, --stand-in: seconds")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
@@ -389,7 +434,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.model, args.prompts, args.tokens, args.batch, args.batch_tokens = "tiny-llama", 8, 32, 4, 256
-        args.writer_threads, args.phases, args.stand_in = 2, "disk,delivered,written", True
+        args.writer_threads, args.phases, args.stand_in = 2, "disk,delivered,written,online", True
     if args.stand_in and not args.phase and {"plain", "native"} & set(args.phases.split(",")):
         ap.error("--stand-in: the phases plain and native are vLLM's own; leave them out (--phases)")
     if args.phase:
@@ -447,7 +492,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     plain = results["phases"].get("plain", {}).get("tokens_per_s")
     if plain:
-        for name in ("delivered", "written", "written_shm", "native", "disk"):
+        for name in ("delivered", "written", "written_shm", "online", "native", "disk"):
             tps = results["phases"].get(name, {}).get("tokens_per_s")
             if tps:
                 results[f"{name}_over_plain"] = tps / plain

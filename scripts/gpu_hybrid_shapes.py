@@ -8,6 +8,9 @@ For each variant, three engines on the same tokens:
              after each decoder layer, taken by forward hooks inside the engine's process, and the prompt's logprobs
   generator  eagle_compat.VllmHiddenStatesGenerator (dtype auto, as speculators passes)
   shim       speculators 0.3.0's generator under eagle_compat.install()
+and each engine with one setting changed (ENGINE:SETTING): `kv2g` a 2 GiB KV cache (the plain engine's default here),
+`util` a KV cache of 0.2 of the GPU's memory (the generators' default here), `triton` vLLM's Triton attention backend
+instead of the one it picks (FlashAttention on Hopper);
 each judged against HF fp32 with HF's own bf16 error on the same tokens (eagle_compat.check.compare), and the KV-cache
 groups each engine planned.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +52,9 @@ VARIANTS: dict[str, dict] = {
 }
 LENGTHS = (32, 96, 150, 230, 320, 410, 500, 587)
 ENGINES = ("plain", "generator", "shim")
+SETTINGS = ("", "kv2g", "util", "triton")
+KV_2G = 2 << 30
+UTIL = 0.2  # three engines side by side on one GPU
 
 
 def model_dir(root: str, variant: str) -> str:
@@ -104,7 +111,13 @@ def groups_of(kv_cache_config) -> list[dict]:
             for g in kv_cache_config.kv_cache_groups]
 
 
-def run_plain(path: str, seqs: list[list[int]], n: int) -> dict:
+def kv_sizes(kv_cache_config) -> dict:
+    return {"num_blocks": kv_cache_config.num_blocks,
+            "tensors": [{"bytes": t.size, "layers": len(getattr(t, "shared_by", None) or getattr(t, "layers", []))}
+                        for t in kv_cache_config.kv_cache_tensors]}
+
+
+def run_plain(path: str, seqs: list[list[int]], n: int, setting: str) -> dict:
     """vLLM's own engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one prompt per step; the hooks compute
     hidden + residual inside the layer's call (the next layer's fused add-norm overwrites the returned tensors)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -113,7 +126,9 @@ def run_plain(path: str, seqs: list[list[int]], n: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(path, dtype="auto", enforce_eager=True, max_model_len=1024, skip_tokenizer_init=True,
-              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, seed=0)
+              enable_prefix_caching=False, gpu_memory_utilization=UTIL, seed=0,
+              **({} if setting == "util" else {"kv_cache_memory_bytes": KV_2G}),
+              **({"attention_backend": "TRITON_ATTN"} if setting == "triton" else {}))
     captured: dict[int, list] = {i: [] for i in range(n)}
 
     def install(model):
@@ -135,31 +150,50 @@ def run_plain(path: str, seqs: list[list[int]], n: int) -> dict:
     try:
         core = llm.llm_engine.engine_core.engine_core
         groups = groups_of(core.scheduler.kv_cache_config)
+        sizes = kv_sizes(core.scheduler.kv_cache_config)
     except Exception as exc:  # noqa: BLE001 - a diagnostic only
-        groups = f"unread: {type(exc).__name__}: {exc}"
-    return {"states": states, "logprobs": logprobs, "groups": groups}
+        groups = sizes = f"unread: {type(exc).__name__}: {exc}"
+    return {"states": states, "logprobs": logprobs, "groups": groups, "kv": sizes}
 
 
-def run_generator(path: str, seqs: list[list[int]], n: int) -> dict:
+def use_triton_attention() -> None:
+    """The generator's VllmConfig with vLLM's Triton attention backend (its workers read the config's choice)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from eagle_compat.engine import configs
+    build = configs.build_vllm_config
+
+    def with_triton(*args, **kwargs):
+        vllm_config = build(*args, **kwargs)
+        vllm_config.attention_config.backend = AttentionBackendEnum.TRITON_ATTN
+        return vllm_config
+    configs.build_vllm_config = with_triton
+
+
+def run_generator(path: str, seqs: list[list[int]], n: int, setting: str) -> dict:
     from eagle_compat import VllmHiddenStatesGenerator
+    if setting == "triton":
+        use_triton_attention()
+    kv = {"kv_cache_memory_bytes": KV_2G} if setting == "kv2g" else {}
     with VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024,
-                                   gpu_memory_utilization=0.3) as gen:
+                                   gpu_memory_utilization=UTIL, **kv) as gen:
         results = gen.generate(seqs)
         groups = groups_of(gen.scheduler.kv_cache_config)
-    return {"states": [r["hidden_states"] for r in results], "groups": groups}
+        sizes = kv_sizes(gen.scheduler.kv_cache_config)
+    return {"states": [r["hidden_states"] for r in results], "groups": groups, "kv": sizes}
 
 
-def run_shim(path: str, seqs: list[list[int]], n: int) -> dict:
+def run_shim(path: str, seqs: list[list[int]], n: int, setting: str) -> dict:
     import eagle_compat
     eagle_compat.install()
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-    gen = VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024, gpu_memory_utilization=0.3)
+    gen = VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024, gpu_memory_utilization=UTIL)
     try:
         results = gen.generate(seqs)
         groups = groups_of(gen.scheduler.kv_cache_config)
+        sizes = kv_sizes(gen.scheduler.kv_cache_config)
     finally:
         gen.executor.shutdown()
-    return {"states": [r["hidden_states"] for r in results], "groups": groups}
+    return {"states": [r["hidden_states"] for r in results], "groups": groups, "kv": sizes}
 
 
 def one(variant: str, engine: str, root: str, device: str) -> dict:
@@ -173,10 +207,11 @@ def one(variant: str, engine: str, root: str, device: str) -> dict:
     start = time.time()
     record: dict = {"variant": variant, "engine": engine, "config": {**BASE, **VARIANTS[variant]}}
     try:
-        got = {"plain": run_plain, "generator": run_generator, "shim": run_shim}[engine](path, seqs, n)
+        kind, _, setting = engine.partition(":")
+        got = {"plain": run_plain, "generator": run_generator, "shim": run_shim}[kind](path, seqs, n, setting)
         results = [{"hidden_states": s} for s in got["states"]]
         layers = check.compare(results, ref["fp32"], list(range(n)), "bf16", ref["bf16"])
-        record.update(status="pass" if all(e.ok for e in layers) else "fail", groups=got["groups"],
+        record.update(status="pass" if all(e.ok for e in layers) else "fail", groups=got["groups"], kv=got["kv"],
                       layers={e.layer_id: {"ok": e.ok, "median": e.median, "p95": e.high,
                                            "hf_bf16_median": e.reference_median, "hf_bf16_p95": e.reference_high,
                                            "max_rel_to_layer_max": e.max_rel_to_layer_max}
@@ -225,25 +260,27 @@ def main() -> None:
         print("HYBRID_SHAPES " + json.dumps(one(variant, engine, a.root, a.device), default=str), flush=True)
         return
     variants = a.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS] + [e for e in a.engines.split(",") if e not in ENGINES]
+    unknown = [v for v in variants if v not in VARIANTS] + [
+        e for e in a.engines.split(",") if e.partition(":")[0] not in ENGINES or e.partition(":")[2] not in SETTINGS]
     if unknown:
-        ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; engines: {', '.join(ENGINES)}")
+        ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; engines: {', '.join(ENGINES)}, each with "
+                 f"an optional :SETTING of {', '.join(SETTINGS[1:])}")
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     prepare(a.root, variants, a.device)
     print(f"references ready in {time.time() - t0:.0f} s", flush=True)
-    jobs = [(v, e) for v in variants for e in a.engines.split(",")]
+    # every variant's first engine before any variant's second: a call cut short still covers every shape
+    jobs = [(v, e) for e in a.engines.split(",") for v in variants]
     running: list = []
     results = open(os.path.join(a.out, "hybrid_shapes.jsonl"), "a")
 
-    def reap(block: bool) -> None:
+    def reap() -> None:
         for job in list(running):
-            proc, (v, e), log = job
-            if block or proc.poll() is not None:
-                try:
-                    proc.wait(timeout=a.timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            proc, (v, e), log, started = job
+            if proc.poll() is None and time.time() - started > a.timeout:
+                os.killpg(proc.pid, 9)  # the engine's own processes with it: they hold GPU memory
+                proc.wait()
+            if proc.poll() is not None:
                 text = open(log).read()
                 line = [ln for ln in text.splitlines() if ln.startswith("HYBRID_SHAPES ")]
                 rec = json.loads(line[-1][14:]) if line else {"variant": v, "engine": e, "status": "no result",
@@ -255,21 +292,30 @@ def main() -> None:
                 print(f"{v:7s} {e:9s} {rec['status']:9s} worst median/hf {worst} "
                       f"logprobs {rec.get('prompt_logprobs', {}).get('max_abs_vs_hf_fp32')} "
                       f"groups {len(rec['groups']) if isinstance(rec.get('groups'), list) else rec.get('groups')} "
-                      f"({rec.get('seconds')} s)", flush=True)
+                      f"({rec.get('seconds')} s) max_rel by layer "
+                      f"{[round(L['max_rel_to_layer_max'], 3) for L in rec.get('layers', {}).values()]} "
+                      f"kv {rec.get('kv')}", flush=True)
                 running.remove(job)
-                if block:
-                    return
 
+    def stop(signum, frame):  # `timeout` around this script: the engines go with it
+        for proc, *_ in running:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
     for v, e in jobs:
         while len(running) >= a.parallel:
-            reap(block=False)
+            reap()
             time.sleep(1)
         log = os.path.join(a.root, f"log-{v}-{e}.txt")
         proc = subprocess.Popen([sys.executable, __file__, "one", v, e, "--root", a.root, "--device", a.device,
-                                 "--out", a.out], stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        running.append((proc, (v, e), log))
+                                 "--out", a.out], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        running.append((proc, (v, e), log, time.time()))
     while running:
-        reap(block=False)
+        reap()
         time.sleep(1)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 

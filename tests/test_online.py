@@ -186,6 +186,7 @@ def test_a_dataloader_worker_is_refused_with_the_way_out(tiny_llama, dataset, fa
     ({"rank": 0}, r"give both, or neither"),
     ({"layers": [0, 99]}, r"99"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5; must be in \(0, 1\]"),
+    ({"load_format": ""}, r"load_format=''; must be one of vLLM's load formats"),
 ])
 def test_bad_options_are_refused_before_any_engine_starts(tiny_llama, dataset, fake_engine, bad, match):
     with pytest.raises(InvalidInput, match=match):

@@ -116,7 +116,7 @@ class HiddenStates(_Base):
                  min_loss_tokens: int = 1, skip_uncovered: bool = False, validate: bool = False,
                  dtype: str = "auto", gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  kv_cache_memory_bytes: int | None = None, trust_remote_code: bool = False,
-                 show_load_progress: bool = True):
+                 load_format: str = "auto", show_load_progress: bool = True):
         from . import generator  # looked up at run time (the tests put a stand-in engine there)
         from .model_source import local_model_path
 
@@ -132,6 +132,9 @@ class HiddenStates(_Base):
                                                      and os.path.isdir(data) else "no such file"))
         self.data = os.fspath(data)
         self.model = local_model_path(os.fspath(model), option="model")
+        if not isinstance(load_format, str) or not load_format:
+            raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or "
+                               "'dummy' (random weights: for measuring speed only)")
         options.check_engine_options(tensor_parallel_size=tensor_parallel_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype)
@@ -148,7 +151,7 @@ class HiddenStates(_Base):
             model_path=self.model, layer_ids=self.layer_ids, max_model_len=self.max_len + 1,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             trust_remote_code=trust_remote_code, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            show_load_progress=show_load_progress)
+            load_format=load_format, show_load_progress=show_load_progress)
         self._input = _read_input(self.data, self.model, self.max_len, int(getattr(text_config, "vocab_size", 0) or 0),
                                   skip_uncovered=_flag("skip_uncovered", skip_uncovered),
                                   validate=_flag("validate", validate), min_loss_tokens=min_loss_tokens,
