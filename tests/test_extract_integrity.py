@@ -434,7 +434,7 @@ def test_validate_refuses_a_reply_masked_on_a_header_token_that_holds_its_letter
     messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "ant"}]
     text = tok.apply_chat_template(messages, tokenize=False)
     header = text.index("<|assistant|>")
-    monkeypatch.setattr(inputs, "assistant_spans", lambda *a: [(header + 8, header + 11)])  # where the old search went
+    monkeypatch.setattr(inputs, "assistant_pieces", lambda *a: [(header + 8, header + 11, 1)])  # where the old search went
     with pytest.raises(InvalidInput, match=r"its masked tokens hold '<\|assistant\|>', a special token reaching "
                                               r"outside the reply \"ant\""):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)
@@ -1432,21 +1432,20 @@ def test_only_a_directory_holding_files_of_the_earlier_hash_keeps_it(model, data
 
 
 def test_what_the_input_gives_but_the_samples_do_not_use_is_said(model, tmp_path, fake_engine, capsys):
-    """Message keys other than role and content never reach the chat template (speculators' preprocessing drops
-    them too: reasoning_content, tool_calls, a per-turn weight), and input_ids without loss_mask train on every
-    token: both were silent."""
+    """Message keys that vLLM's chat endpoint does not pass to the chat template never reach it (a source tag, a
+    per-turn weight), and input_ids without loss_mask train on every token: both were silent."""
     data = _write_lines(tmp_path / "d.jsonl", [
         {"conversations": [{"role": "user", "content": "w1 w2", "weight": None},
-                           {"role": "assistant", "content": "w3", "reasoning_content": "w9 w9", "weight": 0}]},
+                           {"role": "assistant", "content": "w3", "source": "w9 w9", "weight": 0}]},
         {"input_ids": [5, 6, 7]},
         {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
     job.run(_opts(model, data, tmp_path / "out"))
     err = capsys.readouterr().err
-    assert "conversations carry keys the chat template is not given ('reasoning_content' in 1)" in err
+    assert "conversations carry keys the chat template is not given ('source' in 1)" in err
     assert "1 messages carry a 'weight', which is not applied" in err  # the null one says nothing
     assert "1 lines give input_ids without loss_mask: every token of them is in the loss mask" in err
     notes = json.load(open(tmp_path / "out" / "manifest.json"))["input_notes"]
-    assert notes == {"message_keys_not_passed_to_the_template": {"reasoning_content": 1, "weight": 1},
+    assert notes == {"message_keys_not_passed_to_the_template": {"source": 1, "weight": 1},
                      "token_lines_without_loss_mask": 1}
 
 

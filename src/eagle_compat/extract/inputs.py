@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import InvalidInput
+from .conversation import Chat, as_chat, chat_of
+from .conversation import shown as _shown
 
-ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-                "model": "assistant", "system": "system"}
 LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, ...]} (or \"messages\"), or "
               "{\"input_ids\": [ints], \"loss_mask\": [0/1 per id]}")
 
@@ -60,50 +60,8 @@ class Dataset:
     data_sha256: str = ""
 
 
-MESSAGE_KEYS = {"role", "content", "from", "value"}  # what a message passes to the chat template (speculators' too)
-
-
-def _one_spelling(obj: dict, first: str, second: str, where: str, what: str, meaning: Any = None) -> Any:
-    """The value of `first`, else of `second` (ShareGPT's spelling). Both given (not null) with different meanings
-    (`meaning` of each value; the values themselves by default): refused, never one of them chosen silently."""
-    if obj.get(first) is not None and obj.get(second) is not None:
-        one, other = (obj[first], obj[second]) if meaning is None else (meaning(obj[first]), meaning(obj[second]))
-        if one != other:
-            raise InvalidInput(f"{where}: {what} gives both {first!r} ({_shown(obj[first])}) and {second!r} "
-                               f"({_shown(obj[second])}), which differ; give one of them")
-    return obj[first] if first in obj else obj.get(second)
-
-
-def _role(given: Any) -> str | None:
-    """The role a message's role/from names (None: none): exactly a JSON string, one of ROLE_ALIASES."""
-    return ROLE_ALIASES.get(given.lower()) if isinstance(given, str) else None
-
-
-def _messages(record: dict, where: str, unused_keys: collections.Counter | None = None) -> list[dict] | None:
-    conv = _one_spelling(record, "conversations", "messages", where, "the line")
-    if conv is None:
-        return None
-    if not isinstance(conv, list) or not conv:
-        raise InvalidInput(f"{where}: 'conversations' must be a non-empty list of messages")
-    out = []
-    for m in conv:
-        if not isinstance(m, dict):
-            raise InvalidInput(f"{where}: message {m!r} is not an object")
-        role = _role(_one_spelling(m, "role", "from", where, "a message", meaning=_role))
-        content = _one_spelling(m, "content", "value", where, "a message")
-        if role is None or not isinstance(content, str):
-            raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content "
-                               f"(both JSON strings), got {m!r}")
-        out.append({"role": role, "content": content})
-        if unused_keys is not None:  # null or empty values (OpenHermes' "weight": null on every message) say nothing
-            unused_keys.update(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, "", [], {}))
-    if unused_keys is not None:
-        unused_keys.update(f"top-level {k}" for k in ("system", "tools") if record.get(k))
-    return out
-
-
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer: Any, chat: Chat, messages: list[dict], generation_prompt: bool) -> str:
+    return chat.render(tokenizer, messages, generation_prompt)
 
 
 def _placeholder(k: int) -> str:
@@ -111,121 +69,218 @@ def _placeholder(k: int) -> str:
 
 
 PLACEHOLDER = re.compile(r"EagleCompatReply(\d+)Placeholder7f3a")  # every _placeholder(k), found in one pass
+PIECE_FIELDS = ("reasoning", "content")  # what of a reply a placeholder stands in for, where the reply has it
 
 
-def _replies_in_place(tokenizer: Any, messages: list[dict], text: str,
-                      replies: list[int] | None = None) -> list[tuple[int, int]] | None:
-    """Where the template put the assistant replies (the messages `replies`, else every one) in `text`, from one more
-    rendering with a placeholder in each one's place: `text` must be that rendering with each placeholder replaced
-    by its reply (as it is, or trimmed). None where the template renders the rest around them differently."""
+def _fits(value: str) -> list[str]:
+    """How a template may render a piece: as it is, or trimmed (Qwen3's reasoning.strip('\\n'), content.lstrip)."""
+    return list(dict.fromkeys((value, value.strip("\n"), value.lstrip("\n"), value.rstrip("\n"), value.strip())))
+
+
+def _with_pieces(chat: Chat, pieces: dict[tuple[int, str], int], without_calls: int | None = None) -> list[dict]:
+    out = []
+    for i, m in enumerate(chat.messages):
+        m = {**m}
+        for name in PIECE_FIELDS:
+            if (i, name) in pieces:
+                m[name] = _placeholder(pieces[(i, name)])
+                if name == "reasoning":
+                    m["reasoning_content"] = m[name]
+        if i == without_calls:
+            del m["tool_calls"]
+        out.append(m)
+    return out
+
+
+@dataclass
+class _Located:
+    spans: dict  # (message index, "reasoning" | "content" | "tool_calls") -> (start, end) in the text
+    without_reasoning: set  # replies whose reasoning the template does not render (Qwen3: earlier turns)
+
+
+def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] | None = None) -> _Located | None:
+    """Where the template put the replies' pieces (the messages `replies`, else every assistant message): their
+    reasoning and content, from one more rendering with a placeholder in each one's place (`text` must be that
+    rendering with each placeholder replaced by its piece, as it is or trimmed), and their tool calls, from a
+    rendering without each reply's calls. A reply's reasoning may be missing (the template drops it); its content may
+    not. None where the template renders the rest around them differently."""
     if replies is None:
-        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    number = {i: k for k, i in enumerate(replies)}  # message index -> its placeholder's number
-    placed = _render(tokenizer, [{**m, "content": _placeholder(number[i])} if i in number else m
-                                 for i, m in enumerate(messages)], False)
-    # one pass over the rendering (a search per reply was quadratic): each placeholder once, in the replies' order
-    named = {str(k): k for k in range(len(replies))}
-    found = [(named[match.group(1)], match.start(), match.end())
-             for match in PLACEHOLDER.finditer(placed) if match.group(1) in named]
-    if [k for k, _, _ in found] != list(range(len(replies))):
+        replies = [i for i, m in enumerate(chat.messages) if m["role"] == "assistant"]
+    values = {(i, name): chat.messages[i].get(name) for i in replies for name in PIECE_FIELDS
+              if chat.messages[i].get(name)}  # an empty piece gets no placeholder: it may change the template's path
+    pieces = {piece: k for k, piece in enumerate(values)}
+    placed = _render(tokenizer, chat, _with_pieces(chat, pieces), False)
+    by_number = {str(k): piece for piece, k in pieces.items()}
+    found = [(by_number[m.group(1)], m.start(), m.end()) for m in PLACEHOLDER.finditer(placed)
+             if m.group(1) in by_number]
+    seen = [piece for piece, _, _ in found]
+    if len(set(seen)) != len(seen) or any(name == "content" and piece not in seen
+                                          for piece in values for name in [piece[1]]):
         return None
-    cuts, ends = [b for _, b, _ in found], [e for _, _, e in found]
-    around = [placed[b:e] for b, e in zip([0, *ends], [*cuts, len(placed)])]  # the template's text between replies
-    spans, at = [], 0
-    for k, i in enumerate(replies):
-        if not text.startswith(around[k], at):
+    # each placeholder's place in `placed` and its piece's in `text`: text = placed with each replaced by a fit
+    spans, anchors, at, last = {}, [], 0, 0  # anchors: (end in placed, end in text)
+    for piece, begin, end in found:
+        between = placed[last:begin]
+        if not text.startswith(between, at):
             return None
-        at += len(around[k])
-        content = messages[i]["content"]
-        fits = [c for c in dict.fromkeys((content, content.strip()))
-                if text.startswith(c, at) and text.startswith(around[k + 1], at + len(c))]
+        at += len(between)
+        following = placed[end:found[seen.index(piece) + 1][1]] if seen.index(piece) + 1 < len(found) else placed[end:]
+        fits = [c for c in _fits(values[piece]) if text.startswith(c, at) and text.startswith(following, at + len(c))]
         if not fits:
             return None
-        if fits[0]:
-            spans.append((at, at + len(fits[0])))
-        at += len(fits[0])
-    return spans if len(text) - at == len(around[-1]) and text.startswith(around[-1], at) else None
+        spans[piece] = (at, at + len(fits[0]))
+        at, last = at + len(fits[0]), end
+        anchors.append((end, at))
+    if text[at:] != placed[last:]:
+        return None
+    without_reasoning = {i for (i, name) in values if name == "reasoning" and (i, name) not in spans}
+    for i in replies:
+        if chat.messages[i].get("tool_calls") and i not in without_reasoning:
+            calls = _calls_in_place(tokenizer, chat, pieces, placed, anchors, i)
+            if calls is None:
+                return None
+            spans[(i, "tool_calls")] = calls
+    return _Located(spans, without_reasoning)
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict], text: str,
-                    reach: int | None = None) -> list[tuple[int, int]]:
-    """Character spans of every assistant message's content in `text`, the templated conversation, in order and
-    disjoint.
+def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, anchors: list[tuple[int, int]],
+                    i: int) -> tuple[int, int] | None:
+    """Reply i's tool calls in the text: what the placeholder rendering loses when that reply's calls are left out
+    (their blocks, without the whitespace the template puts around them), mapped into the text. None where that
+    part holds a placeholder."""
+    without = _render(tokenizer, chat, _with_pieces(chat, pieces, without_calls=i), False)
+    head = 0
+    limit = min(len(placed), len(without))
+    while head < limit and placed[head] == without[head]:
+        head += 1
+    tail = 0
+    while tail < limit - head and placed[-1 - tail] == without[-1 - tail]:
+        tail += 1
+    begin, end = head, len(placed) - tail
+    while begin > 0 and begin < end and placed[begin - 1] == placed[end - 1]:  # the same insertion, shifted left:
+        begin, end = begin - 1, end - 1  # "<tool_call>...</tool_call>" before "<|im_end|>", not "tool_call>...<"
+    while begin < end and placed[begin].isspace():
+        begin += 1
+    while end > begin and placed[end - 1].isspace():
+        end -= 1
+    if begin >= end or PLACEHOLDER.search(placed, begin, end):
+        return None
+    k = bisect.bisect_right([a for a, _ in anchors], begin)  # the placeholders before it shift it into the text
+    shift = anchors[k - 1][1] - anchors[k - 1][0] if k else 0
+    return begin + shift, end + shift
 
-    Replies are looked for where the template put them: rendered again with a placeholder in each reply's place,
-    the conversation must be `text` around the replies. Short replies are so never matched inside the template's
+
+def assistant_spans(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
+                    without_reasoning: set | None = None) -> list[tuple[int, int]]:
+    """assistant_pieces' spans, without the replies they belong to."""
+    return [(b, e) for b, e, _ in assistant_pieces(tokenizer, messages, text, reach, without_reasoning)]
+
+
+def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
+                     without_reasoning: set | None = None) -> list[tuple[int, int, int]]:
+    """(start, end, message index): character spans of what the assistant generated in `text`, the templated conversation, in order and disjoint:
+    each reply's reasoning (where the template renders it), its content and its tool calls. A reply whose reasoning
+    the template does not render (Qwen3's drops it from turns before the last user message) is not what the model
+    generated at that turn: it stays as context, out of the mask, and is added to `without_reasoning`.
+
+    Replies are looked for where the template put them: rendered again with a placeholder in each piece's place,
+    the conversation must be `text` around the pieces. Short replies are so never matched inside the template's
     own header text (R1's "<｜Assistant｜>" holds "A", Qwen3's "<think>" holds "hi"). Where the template renders the
     rest differently around placeholders (it moves reasoning out of earlier replies, say), each reply is looked up in
     order (never inside an earlier message): where a placeholder for it alone renders the rest as `text`, there;
     else after the generation header, where the prefix up to it renders as the text starts. A reply that is not in
-    the text (the template rewrites or drops it, e.g. strips reasoning from earlier turns) raises
-    UncoveredConversation. Replies that begin at or past `reach` (no token --max-len keeps ends past it) are looked
-    up in order only, without those renderings: a rendering per reply made a long conversation quadratic, and their
-    tokens are cut away (they count in the report).
+    the text (the template rewrites or drops it) raises UncoveredConversation, as does reasoning the template renders
+    in no turn (it has no place for it) and tool calls found only by that search. Replies that begin at or past
+    `reach` (no token --max-len keeps ends past it) are looked up in order only, without those renderings: a
+    rendering per reply made a long conversation quadratic, and their tokens are cut away (they count in the report).
     """
-    in_place = _replies_in_place(tokenizer, messages, text)
+    chat = as_chat(messages)
+    in_place = _pieces_in_place(tokenizer, chat, text)
     if in_place is not None:
-        return in_place
-    spans: list[tuple[int, int]] = []
+        return _generated(chat, in_place, without_reasoning)
+    spans: list[tuple[int, int, int]] = []
     cursor = 0
-    for i, m in enumerate(messages):
+    for i, m in enumerate(chat.messages):
         content = m["content"]
         start = cursor
         if m["role"] == "assistant" and (reach is None or cursor < reach):
-            alone = _replies_in_place(tokenizer, messages, text, [i])
-            if alone is not None and all(begin >= cursor for begin, _ in alone):
-                spans += alone
-                cursor = alone[0][1] if alone else cursor
+            alone = _pieces_in_place(tokenizer, chat, text, [i])
+            if alone is not None and all(begin >= cursor for begin, _ in alone.spans.values()):
+                spans += _generated(chat, alone, without_reasoning)
+                cursor = max((end for _, end in alone.spans.values()), default=cursor)
+                cursor = max([cursor] + [end for _, end, _ in spans])
                 continue
+            if m.get("tool_calls"):
+                raise UncoveredConversation(f"assistant message {_reply_number(chat, i)} has tool calls, and the "
+                                            "template renders its conversation so that they cannot be located")
             if i:
-                before = _render(tokenizer, messages[:i], True)
+                before = _render(tokenizer, chat, chat.messages[:i], True)
                 if text.startswith(before):
                     start = max(cursor, len(before))
-        pos, found = -1, content
-        for candidate in (content, content.strip()):  # templates often trim message content
-            if candidate:
-                pos, found = text.find(candidate, start), candidate
-                if pos >= 0:
-                    break
-        if pos < 0:
-            if m["role"] == "assistant" and content.strip():
-                n_assistant = sum(1 for x in messages[: i + 1] if x["role"] == "assistant")
-                raise UncoveredConversation(
-                    f"assistant message {n_assistant} ({_preview(content)}) is not in the chat-templated text: the "
-                    "template renders it differently (rewrites it, or drops part of it from earlier turns), so its "
-                    "tokens cannot be located for the loss mask")
-            continue  # a system/user text the template rewrites: it only positions the search
-        if m["role"] == "assistant":
-            spans.append((pos, pos + len(found)))
-        cursor = pos + len(found)
+        pieces = [(chat.reasoning(i), True), (content, False)] if m["role"] == "assistant" else [(content, False)]
+        for value, optional in pieces:
+            pos, found = -1, value
+            for candidate in _fits(value):  # templates often trim message content
+                if candidate:
+                    pos, found = text.find(candidate, start), candidate
+                    if pos >= 0:
+                        break
+            if pos < 0:
+                if m["role"] == "assistant" and value.strip() and not optional:
+                    raise UncoveredConversation(
+                        f"assistant message {_reply_number(chat, i)} ({_preview(value)}) is not in the chat-templated "
+                        "text: the template renders it differently (rewrites it, or drops part of it from earlier "
+                        "turns), so its tokens cannot be located for the loss mask")
+                continue  # a system/user text the template rewrites: it only positions the search
+            if m["role"] == "assistant":
+                spans.append((pos, pos + len(found), i))
+            start = cursor = pos + len(found)
     return spans
+
+
+def _reply_number(chat: Chat, i: int) -> int:
+    return sum(1 for x in chat.messages[: i + 1] if x["role"] == "assistant")
+
+
+def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> list[tuple[int, int, int]]:
+    """The located pieces of the replies the template renders as generated, in text order."""
+    dropped = located.without_reasoning
+    if dropped:
+        last = max(i for i, m in enumerate(chat.messages) if m["role"] == "assistant")
+        if last in dropped:  # not even the last reply's: this template has no place for reasoning
+            raise UncoveredConversation(
+                f"assistant message {_reply_number(chat, last)} has reasoning ({_preview(chat.reasoning(last))}), "
+                "which this model's chat template does not render: the server never shows this model reasoning "
+                "that way. Put it into the content as the model writes it (e.g. <think>...</think>), or leave the "
+                "field out")
+        if without_reasoning is not None:
+            without_reasoning.update(dropped)
+    return sorted((*span, i) for (i, _), span in located.spans.items() if i not in dropped)
 
 
 def _preview(text: str, n: int = 40) -> str:
     return json.dumps(text if len(text) <= n else text[:n] + "...")
 
 
-def _shown(value: Any, n: int = 40) -> str:
-    """A JSON value as the line writes it (1.0, true, "1"), cut to `n` characters."""
-    text = json.dumps(value)
-    return text if len(text) <= n else text[:n] + "..."
-
-
-def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *, check_decoded: bool = False,
-                          cut: Cut | None = None,
-                          template_tokens: frozenset[int] | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-templated conversation and a mask that is 1 on assistant-content tokens.
+def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len: int, *, check_decoded: bool = False,
+                          cut: Cut | None = None, template_tokens: frozenset[int] | None = None,
+                          without_reasoning: set | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-templated conversation and a mask that is 1 on what the assistant generated: each
+    reply's reasoning (where the template renders it), content and tool calls (assistant_pieces). Role headers, the
+    template's markup, user, system and tool messages stay out.
 
     Every assistant message must be located (UncoveredConversation otherwise); spans past `max_len` tokens are
-    truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each reply and
-    checks that they spell the reply (as the reply tokenized alone decodes): an independent check of the
-    tokenizer's character offsets, and that no special token among them reaches outside the reply (`template_tokens`:
+    truncated away, as the text is. `check_decoded` (--validate) also decodes the masked tokens of each piece and
+    checks that they spell it (as the piece tokenized alone decodes): an independent check of the tokenizer's
+    character offsets, and that no special token among them reaches outside the piece (`template_tokens`:
     `special_ids(tokenizer)`, given by a caller that tokenizes many). `cut` is filled with what `max_len` took away
-    (tokens, loss tokens, replies). Linear in the conversation: two renderings (the text, the placeholders), one
-    tokenization, one pass over the tokens; a template that renders placeholders otherwise adds a rendering per
-    reply that --max-len keeps, none for the replies it cuts away.
+    (tokens, loss tokens, replies); `without_reasoning` gets the replies kept as context because the template drops
+    their reasoning. Linear in the conversation: two renderings (the text, the placeholders) and one per reply with
+    tool calls, one tokenization, one pass over the tokens; a template that renders placeholders otherwise adds a
+    rendering per reply that --max-len keeps, none for the replies it cuts away.
     """
-    text = _render(tokenizer, messages, False)
+    chat = as_chat(messages)
+    text = _render(tokenizer, chat, chat.messages, False)
     try:  # the whole text (what --max-len takes away is reported), then cut: what truncation=True would keep
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
     except NotImplementedError:
@@ -234,25 +289,32 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int, *,
     full_offsets = enc["offset_mapping"]
     ids, offsets = list(enc["input_ids"])[:max_len], full_offsets[:max_len]
     reach = max((e_tok for _, e_tok in offsets), default=0)  # a reply beginning past it covers no kept token
-    spans = assistant_spans(tokenizer, messages, text, reach)
+    pieces = assistant_pieces(tokenizer, chat, text, reach, without_reasoning)
+    spans = [(b, e) for b, e, _ in pieces]
     full_mask, covering = _tokens_over_spans(full_offsets, spans)
     mask = full_mask[:max_len]
-    kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each reply's kept tokens
+    kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each piece's kept tokens
     if cut is not None:
-        cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(spans)
-        cut.replies_cut_wholly += sum(1 for whole, left in zip(covering, kept) if whole and not left)
-        cut.replies_cut_partly += sum(1 for whole, left in zip(covering, kept) if 0 < len(left) < len(whole))
+        whole: dict[int, list[int]] = {}
+        left: dict[int, list[int]] = {}
+        for (_, _, i), cover, still in zip(pieces, covering, kept):
+            whole.setdefault(i, []).extend(cover)
+            left.setdefault(i, []).extend(still)
+        cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(whole)
+        cut.replies_cut_wholly += sum(1 for i in whole if whole[i] and not left[i])
+        cut.replies_cut_partly += sum(1 for i in whole if 0 < len(left[i]) < len(whole[i]))
     kept_end = offsets[-1][1] if offsets else 0
     if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
         template_tokens = special_ids(tokenizer)
-    for k, (s, e) in enumerate(spans):
+    for k, (s, e, i) in enumerate(pieces):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
         if not kept[k]:
-            raise UncoveredConversation(f"assistant message {k + 1}: no token of the tokenized text covers its "
-                                        f"characters {s}..{e}")
+            raise UncoveredConversation(f"assistant message {_reply_number(chat, i)}: no token of the tokenized text "
+                                        f"covers its characters {s}..{e}")
         if check_decoded:
-            _check_spelled(tokenizer, text, ids, offsets, (s, e), kept[k], k, kept_end, template_tokens)
+            _check_spelled(tokenizer, text, ids, offsets, (s, e), kept[k], _reply_number(chat, i) - 1, kept_end,
+                           template_tokens)
     return ids, mask
 
 
@@ -347,9 +409,9 @@ def _record_of(raw: bytes, where: str) -> dict | None:
     return record
 
 
-def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, where: str, max_len: int, cut: Cut,
-                         check_decoded: bool, template_tokens: frozenset[int] | None,
-                         tokenizer_error: str) -> tuple[list[int], list[int], frozenset[int] | None]:
+def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, max_len: int, cut: Cut,
+                         check_decoded: bool, template_tokens: frozenset[int] | None, tokenizer_error: str,
+                         without_reasoning: set) -> tuple[list[int], list[int], frozenset[int] | None]:
     """A conversation line's ids and loss mask, and --validate's special tokens (read at the first conversation,
     given back for the next); UncoveredConversation as raised: the caller may skip the line."""
     if tokenizer is None:  # the model folder's problem, not the line's
@@ -363,8 +425,10 @@ def _conversation_tokens(tokenizer: Any, messages: list[dict], record: dict, whe
     try:
         if check_decoded and template_tokens is None:
             template_tokens = special_ids(tokenizer)
-        ids, mask = tokenize_conversation(tokenizer, messages, max_len, check_decoded=check_decoded, cut=cut,
-                                          template_tokens=template_tokens)
+        context: set = set()
+        ids, mask = tokenize_conversation(tokenizer, chat, max_len, check_decoded=check_decoded, cut=cut,
+                                          template_tokens=template_tokens, without_reasoning=context)
+        without_reasoning.update((where, i) for i in context)
     except UncoveredConversation:
         raise
     except InvalidInput as exc:
@@ -404,6 +468,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
     consumed = hashlib.sha256()
     unused_keys: collections.Counter = collections.Counter()
     without_mask = 0
+    without_reasoning: set = set()  # (line, message) of replies kept as context: the template drops their reasoning
     template_tokens: frozenset[int] | None = None  # --validate's special tokens, read at the first conversation
     index = 0
     with open(path, "rb") as f:
@@ -415,13 +480,13 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
             record = _record_of(raw, where)
             if record is None:
                 continue
-            messages = _messages(record, where, unused_keys)
+            chat = chat_of(record, where, unused_keys)
             cut = Cut()
-            if messages is not None:
+            if chat is not None:
                 try:
                     ids, mask, template_tokens = _conversation_tokens(
-                        tokenizer, messages, record, where, max_len, cut, check_decoded, template_tokens,
-                        tokenizer_error)
+                        tokenizer, chat, record, where, max_len, cut, check_decoded, template_tokens,
+                        tokenizer_error, without_reasoning)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(
@@ -452,6 +517,8 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
         data.notes["message_keys_not_passed_to_the_template"] = dict(sorted(unused_keys.items()))
     if without_mask:
         data.notes["token_lines_without_loss_mask"] = without_mask
+    if without_reasoning:
+        data.notes["replies_rendered_without_their_reasoning"] = len(without_reasoning)
     data.data_sha256 = consumed.hexdigest()
     return data
 
@@ -493,7 +560,7 @@ def check_lines(path: str, max_len: int, vocab_size: int = 0, on_line: Any = Non
             if record is None:
                 continue
             records += 1
-            if _messages(record, where) is None:  # (a conversation's own input_ids are read against its tokens)
+            if chat_of(record, where) is None:  # (a conversation's own input_ids are read against its tokens)
                 _refuse_formless(record, where)
                 _check_ids(_token_record(record, where)[0][:max_len], vocab_size, where)
     if not records:
@@ -508,9 +575,14 @@ def describe_notes(notes: dict) -> list[str]:
     weighted = keys.pop("weight", 0)
     if keys:
         lines.append("conversations carry keys the chat template is not given ("
-                     + ", ".join(f"{k!r} in {n}" for k, n in keys.items()) + "): only each message's role and "
-                     "content are (as in speculators' own preprocessing); put what the model should see (a system "
-                     "prompt, reasoning, tool calls) into messages' content")
+                     + ", ".join(f"{k!r} in {n}" for k, n in keys.items()) + "): a message's role, content, "
+                     "reasoning, tool_calls, tool_call_id and name are, and the line's tools and "
+                     "chat_template_kwargs, as vLLM's chat endpoint passes them")
+    if notes.get("replies_rendered_without_their_reasoning"):
+        lines.append(f"{notes['replies_rendered_without_their_reasoning']} assistant replies carry reasoning that the "
+                     "chat template drops once later turns follow (as Qwen3's does): the model generated them after "
+                     "their reasoning, so they are context here, out of the loss mask; to train on each turn, give "
+                     "one line per turn, ending at it")
     if weighted:
         lines.append(f"{weighted} messages carry a 'weight', which is not applied: every assistant reply is in the "
                      "loss mask (for a mask of your own, give input_ids with loss_mask)")

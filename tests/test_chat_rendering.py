@@ -1,0 +1,208 @@
+"""Conversations as vLLM's chat endpoint renders them: reasoning, tool calls, tool results, tools and
+chat_template_kwargs reach the chat template, the token ids equal vLLM's own rendering of the same request
+(`LLM.chat` on the CPU engine), and the loss mask covers what the model generated: each reply's reasoning (where the
+template renders it), content and tool calls; headers, markup, user, system and tool turns stay out.
+
+The thinking and tool-calling template is the Qwen3 one vLLM ships (for MiniCPM-V 4.5, a Qwen3 model:
+vllm/transformers_utils/chat_templates/template_minicpmv45.jinja): reasoning rendered in <think> blocks for the turns
+after the last user message only, tool calls as <tool_call> JSON blocks, tool results folded into a user turn.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import helpers
+from eagle_compat import tiny_models
+from eagle_compat.errors import InvalidInput
+from eagle_compat.extract import inputs
+
+MARKUP = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+          "</tool_response>"]
+# Mistral-like: tool calls after the content, as one JSON list, in the same turn
+CALLS_AFTER_CONTENT = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {{ m['content'] }}"
+    "{% if m['tool_calls'] %} [TOOL_CALLS] {{ m['tool_calls'] | map(attribute='function') | list | tojson }}"
+    "{% endif %} </s> {% elif m['role'] == 'tool' %}<|user|> [TOOL_RESULTS] {{ m['content'] }} [/TOOL_RESULTS] </s> "
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "w40 w41",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+def _qwen3_template() -> str:
+    import vllm
+    path = os.path.join(os.path.dirname(vllm.__file__), "transformers_utils", "chat_templates",
+                        "template_minicpmv45.jinja")
+    if not os.path.exists(path):
+        pytest.skip(f"this vLLM ({vllm.__version__}) ships no Qwen3-style template")
+    return open(path).read()
+
+
+def _model_with(tmp_path_factory, name: str, template: str) -> str:
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp(name) / "model"
+    shutil.copytree(tiny_models.build_tiny_model("llama"), path)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(path / extra):
+            os.unlink(path / extra)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": MARKUP + ["[TOOL_CALLS]", "[TOOL_RESULTS]",
+                                                                   "[/TOOL_RESULTS]"]})
+    tok.chat_template = template
+    tok.save_pretrained(path)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tok))  # the markup tokens get embeddings: the engine runs the prompts
+    model.save_pretrained(path)
+    config = json.load(open(path / "tokenizer_config.json"))
+    config["chat_template"] = template
+    json.dump(config, open(path / "tokenizer_config.json", "w"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory):
+    return _model_with(tmp_path_factory, "qwen3-template", _qwen3_template())
+
+
+@pytest.fixture(scope="module")
+def calls_after_content_model(tmp_path_factory):
+    return _model_with(tmp_path_factory, "calls-after-content", CALLS_AFTER_CONTENT)
+
+
+THINKING_TRACE = {"conversations": [
+    {"role": "system", "content": "w1 w2"},
+    {"role": "user", "content": "w3 w4"},
+    {"role": "assistant", "reasoning_content": "w5 w6 w7", "content": "w8 w9"},
+    {"role": "user", "content": "w10"},
+    {"role": "assistant", "reasoning_content": "w11 w12", "content": "w13 w14 w15"}]}
+TOOL_TRACE = {"tools": [WEATHER_TOOL], "conversations": [
+    {"role": "user", "content": "w3 w4"},
+    {"role": "assistant", "reasoning": "w20 w21", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"w22\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "w23 w24"},
+    {"role": "assistant", "reasoning": "w25", "content": "w26 w27"}]}
+
+
+def _tokens(model: str, record: dict, **kwargs):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    context: set = set()
+    chat = inputs.chat_of(record, "line 1")
+    ids, mask = inputs.tokenize_conversation(tok, chat, 4096, without_reasoning=context, **kwargs)
+    return tok, ids, mask, context
+
+
+def _masked(tok, ids, mask) -> list[str]:
+    return tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+
+
+def test_a_thinking_trace_trains_on_the_last_turn_as_generated_and_keeps_earlier_ones_as_context(qwen3_model):
+    """Qwen3's template drops the reasoning of turns before the last user message: those replies are not what the
+    model generated (it thought first), so they stay context; the last reply's reasoning and content are masked,
+    the <think> markup is not. Before, reasoning never reached the template: no reasoning token was in the mask."""
+    tok, ids, mask, context = _tokens(qwen3_model, THINKING_TRACE, check_decoded=True)
+    assert _masked(tok, ids, mask) == ["w11", "w12", "w13", "w14", "w15"]
+    assert context == {2}
+    text = tok.decode(ids)
+    assert "<think>" in text and "w5" not in text  # rendered as the server renders the next request
+
+
+def test_tool_calls_and_their_reasoning_are_in_the_mask_tool_results_are_not(qwen3_model):
+    tok, ids, mask, context = _tokens(qwen3_model, TOOL_TRACE)
+    masked = _masked(tok, ids, mask)
+    # the call's reasoning, its whole <tool_call> block (the JSON's words are unknown to the tiny vocabulary),
+    # then the final reply's reasoning and content; the tool's result and the headers are out
+    assert masked[:2] == ["w20", "w21"] and masked[2] == "<tool_call>" and "</tool_call>" in masked
+    assert masked[-3:] == ["w25", "w26", "w27"]
+    assert "w23" not in masked and "w24" not in masked and "<tool_response>" not in masked
+    assert "<|im_start|>" not in masked and "<|im_end|>" not in masked and not context
+    # the arguments, parsed from their JSON string, rendered by the template as an object
+    assert '{"name": "get_weather", "arguments": {"city": "w22"}}' in inputs.chat_of(TOOL_TRACE, "l").render(tok)
+
+
+def test_tool_calls_rendered_after_the_content_are_located_too(calls_after_content_model):
+    record = {"conversations": [
+        {"role": "user", "content": "w3"},
+        {"role": "assistant", "content": "w4 w5", "tool_calls": [
+            {"type": "function", "function": {"name": "w6", "arguments": {"w7": 1}}}]},
+        {"role": "tool", "content": "w8"},
+        {"role": "assistant", "content": "w9"}]}
+    tok, ids, mask, _ = _tokens(calls_after_content_model, record)
+    masked = _masked(tok, ids, mask)
+    assert masked[:3] == ["w4", "w5", "[TOOL_CALLS]"] and masked[-1] == "w9"
+    assert "w8" not in masked and "[TOOL_RESULTS]" not in masked and "<|assistant|>" not in masked
+
+
+def test_reasoning_a_template_cannot_render_is_refused_as_uncovered(tmp_path):
+    """The tiny model's template renders content only: reasoning would never be shown to such a model."""
+    model = tiny_models.build_tiny_model("llama")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    chat = inputs.chat_of({"conversations": [{"role": "user", "content": "w1"},
+                                             {"role": "assistant", "content": "w2", "reasoning": "w3"}]}, "d:1")
+    with pytest.raises(inputs.UncoveredConversation, match=r"has reasoning \(\"w3\"\), which this model's chat "
+                                                          r"template does not render"):
+        inputs.tokenize_conversation(tok, chat, 512)
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{city: 1}"}}]}]},
+     r"d:1: tool_calls\[0\] \(f\) has arguments that are not JSON"),
+    ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     r"tool_calls\[0\] \(f\) has arguments \[1\]; must be a JSON object"),
+    ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]},
+     r"tool_calls\[0\] must be \{\"type\": \"function\""),
+    ({"conversations": [{"role": "user", "content": "w1", "reasoning": "w2"}]},
+     r"reasoning is an assistant message's string"),
+    ({"conversations": [{"role": "user", "content": "w1", "tool_calls": []}, {"role": "assistant", "content": "x",
+                                                                             "reasoning": "a",
+                                                                             "reasoning_content": "b"}]},
+     r"gives both 'reasoning' \(\"a\"\) and 'reasoning_content' \(\"b\"\), which differ"),
+    ({"conversations": [{"role": "user", "content": "w1"}], "chat_template_kwargs": {"tokenize": True}},
+     r"chat_template_kwargs cannot set tokenize"),
+    ({"conversations": [{"role": "user", "content": "w1"}], "tools": {"name": "f"}},
+     r"tools must be a list of tool objects"),
+])
+def test_bad_reasoning_tool_calls_and_template_keywords_are_refused_naming_the_line(record, match):
+    with pytest.raises(InvalidInput, match=match):
+        inputs.chat_of(record, "d:1")
+
+
+@pytest.mark.engine
+@helpers.in_newest_pass_only("vLLM's own chat rendering, compared once on the newest release")
+def test_token_ids_equal_vllms_own_chat_rendering(qwen3_model, calls_after_content_model):
+    """The same request through vLLM's `LLM.chat` (the chat endpoint's renderer): the same prompt token ids, for a
+    thinking trace, a tool-calling trace with its tools, chat_template_kwargs, and tool calls after the content."""
+    from vllm import LLM, SamplingParams
+    from transformers import AutoTokenizer
+
+    kwargs_trace = {**THINKING_TRACE, "chat_template_kwargs": {"enable_thinking": False}}
+    cases = [(qwen3_model, THINKING_TRACE), (qwen3_model, TOOL_TRACE), (qwen3_model, kwargs_trace)]
+    for model, records in ((qwen3_model, cases), (calls_after_content_model, [(calls_after_content_model, {
+            "conversations": [{"role": "user", "content": "w3"},
+                              {"role": "assistant", "content": "w4", "tool_calls": [
+                                  {"type": "function", "function": {"name": "w6", "arguments": "{\"w7\": 1}"}}]},
+                              {"role": "tool", "content": "w8"}, {"role": "assistant", "content": "w9"}]})])):
+        llm = LLM(model, max_model_len=512, enforce_eager=True, dtype="float32", seed=0)
+        tok = AutoTokenizer.from_pretrained(model)
+        for _, record in records:
+            chat = inputs.chat_of(record, "line 1")
+            ids, _ = inputs.tokenize_conversation(tok, chat, 4096)
+            # the request as a client sends it to vLLM 0.32: `reasoning` (its endpoint no longer reads a request's
+            # `reasoning_content`; a line may spell it either way)
+            raw = [{("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
+                   for m in record["conversations"]]
+            out = llm.chat(raw, SamplingParams(max_tokens=1), tools=record.get("tools"),
+                           chat_template_kwargs=record.get("chat_template_kwargs"), add_generation_prompt=False,
+                           use_tqdm=False)[0]
+            assert list(out.prompt_token_ids) == ids, tok.decode(ids)
+        del llm
