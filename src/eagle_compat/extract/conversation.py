@@ -3,10 +3,15 @@ and content, an assistant's reasoning (`reasoning`, and `reasoning_content` with
 and tool calls (arguments as objects), a tool message's `tool_call_id`, any message's `name`; the line's `tools` and
 `chat_template_kwargs` (e.g. `enable_thinking`). vLLM's own rendering of the same request gives the same token ids
 (tests/test_chat_rendering.py, against `LLM.chat` on the CPU engine).
+
+Then where the template put what the assistant generated (`assistant_pieces`): each reply's reasoning, content and
+tool calls, located by renderings with placeholders, never by searching for their words in the template's text.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +27,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "docu
                                       "add_generation_prompt", "continue_final_message", "padding", "truncation",
                                       "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                       "tokenizer_kwargs"})
+
+
+class UncoveredConversation(InvalidInput):
+    """An assistant message whose tokens cannot be located in the chat-templated text (no loss mask for it)."""
 
 
 @dataclass
@@ -153,3 +162,207 @@ def chat_of(record: dict, where: str, unused_keys: Any = None) -> Chat | None:
         raise InvalidInput(f"{where}: chat_template_kwargs cannot set {', '.join(reserved)} (the chat template's "
                            "own parameters); the line's messages and tools are given as they are")
     return Chat(messages, tools, dict(kwargs))
+
+
+# ---- where the template put what the assistant generated ------------------------------------------------------
+
+def render(tokenizer: Any, chat: Chat, messages: list[dict], generation_prompt: bool) -> str:
+    return chat.render(tokenizer, messages, generation_prompt)
+
+
+def _placeholder(k: int) -> str:
+    return f"EagleCompatReply{k}Placeholder7f3a"
+
+
+PLACEHOLDER = re.compile(r"EagleCompatReply(\d+)Placeholder7f3a")  # every _placeholder(k), found in one pass
+PIECE_FIELDS = ("reasoning", "content")  # what of a reply a placeholder stands in for, where the reply has it
+
+
+def _fits(value: str) -> list[str]:
+    """How a template may render a piece: as it is, or trimmed (Qwen3's reasoning.strip('\\n'), content.lstrip)."""
+    return list(dict.fromkeys((value, value.strip("\n"), value.lstrip("\n"), value.rstrip("\n"), value.strip())))
+
+
+def _with_pieces(chat: Chat, pieces: dict[tuple[int, str], int], without_calls: int | None = None) -> list[dict]:
+    out = []
+    for i, m in enumerate(chat.messages):
+        m = {**m}
+        for name in PIECE_FIELDS:
+            if (i, name) in pieces:
+                m[name] = _placeholder(pieces[(i, name)])
+                if name == "reasoning":
+                    m["reasoning_content"] = m[name]
+        if i == without_calls:
+            del m["tool_calls"]
+        out.append(m)
+    return out
+
+
+@dataclass
+class _Located:
+    spans: dict  # (message index, "reasoning" | "content" | "tool_calls") -> (start, end) in the text
+    without_reasoning: set  # replies whose reasoning the template does not render (Qwen3: earlier turns)
+
+
+def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] | None = None) -> _Located | None:
+    """Where the template put the replies' pieces (the messages `replies`, else every assistant message): their
+    reasoning and content, from one more rendering with a placeholder in each one's place (`text` must be that
+    rendering with each placeholder replaced by its piece, as it is or trimmed), and their tool calls, from a
+    rendering without each reply's calls. A reply's reasoning may be missing (the template drops it); its content may
+    not. None where the template renders the rest around them differently."""
+    if replies is None:
+        replies = [i for i, m in enumerate(chat.messages) if m["role"] == "assistant"]
+    values = {(i, name): chat.messages[i].get(name) for i in replies for name in PIECE_FIELDS
+              if chat.messages[i].get(name)}  # an empty piece gets no placeholder: it may change the template's path
+    pieces = {piece: k for k, piece in enumerate(values)}
+    placed = render(tokenizer, chat, _with_pieces(chat, pieces), False)
+    by_number = {str(k): piece for piece, k in pieces.items()}
+    found = [(by_number[m.group(1)], m.start(), m.end()) for m in PLACEHOLDER.finditer(placed)
+             if m.group(1) in by_number]
+    seen = [piece for piece, _, _ in found]
+    if len(set(seen)) != len(seen) or any(name == "content" and piece not in seen
+                                          for piece in values for name in [piece[1]]):
+        return None
+    # each placeholder's place in `placed` and its piece's in `text`: text = placed with each replaced by a fit
+    spans, anchors, at, last = {}, [], 0, 0  # anchors: (end in placed, end in text)
+    for piece, begin, end in found:
+        between = placed[last:begin]
+        if not text.startswith(between, at):
+            return None
+        at += len(between)
+        following = placed[end:found[seen.index(piece) + 1][1]] if seen.index(piece) + 1 < len(found) else placed[end:]
+        fits = [c for c in _fits(values[piece]) if text.startswith(c, at) and text.startswith(following, at + len(c))]
+        if not fits:
+            return None
+        spans[piece] = (at, at + len(fits[0]))
+        at, last = at + len(fits[0]), end
+        anchors.append((end, at))
+    if text[at:] != placed[last:]:
+        return None
+    without_reasoning = {i for (i, name) in values if name == "reasoning" and (i, name) not in spans}
+    for i in replies:
+        if chat.messages[i].get("tool_calls") and i not in without_reasoning:
+            calls = _calls_in_place(tokenizer, chat, pieces, placed, anchors, i)
+            if calls is None:
+                return None
+            spans[(i, "tool_calls")] = calls
+    return _Located(spans, without_reasoning)
+
+
+def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, anchors: list[tuple[int, int]],
+                    i: int) -> tuple[int, int] | None:
+    """Reply i's tool calls in the text: what the placeholder rendering loses when that reply's calls are left out
+    (their blocks, without the whitespace the template puts around them), mapped into the text. None where that
+    part holds a placeholder."""
+    without = render(tokenizer, chat, _with_pieces(chat, pieces, without_calls=i), False)
+    head = 0
+    limit = min(len(placed), len(without))
+    while head < limit and placed[head] == without[head]:
+        head += 1
+    tail = 0
+    while tail < limit - head and placed[-1 - tail] == without[-1 - tail]:
+        tail += 1
+    begin, end = head, len(placed) - tail
+    while begin > 0 and begin < end and placed[begin - 1] == placed[end - 1]:  # the same insertion, shifted left:
+        begin, end = begin - 1, end - 1  # "<tool_call>...</tool_call>" before "<|im_end|>", not "tool_call>...<"
+    while begin < end and placed[begin].isspace():
+        begin += 1
+    while end > begin and placed[end - 1].isspace():
+        end -= 1
+    if begin >= end or PLACEHOLDER.search(placed, begin, end):
+        return None
+    k = bisect.bisect_right([a for a, _ in anchors], begin)  # the placeholders before it shift it into the text
+    shift = anchors[k - 1][1] - anchors[k - 1][0] if k else 0
+    return begin + shift, end + shift
+
+
+def assistant_spans(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
+                    without_reasoning: set | None = None) -> list[tuple[int, int]]:
+    """assistant_pieces' spans, without the replies they belong to."""
+    return [(b, e) for b, e, _ in assistant_pieces(tokenizer, messages, text, reach, without_reasoning)]
+
+
+def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
+                     without_reasoning: set | None = None) -> list[tuple[int, int, int]]:
+    """(start, end, message index): character spans of what the assistant generated in `text`, the templated conversation, in order and disjoint:
+    each reply's reasoning (where the template renders it), its content and its tool calls. A reply whose reasoning
+    the template does not render (Qwen3's drops it from turns before the last user message) is not what the model
+    generated at that turn: it stays as context, out of the mask, and is added to `without_reasoning`.
+
+    Replies are looked for where the template put them: rendered again with a placeholder in each piece's place,
+    the conversation must be `text` around the pieces. Short replies are so never matched inside the template's
+    own header text (R1's "<｜Assistant｜>" holds "A", Qwen3's "<think>" holds "hi"). Where the template renders the
+    rest differently around placeholders (it moves reasoning out of earlier replies, say), each reply is looked up in
+    order (never inside an earlier message): where a placeholder for it alone renders the rest as `text`, there;
+    else after the generation header, where the prefix up to it renders as the text starts. A reply that is not in
+    the text (the template rewrites or drops it) raises UncoveredConversation, as does reasoning the template renders
+    in no turn (it has no place for it) and tool calls found only by that search. Replies that begin at or past
+    `reach` (no token --max-len keeps ends past it) are looked up in order only, without those renderings: a
+    rendering per reply made a long conversation quadratic, and their tokens are cut away (they count in the report).
+    """
+    chat = as_chat(messages)
+    in_place = _pieces_in_place(tokenizer, chat, text)
+    if in_place is not None:
+        return _generated(chat, in_place, without_reasoning)
+    spans: list[tuple[int, int, int]] = []
+    cursor = 0
+    for i, m in enumerate(chat.messages):
+        content = m["content"]
+        start = cursor
+        if m["role"] == "assistant" and (reach is None or cursor < reach):
+            alone = _pieces_in_place(tokenizer, chat, text, [i])
+            if alone is not None and all(begin >= cursor for begin, _ in alone.spans.values()):
+                spans += _generated(chat, alone, without_reasoning)
+                cursor = max((end for _, end in alone.spans.values()), default=cursor)
+                cursor = max([cursor] + [end for _, end, _ in spans])
+                continue
+            if m.get("tool_calls"):
+                raise UncoveredConversation(f"assistant message {reply_number(chat, i)} has tool calls, and the "
+                                            "template renders its conversation so that they cannot be located")
+            if i:
+                before = render(tokenizer, chat, chat.messages[:i], True)
+                if text.startswith(before):
+                    start = max(cursor, len(before))
+        pieces = [(chat.reasoning(i), True), (content, False)] if m["role"] == "assistant" else [(content, False)]
+        for value, optional in pieces:
+            pos, found = -1, value
+            for candidate in _fits(value):  # templates often trim message content
+                if candidate:
+                    pos, found = text.find(candidate, start), candidate
+                    if pos >= 0:
+                        break
+            if pos < 0:
+                if m["role"] == "assistant" and value.strip() and not optional:
+                    raise UncoveredConversation(
+                        f"assistant message {reply_number(chat, i)} ({preview(value)}) is not in the chat-templated "
+                        "text: the template renders it differently (rewrites it, or drops part of it from earlier "
+                        "turns), so its tokens cannot be located for the loss mask")
+                continue  # a system/user text the template rewrites: it only positions the search
+            if m["role"] == "assistant":
+                spans.append((pos, pos + len(found), i))
+            start = cursor = pos + len(found)
+    return spans
+
+
+def reply_number(chat: Chat, i: int) -> int:
+    return sum(1 for x in chat.messages[: i + 1] if x["role"] == "assistant")
+
+
+def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> list[tuple[int, int, int]]:
+    """The located pieces of the replies the template renders as generated, in text order."""
+    dropped = located.without_reasoning
+    if dropped:
+        last = max(i for i, m in enumerate(chat.messages) if m["role"] == "assistant")
+        if last in dropped:  # not even the last reply's: this template has no place for reasoning
+            raise UncoveredConversation(
+                f"assistant message {reply_number(chat, last)} has reasoning ({preview(chat.reasoning(last))}), "
+                "which this model's chat template does not render: the server never shows this model reasoning "
+                "that way. Put it into the content as the model writes it (e.g. <think>...</think>), or leave the "
+                "field out")
+        if without_reasoning is not None:
+            without_reasoning.update(dropped)
+    return sorted((*span, i) for (i, _), span in located.spans.items() if i not in dropped)
+
+
+def preview(text: str, n: int = 40) -> str:
+    return json.dumps(text if len(text) <= n else text[:n] + "...")
