@@ -304,7 +304,8 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
     in_place = _pieces_in_place(tokenizer, chat, text)
     if in_place is not None:
         return _generated(chat, in_place, without_reasoning)
-    spans: list[tuple[int, int, int]] = []
+    found: dict = {}  # (message index, piece) -> span, as _Located keeps them
+    dropped: set = set()  # replies whose reasoning is not in the text
     cursor = 0
     for i, m in enumerate(chat.messages):
         content = m["content"]
@@ -312,9 +313,9 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
         if m["role"] == "assistant" and (reach is None or cursor < reach):
             alone = _pieces_in_place(tokenizer, chat, text, [i])
             if alone is not None and all(begin >= cursor for begin, _ in alone.spans.values()):
-                spans += _generated(chat, alone, without_reasoning)
-                cursor = max((end for _, end in alone.spans.values()), default=cursor)
-                cursor = max([cursor] + [end for _, end, _ in spans])
+                found.update(alone.spans)
+                dropped |= alone.without_reasoning
+                cursor = max([cursor] + [end for _, end in alone.spans.values()])
                 continue
             if m.get("tool_calls"):
                 raise UncoveredConversation(f"assistant message {reply_number(chat, i)} has tool calls, and the "
@@ -323,25 +324,30 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
                 before = render(tokenizer, chat, chat.messages[:i], True)
                 if text.startswith(before):
                     start = max(cursor, len(before))
-        pieces = [(chat.reasoning(i), True), (content, False)] if m["role"] == "assistant" else [(content, False)]
-        for value, optional in pieces:
-            pos, found = -1, value
+        pieces = [("reasoning", chat.reasoning(i)), ("content", content)] if m["role"] == "assistant" else [
+            ("content", content)]
+        for name, value in pieces:
+            if not value:
+                continue
+            pos, fit = -1, value
             for candidate in _fits(value):  # templates often trim message content
                 if candidate:
-                    pos, found = text.find(candidate, start), candidate
+                    pos, fit = text.find(candidate, start), candidate
                     if pos >= 0:
                         break
             if pos < 0:
-                if m["role"] == "assistant" and value.strip() and not optional:
+                if m["role"] == "assistant" and name == "reasoning":
+                    dropped.add(i)
+                elif m["role"] == "assistant" and value.strip():
                     raise UncoveredConversation(
                         f"assistant message {reply_number(chat, i)} ({preview(value)}) is not in the chat-templated "
                         "text: the template renders it differently (rewrites it, or drops part of it from earlier "
                         "turns), so its tokens cannot be located for the loss mask")
                 continue  # a system/user text the template rewrites: it only positions the search
             if m["role"] == "assistant":
-                spans.append((pos, pos + len(found), i))
-            start = cursor = pos + len(found)
-    return spans
+                found[(i, name)] = (pos, pos + len(fit))
+            start = cursor = pos + len(fit)
+    return _generated(chat, _Located(found, dropped), without_reasoning)
 
 
 def reply_number(chat: Chat, i: int) -> int:

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import InvalidInput
-from . import inputs, report, writer
+from . import conversation, inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
 MAGIC = b"EGCSPL03"
@@ -62,11 +62,11 @@ def tokenizer_files_sha256(model: str) -> str:
 
 
 def reading_code_sha256() -> str:
-    """The code that turns lines into samples (inputs.py), tallies their report (report.py, kept in the header) and
-    lays the spool out (this file): a fix to any,
+    """The code that turns lines into samples (inputs.py, conversation.py), tallies their report (report.py, kept in
+    the header) and lays the spool out (this file): a fix to any,
     in any release or checkout, is another key (eagle_compat's version number alone would not say so)."""
     h = hashlib.sha256()
-    for module in (inputs, report, sys.modules[__name__]):
+    for module in (inputs, conversation, report, sys.modules[__name__]):
         with open(module.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
