@@ -249,6 +249,7 @@ def main() -> None:
     ap.add_argument("args", nargs="*")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--jobs", default=None, help="VARIANT/ENGINE,... in this order (instead of the two lists)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--root", default="/tmp/hybrid-shapes")
     ap.add_argument("--device", default="cuda")
@@ -259,9 +260,12 @@ def main() -> None:
         variant, engine = a.args
         print("HYBRID_SHAPES " + json.dumps(one(variant, engine, a.root, a.device), default=str), flush=True)
         return
-    variants = a.variants.split(",")
+    # every variant's first engine before any variant's second: a call cut short still covers every shape
+    jobs = ([tuple(job.split("/", 1)) for job in a.jobs.split(",")] if a.jobs
+            else [(v, e) for e in a.engines.split(",") for v in a.variants.split(",")])
+    variants = list(dict.fromkeys(v for v, _ in jobs))
     unknown = [v for v in variants if v not in VARIANTS] + [
-        e for e in a.engines.split(",") if e.partition(":")[0] not in ENGINES or e.partition(":")[2] not in SETTINGS]
+        e for _, e in jobs if e.partition(":")[0] not in ENGINES or e.partition(":")[2] not in SETTINGS]
     if unknown:
         ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; engines: {', '.join(ENGINES)}, each with "
                  f"an optional :SETTING of {', '.join(SETTINGS[1:])}")
@@ -269,8 +273,6 @@ def main() -> None:
     t0 = time.time()
     prepare(a.root, variants, a.device)
     print(f"references ready in {time.time() - t0:.0f} s", flush=True)
-    # every variant's first engine before any variant's second: a call cut short still covers every shape
-    jobs = [(v, e) for e in a.engines.split(",") for v in variants]
     running: list = []
     results = open(os.path.join(a.out, "hybrid_shapes.jsonl"), "a")
 
