@@ -152,6 +152,25 @@ def test_reasoning_a_template_cannot_render_is_refused_as_uncovered(tmp_path):
         inputs.tokenize_conversation(tok, chat, 512)
 
 
+def test_the_data_report_counts_reasoning_tool_call_and_reply_tokens_apart(qwen3_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle_compat.extract import report
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (THINKING_TRACE, TOOL_TRACE, {"input_ids": [5, 6, 7]})))
+    tok = AutoTokenizer.from_pretrained(qwen3_model)
+    read = inputs.read_dataset(str(data), tok, 4096, check_decoded=True)  # --validate spells every masked piece
+    kinds = report.of_samples(read.samples, 4096)["loss_tokens_by_kind"]
+    tool_trace_masked = _masked(*_tokens(qwen3_model, TOOL_TRACE)[:3])
+    tool_block = len(tool_trace_masked) - 5  # the <tool_call> block: the masked tokens but w20 w21, w25, w26 w27
+    assert tool_trace_masked.count("<tool_call>") == 1 and tool_block > 2
+    assert kinds == {"reasoning": 2 + 3, "tool_calls": tool_block, "replies": 3 + 2, "given_as_token_ids": 3}
+    assert read.notes["replies_rendered_without_their_reasoning"] == 1
+    assert "loss tokens: 5 reasoning, " in report.text(report.of_samples(read.samples, 4096))
+    assert any("1 assistant replies carry reasoning that the chat template drops" in line
+               for line in inputs.describe_notes(read.notes))
+
+
 @pytest.mark.parametrize("record,match", [
     ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{city: 1}"}}]}]},

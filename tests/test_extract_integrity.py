@@ -434,7 +434,8 @@ def test_validate_refuses_a_reply_masked_on_a_header_token_that_holds_its_letter
     messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "ant"}]
     text = tok.apply_chat_template(messages, tokenize=False)
     header = text.index("<|assistant|>")
-    monkeypatch.setattr(inputs, "assistant_pieces", lambda *a: [(header + 8, header + 11, 1)])  # where the old search went
+    # where the old search went
+    monkeypatch.setattr(inputs, "assistant_pieces", lambda *a: [(header + 8, header + 11, 1, "content")])
     with pytest.raises(InvalidInput, match=r"its masked tokens hold '<\|assistant\|>', a special token reaching "
                                               r"outside the reply \"ant\""):
         inputs.tokenize_conversation(tok, messages, 512, check_decoded=True)

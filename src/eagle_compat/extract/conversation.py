@@ -279,12 +279,12 @@ def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, ancho
 def assistant_spans(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
                     without_reasoning: set | None = None) -> list[tuple[int, int]]:
     """assistant_pieces' spans, without the replies they belong to."""
-    return [(b, e) for b, e, _ in assistant_pieces(tokenizer, messages, text, reach, without_reasoning)]
+    return [(b, e) for b, e, _, _ in assistant_pieces(tokenizer, messages, text, reach, without_reasoning)]
 
 
 def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
-                     without_reasoning: set | None = None) -> list[tuple[int, int, int]]:
-    """(start, end, message index): character spans of what the assistant generated in `text`, the templated conversation, in order and disjoint:
+                     without_reasoning: set | None = None) -> list[tuple[int, int, int, str]]:
+    """(start, end, message index, "reasoning" | "content" | "tool_calls"): character spans of what the assistant generated in `text`, the templated conversation, in order and disjoint:
     each reply's reasoning (where the template renders it), its content and its tool calls. A reply whose reasoning
     the template does not render (Qwen3's drops it from turns before the last user message) is not what the model
     generated at that turn: it stays as context, out of the mask, and is added to `without_reasoning`.
@@ -354,7 +354,7 @@ def reply_number(chat: Chat, i: int) -> int:
     return sum(1 for x in chat.messages[: i + 1] if x["role"] == "assistant")
 
 
-def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> list[tuple[int, int, int]]:
+def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> list[tuple[int, int, int, str]]:
     """The located pieces of the replies the template renders as generated, in text order."""
     dropped = located.without_reasoning
     if dropped:
@@ -367,7 +367,7 @@ def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> 
                 "field out")
         if without_reasoning is not None:
             without_reasoning.update(dropped)
-    return sorted((*span, i) for (i, _), span in located.spans.items() if i not in dropped)
+    return sorted((*span, i, kind) for (i, kind), span in located.spans.items() if i not in dropped)
 
 
 def preview(text: str, n: int = 40) -> str:

@@ -22,12 +22,14 @@ LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, 
 
 @dataclass
 class Cut:
-    """What --max-len took from one sample (extract's data report)."""
+    """What --max-len took from one sample, and what its kept loss tokens are (extract's data report)."""
     tokens: int = 0  # tokens cut away
     loss_tokens: int = 0  # of which in the loss mask
     replies: int = 0  # assistant replies in the conversation (0: pre-tokenized)
     replies_cut_wholly: int = 0
     replies_cut_partly: int = 0
+    reasoning_tokens: int = 0  # kept loss tokens over the replies' reasoning
+    tool_call_tokens: int = 0  # and over their tool calls (the rest of a conversation's: the replies' content)
 
 
 @dataclass
@@ -84,23 +86,26 @@ def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len
     ids, offsets = list(enc["input_ids"])[:max_len], full_offsets[:max_len]
     reach = max((e_tok for _, e_tok in offsets), default=0)  # a reply beginning past it covers no kept token
     pieces = assistant_pieces(tokenizer, chat, text, reach, without_reasoning)
-    spans = [(b, e) for b, e, _ in pieces]
+    spans = [(b, e) for b, e, _, _ in pieces]
     full_mask, covering = _tokens_over_spans(full_offsets, spans)
     mask = full_mask[:max_len]
     kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each piece's kept tokens
     if cut is not None:
         whole: dict[int, list[int]] = {}
         left: dict[int, list[int]] = {}
-        for (_, _, i), cover, still in zip(pieces, covering, kept):
+        of_kind: dict[str, set[int]] = {"reasoning": set(), "tool_calls": set()}
+        for (_, _, i, kind), cover, still in zip(pieces, covering, kept):
             whole.setdefault(i, []).extend(cover)
             left.setdefault(i, []).extend(still)
+            of_kind.get(kind, set()).update(still)
+        cut.reasoning_tokens, cut.tool_call_tokens = len(of_kind["reasoning"]), len(of_kind["tool_calls"])
         cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(whole)
         cut.replies_cut_wholly += sum(1 for i in whole if whole[i] and not left[i])
         cut.replies_cut_partly += sum(1 for i in whole if 0 < len(left[i]) < len(whole[i]))
     kept_end = offsets[-1][1] if offsets else 0
     if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
         template_tokens = special_ids(tokenizer)
-    for k, (s, e, i) in enumerate(pieces):
+    for k, (s, e, i, _) in enumerate(pieces):
         if s >= kept_end:
             continue  # truncated away by --max-len, with the text
         if not kept[k]:

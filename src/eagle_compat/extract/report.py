@@ -34,11 +34,20 @@ class Tally:
         from array import array
         self.lengths, self.losses, self.cut_lines = array("q"), array("q"), []
         self.cut = {"samples": 0, "tokens": 0, "loss_tokens": 0, "partly": 0, "wholly": 0}
+        self.kinds = {"reasoning": 0, "tool_calls": 0, "replies": 0, "given_as_token_ids": 0}
 
     def add(self, s: Any) -> None:
         self.lengths.append(len(s.input_ids))
-        self.losses.append(sum(s.loss_mask))
+        loss = sum(s.loss_mask)
+        self.losses.append(loss)
         self._add_cut(s.cut, s.line)
+        if s.cut.replies:  # a conversation: its loss tokens by what the assistant generated
+            reasoning, calls = getattr(s.cut, "reasoning_tokens", 0), getattr(s.cut, "tool_call_tokens", 0)
+            self.kinds["reasoning"] += reasoning
+            self.kinds["tool_calls"] += calls
+            self.kinds["replies"] += loss - reasoning - calls
+        else:
+            self.kinds["given_as_token_ids"] += loss
 
     def _add_cut(self, c: Any, line: int, cut: dict | None = None, cut_lines: list | None = None) -> None:
         cut, cut_lines = (self.cut, self.cut_lines) if cut is None else (cut, cut_lines)
@@ -59,6 +68,7 @@ class Tally:
         for i in left_cut:
             self._add_cut(i["cut"], i["line"], cut, [])
         report = _totals(self.lengths, self.losses, max_len)
+        report["loss_tokens_by_kind"] = dict(self.kinds)
         report["truncation"] = {
             "samples_truncated": cut["samples"], "lines": sorted(cut_lines)[:50], "tokens_cut": cut["tokens"],
             "loss_tokens_cut": cut["loss_tokens"], "samples_with_a_reply_cut_partly": cut["partly"],
@@ -234,6 +244,11 @@ def text(report: dict, title: str = "data report") -> str:
     n = report["samples"]
     lines = [f"{title}: {n} {plural(n, 'sample')}, {report['tokens']:,} {plural(report['tokens'], 'token')}, "
              f"{report['loss_tokens']:,} in the loss mask ({100 * report['loss_share']:.1f}%)"]
+    kinds = report.get("loss_tokens_by_kind") or {}
+    if kinds.get("reasoning") or kinds.get("tool_calls"):
+        lines.append(f"  loss tokens: {kinds['reasoning']:,} reasoning, {kinds['tool_calls']:,} tool calls, "
+                     f"{kinds['replies']:,} replies" + (f", {kinds['given_as_token_ids']:,} given as token ids"
+                                                        if kinds.get("given_as_token_ids") else ""))
     for problem in report.get("problems") or []:
         lines.append(f"  PROBLEM: {problem}")
     status = report.get("status")

@@ -38,7 +38,7 @@ from ..errors import InvalidInput
 from . import conversation, inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
-MAGIC = b"EGCSPL03"
+MAGIC = b"EGCSPL04"
 _CUT_FIELDS = [f.name for f in dataclasses.fields(inputs.Cut)]
 _RECORD = struct.Struct("=qqi" + "i" * len(_CUT_FIELDS))  # index, line, length, cut
 _FOOTER = struct.Struct("=q8s")  # the header's length, MAGIC
