@@ -171,6 +171,26 @@ def test_the_data_report_counts_reasoning_tool_call_and_reply_tokens_apart(qwen3
                for line in inputs.describe_notes(read.notes))
 
 
+def test_loss_mask_replies_trains_on_the_replies_content_only(qwen3_model):
+    tok, ids, mask, _ = _tokens(qwen3_model, TOOL_TRACE, loss_mask="replies")
+    assert _masked(tok, ids, mask) == ["w26", "w27"]
+    assert _tokens(qwen3_model, TOOL_TRACE)[1] == ids  # the same tokens, another mask
+
+
+def test_loss_mask_is_an_option_of_extract_recorded_with_the_set():
+    from eagle_compat import cli
+    from eagle_compat.extract import conversation, writer
+    args = cli.build_parser().parse_args(["extract", "--model", "m", "--data", "d", "--out", "o",
+                                          "--loss-mask", "replies"])
+    assert args.loss_mask == "replies"
+    with pytest.raises(InvalidInput, match=r"--loss-mask 'all'; must be one of generated, replies"):
+        conversation.check_loss_mask("all", "--loss-mask")
+    # a set begun before the option existed was made with today's default; another mask is another set
+    assert writer.settings_differences({"max_len": 8}, {"max_len": 8, "loss_mask": "generated"}) == []
+    assert writer.settings_differences({"max_len": 8}, {"max_len": 8, "loss_mask": "replies"}) == [
+        "loss_mask: was 'generated', now 'replies'"]
+
+
 @pytest.mark.parametrize("record,match", [
     ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{city: 1}"}}]}]},

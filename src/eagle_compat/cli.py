@@ -400,7 +400,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, verify_kept=args.verify_kept, skip_uncovered=args.skip_uncovered,
         skip_non_finite=args.skip_non_finite, ray=args.ray, ray_actors=args.ray_actors,
-        ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, quiet=quiet)
+        ray_cpus_per_actor=args.ray_cpus_per_actor, min_loss_tokens=args.min_loss_tokens, loss_mask=args.loss_mask,
+        quiet=quiet)
     if args.report_plot:
         data_report.check_plot_path(args.report_plot, "--report-plot")  # before anything reaches the engine
     summary = job.run(opts)
@@ -483,6 +484,7 @@ TRUST_REMOTE_CODE_HELP = ("run the Python code the model folder ships (its confi
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .extract.conversation import LOSS_MASKS  # a leaf: the parser's choices from their owner
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -564,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-loss-tokens", type=int, default=1, metavar="N",
                    help="leave out samples with fewer than N tokens in their loss mask after --max-len (default 1: "
                         "a sample with nothing to train on; 0 keeps everything); counted and listed in the report")
+    p.add_argument("--loss-mask", choices=LOSS_MASKS, default="generated",
+                   help="what of each assistant reply is trained on: generated (default: its reasoning where the "
+                        "template renders it, its content, its tool calls) or replies (its content only)")
     p.add_argument("--report-plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
     p.add_argument("--verbose", action="store_true", help="show vLLM's logs, warnings and its model-load bar")
     p.add_argument("--preflight", action="store_true",

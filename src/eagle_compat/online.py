@@ -113,7 +113,8 @@ class HiddenStates(_Base):
     def __init__(self, model: str, data: str, *, layers: list[int] | None = None, max_len: int | None = None,
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False, read_ahead: int = 2,
-                 min_loss_tokens: int = 1, skip_uncovered: bool = False, validate: bool = False,
+                 min_loss_tokens: int = 1, loss_mask: str = "generated", skip_uncovered: bool = False,
+                 validate: bool = False,
                  dtype: str = "auto", gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  kv_cache_memory_bytes: int | None = None, trust_remote_code: bool = False,
                  load_format: str = "auto", show_load_progress: bool = True):
@@ -126,6 +127,8 @@ class HiddenStates(_Base):
         self.shuffle, self.drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
         self.rank, self.world_size = distributed_place(rank, world_size)
         min_loss_tokens = _count("min_loss_tokens", min_loss_tokens, 0)
+        from .extract import conversation
+        conversation.check_loss_mask(loss_mask)
         trust_remote_code = _flag("trust_remote_code", trust_remote_code)
         if not isinstance(data, (str, os.PathLike)) or not os.path.isfile(data):
             raise InvalidInput(f"data={data!r}: " + ("a directory; give the JSONL file" if isinstance(data, str)
@@ -155,6 +158,7 @@ class HiddenStates(_Base):
         self._input = _read_input(self.data, self.model, self.max_len, int(getattr(text_config, "vocab_size", 0) or 0),
                                   skip_uncovered=_flag("skip_uncovered", skip_uncovered),
                                   validate=_flag("validate", validate), min_loss_tokens=min_loss_tokens,
+                                  loss_mask=loss_mask,
                                   trust_remote_code=trust_remote_code)
         self.samples = self._input.samples
         self._spool = self._input.spool
@@ -287,7 +291,7 @@ class HiddenStates(_Base):
 
 
 def _read_input(data: str, model: str, max_len: int, vocab_size: int, *, skip_uncovered: bool, validate: bool,
-                min_loss_tokens: int, trust_remote_code: bool) -> Any:
+                min_loss_tokens: int, trust_remote_code: bool, loss_mask: str = "generated") -> Any:
     """The input read as extract reads it: every line checked first (inputs.check_lines), then tokenized into a spool
     (an unnamed temporary file: the driver holds 16 bytes a sample, not its tokens)."""
     from transformers import AutoTokenizer
@@ -303,6 +307,7 @@ def _read_input(data: str, model: str, max_len: int, vocab_size: int, *, skip_un
     try:
         made.start(inputs.read_dataset, data, tokenizer, max_len, vocab_size=vocab_size,
                    skip_uncovered=skip_uncovered, check_decoded=validate, min_loss_tokens=min_loss_tokens,
+                   loss_mask=loss_mask,
                    tokenizer_error=tokenizer_error)
         read = made.join()
         read.samples = made.done({"online": True}, read)

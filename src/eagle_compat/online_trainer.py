@@ -191,6 +191,7 @@ def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--read-ahead", type=int, default=2)
     parser.add_argument("--min-loss-tokens", type=int, default=1)
+    parser.add_argument("--loss-mask", default="generated")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     try:
@@ -200,7 +201,8 @@ def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
     options = dict(model=args.model, data=args.data, layers=args.layers, batch_size=args.batch_size,
                    max_len=args.max_len, seed=args.seed, dtype=args.dtype,
                    gpu_memory_utilization=args.gpu_memory_utilization, read_ahead=args.read_ahead,
-                   min_loss_tokens=args.min_loss_tokens, trust_remote_code=args.trust_remote_code)
+                   min_loss_tokens=args.min_loss_tokens, loss_mask=args.loss_mask,
+                   trust_remote_code=args.trust_remote_code)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return options, command
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from ..errors import InvalidInput
 
+# what the loss mask covers in each reply: all the model generated (reasoning, content, tool calls), or the content
+LOSS_MASKS = ("generated", "replies")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
                 "model": "assistant", "system": "system", "tool": "tool"}
 # what a message passes to the chat template (both spellings of role/content, ShareGPT's and OpenAI's)
@@ -284,10 +286,11 @@ def assistant_spans(tokenizer: Any, messages: "Chat | list[dict]", text: str, re
 
 def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, reach: int | None = None,
                      without_reasoning: set | None = None) -> list[tuple[int, int, int, str]]:
-    """(start, end, message index, "reasoning" | "content" | "tool_calls"): character spans of what the assistant generated in `text`, the templated conversation, in order and disjoint:
-    each reply's reasoning (where the template renders it), its content and its tool calls. A reply whose reasoning
-    the template does not render (Qwen3's drops it from turns before the last user message) is not what the model
-    generated at that turn: it stays as context, out of the mask, and is added to `without_reasoning`.
+    """(start, end, message index, "reasoning" | "content" | "tool_calls"): character spans of what the assistant
+    generated in `text`, the templated conversation, in order and disjoint: each reply's reasoning (where the template
+    renders it), its content and its tool calls. A reply whose reasoning the template does not render (Qwen3's drops it
+    from turns before the last user message) is not what the model generated at that turn: it stays as context, out of
+    the mask, and is added to `without_reasoning`.
 
     Replies are looked for where the template put them: rendered again with a placeholder in each piece's place,
     the conversation must be `text` around the pieces. Short replies are so never matched inside the template's
@@ -352,6 +355,18 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
 
 def reply_number(chat: Chat, i: int) -> int:
     return sum(1 for x in chat.messages[: i + 1] if x["role"] == "assistant")
+
+
+def replies_only(pieces: list[tuple[int, int, int, str]]) -> list[tuple[int, int, int, str]]:
+    """--loss-mask replies: the replies' content alone (reasoning and tool calls out of the mask)."""
+    return [p for p in pieces if p[3] == "content"]
+
+
+def check_loss_mask(value: Any, option: str = "loss_mask") -> str:
+    if value not in LOSS_MASKS:
+        raise InvalidInput(f"{option} {value!r}; must be one of {', '.join(LOSS_MASKS)} (generated: each reply's "
+                           "reasoning, content and tool calls; replies: its content only)")
+    return value
 
 
 def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> list[tuple[int, int, int, str]]:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from ..errors import InvalidInput
 from .conversation import (Chat, UncoveredConversation, as_chat, assistant_pieces, assistant_spans,  # noqa: F401
-                           chat_of, preview, render, reply_number)
+                           chat_of, preview, render, replies_only, reply_number)
 from .conversation import shown as _shown
 
 LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, ...]} (or \"messages\"), or "
@@ -60,7 +60,8 @@ class Dataset:
 
 def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len: int, *, check_decoded: bool = False,
                           cut: Cut | None = None, template_tokens: frozenset[int] | None = None,
-                          without_reasoning: set | None = None) -> tuple[list[int], list[int]]:
+                          without_reasoning: set | None = None,
+                          loss_mask: str = "generated") -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask that is 1 on what the assistant generated: each
     reply's reasoning (where the template renders it), content and tool calls (assistant_pieces). Role headers, the
     template's markup, user, system and tool messages stay out.
@@ -70,10 +71,11 @@ def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len
     checks that they spell it (as the piece tokenized alone decodes): an independent check of the tokenizer's
     character offsets, and that no special token among them reaches outside the piece (`template_tokens`:
     `special_ids(tokenizer)`, given by a caller that tokenizes many). `cut` is filled with what `max_len` took away
-    (tokens, loss tokens, replies); `without_reasoning` gets the replies kept as context because the template drops
-    their reasoning. Linear in the conversation: two renderings (the text, the placeholders) and one per reply with
-    tool calls, one tokenization, one pass over the tokens; a template that renders placeholders otherwise adds a
-    rendering per reply that --max-len keeps, none for the replies it cuts away.
+    (tokens, loss tokens, replies); `loss_mask="replies"` keeps the replies' content alone; `without_reasoning` gets the
+    replies kept as context because the template drops their reasoning. Linear in the conversation: two renderings (the
+    text, the placeholders) and one per reply with tool calls, one tokenization, one pass over the tokens; a template
+    that renders placeholders otherwise adds a rendering per reply that --max-len keeps, none for the replies it cuts
+    away.
     """
     chat = as_chat(messages)
     text = render(tokenizer, chat, chat.messages, False)
@@ -86,6 +88,8 @@ def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len
     ids, offsets = list(enc["input_ids"])[:max_len], full_offsets[:max_len]
     reach = max((e_tok for _, e_tok in offsets), default=0)  # a reply beginning past it covers no kept token
     pieces = assistant_pieces(tokenizer, chat, text, reach, without_reasoning)
+    if loss_mask == "replies":
+        pieces = replies_only(pieces)
     spans = [(b, e) for b, e, _, _ in pieces]
     full_mask, covering = _tokens_over_spans(full_offsets, spans)
     mask = full_mask[:max_len]
@@ -210,7 +214,7 @@ def _record_of(raw: bytes, where: str) -> dict | None:
 
 def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, max_len: int, cut: Cut,
                          check_decoded: bool, template_tokens: frozenset[int] | None, tokenizer_error: str,
-                         without_reasoning: set) -> tuple[list[int], list[int], frozenset[int] | None]:
+                         without_reasoning: set, loss_mask: str) -> tuple[list[int], list[int], frozenset[int] | None]:
     """A conversation line's ids and loss mask, and --validate's special tokens (read at the first conversation,
     given back for the next); UncoveredConversation as raised: the caller may skip the line."""
     if tokenizer is None:  # the model folder's problem, not the line's
@@ -226,7 +230,8 @@ def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, m
             template_tokens = special_ids(tokenizer)
         context: set = set()
         ids, mask = tokenize_conversation(tokenizer, chat, max_len, check_decoded=check_decoded, cut=cut,
-                                          template_tokens=template_tokens, without_reasoning=context)
+                                          template_tokens=template_tokens, without_reasoning=context,
+                                          loss_mask=loss_mask)
         without_reasoning.update((where, i) for i in context)
     except UncoveredConversation:
         raise
@@ -256,7 +261,7 @@ def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
                  check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
-                 on_line: Any = None, into: Any = None) -> Dataset:
+                 on_line: Any = None, into: Any = None, loss_mask: str = "generated") -> Dataset:
     """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
     start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
@@ -285,7 +290,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 try:
                     ids, mask, template_tokens = _conversation_tokens(
                         tokenizer, chat, record, where, max_len, cut, check_decoded, template_tokens,
-                        tokenizer_error, without_reasoning)
+                        tokenizer_error, without_reasoning, loss_mask)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(

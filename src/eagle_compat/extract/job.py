@@ -20,7 +20,7 @@ from .. import detect, leftovers, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
-from . import formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
+from . import conversation, formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
 from .batch_job import EngineArgs, Runner, SampleWriting
 from .record import Manifest, RunEntry, Settings
 
@@ -46,6 +46,7 @@ class ExtractOptions:
     # setting (it changes no state written): a --resume may add it to finish a set a non-finite sample stopped
     skip_non_finite: bool = False
     min_loss_tokens: int = 1  # a sample with fewer loss tokens (after --max-len) is left out, counted and listed
+    loss_mask: str = "generated"  # conversation.LOSS_MASKS: what of each reply is trained on
     quiet: bool = False  # the CLI's default: no vLLM logs, warnings or load bar (cli.quiet_engine_output)
     resume: bool = False
     shard: tuple[int, int] = (0, 1)
@@ -96,6 +97,7 @@ def _check(opts: ExtractOptions) -> None:
         raise InvalidInput(f"--skip-non-finite with --format {opts.format}: Arrow rows are numbered before the run, "
                            "and a row left out would shift every later one. Extract with --format pt (or "
                            "safetensors) and --skip-non-finite, then `eagle-compat convert --to arrow`")
+    conversation.check_loss_mask(opts.loss_mask, "--loss-mask")
     if not isinstance(opts.min_loss_tokens, int) or opts.min_loss_tokens < 0:
         raise InvalidInput(f"--min-loss-tokens {opts.min_loss_tokens!r}; must be an int >= 0 (0 keeps every sample)")
     if opts.max_len is not None and opts.max_len < 1:
@@ -165,7 +167,8 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> Set
             "trust_remote_code": opts.trust_remote_code,
             # --validate also decides which conversations --skip-uncovered leaves out
             # (without --skip-uncovered a failed check stops the run: it cannot change the sample set)
-            "validate": opts.validate and opts.skip_uncovered, "min_loss_tokens": opts.min_loss_tokens}
+            "validate": opts.validate and opts.skip_uncovered, "min_loss_tokens": opts.min_loss_tokens,
+            "loss_mask": opts.loss_mask}
 
 
 def model_position_limit(model: str, text_config: Any) -> tuple[int | None, str]:
@@ -489,7 +492,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
         tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
     spool_key = spool.key(settings["data_sha256"], opts.model, tokenizer, {
         "max_len": max_len, "vocab_size": vocab_size, "skip_uncovered": opts.skip_uncovered,
-        "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens,
+        "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens, "loss_mask": opts.loss_mask,
         "trust_remote_code": opts.trust_remote_code})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
     if data is not None:
@@ -506,7 +509,8 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
         with stages.counting("reading and tokenizing the input", None, "line") as lines_read:
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
-                       min_loss_tokens=opts.min_loss_tokens, tokenizer_error=tokenizer_error, on_line=lines_read.add,
+                       min_loss_tokens=opts.min_loss_tokens, loss_mask=opts.loss_mask, tokenizer_error=tokenizer_error,
+                       on_line=lines_read.add,
                        watched=(opts.data, input_identity, settings["data_sha256"]))
             ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)
         if not ended:

@@ -28,6 +28,7 @@ class Settings(TypedDict, total=False):
     trust_remote_code: bool  # --trust-remote-code (absent from earlier releases' records: False)
     validate: bool  # --validate with --skip-uncovered (it then decides which conversations are left out)
     min_loss_tokens: int
+    loss_mask: str  # --loss-mask (absent from earlier releases' records: "generated")
     made_by: str  # a record `convert` made for speculators 0.3.0's own output (extract/convert.py)
 
 

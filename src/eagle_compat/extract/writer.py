@@ -1267,7 +1267,7 @@ class DirectoryLock:
 
 # Settings recorded since a release after sets were begun without them, with the value those sets were made with
 # (an earlier release recorded no --trust-remote-code: it is taken as off, its default)
-SETTINGS_ADDED_SINCE = {"trust_remote_code": False}
+SETTINGS_ADDED_SINCE = {"trust_remote_code": False, "loss_mask": "generated"}
 
 
 def settings_differences(old: dict, new: dict) -> list[str]:
