@@ -81,7 +81,9 @@ THINKING_TRACE = {"conversations": [
     {"role": "assistant", "reasoning_content": "w5 w6 w7", "content": "w8 w9"},
     {"role": "user", "content": "w10"},
     {"role": "assistant", "reasoning_content": "w11 w12", "content": "w13 w14 w15"}]}
-TOOL_TRACE = {"tools": [WEATHER_TOOL], "conversations": [
+# the tool's keys out of the server's order, and one it drops: the rendering must still be the server's
+TOOL_TRACE = {"tools": [{"function": {"parameters": WEATHER_TOOL["function"]["parameters"], "name": "get_weather",
+                                      "x-owner": "w42"}, "type": "function"}], "conversations": [
     {"role": "user", "content": "w3 w4"},
     {"role": "assistant", "reasoning": "w20 w21", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
@@ -115,16 +117,41 @@ def test_a_thinking_trace_trains_on_the_last_turn_as_generated_and_keeps_earlier
 
 
 def test_tool_calls_and_their_reasoning_are_in_the_mask_tool_results_are_not(qwen3_model):
+    """A call's name and arguments (and what the template puts between them) are in the mask; the <tool_call> markup
+    around them stays out, like <think>, as do the tool's result and the headers."""
     tok, ids, mask, context = _tokens(qwen3_model, TOOL_TRACE)
-    masked = _masked(tok, ids, mask)
-    # the call's reasoning, its whole <tool_call> block (the JSON's words are unknown to the tiny vocabulary),
-    # then the final reply's reasoning and content; the tool's result and the headers are out
-    assert masked[:2] == ["w20", "w21"] and masked[2] == "<tool_call>" and "</tool_call>" in masked
-    assert masked[-3:] == ["w25", "w26", "w27"]
-    assert "w23" not in masked and "w24" not in masked and "<tool_response>" not in masked
-    assert "<|im_start|>" not in masked and "<|im_end|>" not in masked and not context
+    chat = inputs.chat_of(TOOL_TRACE, "line 1")
+    text = chat.render(tok)
+    pieces = [(i, kind, text[b:e]) for b, e, i, kind in inputs.assistant_pieces(tok, chat, text)]
+    assert pieces == [(1, "reasoning", "w20 w21"), (1, "tool_calls", 'get_weather", "arguments": {"city": "w22"'),
+                      (3, "reasoning", "w25"), (3, "content", "w26 w27")]
     # the arguments, parsed from their JSON string, rendered by the template as an object
-    assert '{"name": "get_weather", "arguments": {"city": "w22"}}' in inputs.chat_of(TOOL_TRACE, "l").render(tok)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "w22"}}\n</tool_call>' in text
+    masked = _masked(tok, ids, mask)  # (the JSON's words are unknown to the tiny vocabulary: <unk>)
+    assert masked[:2] == ["w20", "w21"] and masked[-3:] == ["w25", "w26", "w27"] and not context
+    assert not {"w23", "w24", "<tool_response>", "<tool_call>", "</tool_call>", "<|im_start|>", "<|im_end|>"} & set(
+        masked)
+
+
+def test_a_template_that_renders_the_next_message_by_the_calls_before_it_keeps_that_header_out(tmp_path_factory):
+    """DeepSeek-R1's template opens a tool result with another header when the reply before it called tools: a
+    rendering without the calls (how their place was found first) differed there too, and the next message's header
+    was masked. Calls with other names and arguments keep the template's path."""
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {{ m['content'] }}"
+                "{% for c in m['tool_calls'] or [] %} <tool_call> {{ c['function']['name'] }} "
+                "{{ c['function']['arguments'] | tojson }} </tool_call>{% endfor %} </s> "
+                "{% set ns_called = m['tool_calls'] %}{% elif m['role'] == 'tool' %}"
+                "{% if loop.previtem and loop.previtem['tool_calls'] %}<tool_response> {% else %}<|user|> {% endif %}"
+                "{{ m['content'] }} </s> {% else %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endif %}{% endfor %}")
+    model = _model_with(tmp_path_factory, "next-header", template)
+    record = {"conversations": [{"role": "user", "content": "w1"},
+                                {"role": "assistant", "content": "w2", "tool_calls": [
+                                    {"type": "function", "function": {"name": "w3", "arguments": {"w4": 5}}}]},
+                                {"role": "tool", "content": "w6"}, {"role": "assistant", "content": "w7"}]}
+    tok, ids, mask, _ = _tokens(model, record)
+    masked = _masked(tok, ids, mask)
+    assert masked[:2] == ["w2", "w3"] and masked[-1] == "w7"
+    assert not {"<tool_response>", "<tool_call>", "</tool_call>", "</s>", "w6"} & set(masked)
 
 
 def test_tool_calls_rendered_after_the_content_are_located_too(calls_after_content_model):
@@ -136,8 +163,41 @@ def test_tool_calls_rendered_after_the_content_are_located_too(calls_after_conte
         {"role": "assistant", "content": "w9"}]}
     tok, ids, mask, _ = _tokens(calls_after_content_model, record)
     masked = _masked(tok, ids, mask)
-    assert masked[:3] == ["w4", "w5", "[TOOL_CALLS]"] and masked[-1] == "w9"
+    assert masked[:2] == ["w4", "w5"] and masked[-1] == "w9" and "[TOOL_CALLS]" not in masked
     assert "w8" not in masked and "[TOOL_RESULTS]" not in masked and "<|assistant|>" not in masked
+
+
+def test_whitespace_pieces_a_conversation_ending_with_a_user_turn_and_list_content_are_taken(qwen3_model):
+    """Reasoning of newlines alone (the template trims it to nothing) raised a bare ValueError; a conversation that
+    ends with a user turn had its last reply's dropped reasoning taken for a template without reasoning; content as
+    a list of text parts (agent traces' tool results) or null is what vLLM's endpoint takes."""
+    whitespace = {"conversations": [{"role": "user", "content": "w1"},
+                                    {"role": "assistant", "reasoning": "\n\n", "content": "w2"}]}
+    tok, ids, mask, _ = _tokens(qwen3_model, whitespace)
+    assert _masked(tok, ids, mask) == ["w2"]
+    ends_with_user = {"conversations": [{"role": "user", "content": "w1"},
+                                        {"role": "assistant", "reasoning": "w2", "content": "w3"},
+                                        {"role": "user", "content": "w4"}]}
+    tok, ids, mask, context = _tokens(qwen3_model, ends_with_user)
+    assert _masked(tok, ids, mask) == [] and context == {1}
+    parts = {"conversations": [{"role": "user", "content": [{"type": "text", "text": "w1"},
+                                                            {"type": "text", "text": "w5"}]},
+                               {"role": "assistant", "content": None, "tool_calls": [
+                                   {"type": "function", "function": {"name": "f", "arguments": ""}}]},
+                               {"role": "tool", "content": [{"type": "text", "text": "w6"}]},
+                               {"role": "assistant", "content": "w7"}]}
+    chat = inputs.chat_of(parts, "d:1")
+    assert [m["content"] for m in chat.messages] == ["w1\nw5", "", "w6", "w7"]
+    assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_tools_are_given_to_the_template_as_vllms_server_gives_them():
+    """The server dumps its request model: name, description, parameters in that order, null where not given,
+    other keys dropped (a template rendering `tool | tojson` shows the model that text)."""
+    chat = inputs.chat_of({"tools": [{"function": {"parameters": {}, "name": "f", "x": 1}}],
+                           "conversations": [{"role": "user", "content": "w1"}]}, "d:1")
+    assert json.dumps(chat.tools) == json.dumps(
+        [{"type": "function", "function": {"name": "f", "description": None, "parameters": {}}}])
 
 
 def test_reasoning_a_template_cannot_render_is_refused_as_uncovered(tmp_path):
@@ -162,8 +222,8 @@ def test_the_data_report_counts_reasoning_tool_call_and_reply_tokens_apart(qwen3
     read = inputs.read_dataset(str(data), tok, 4096, check_decoded=True)  # --validate spells every masked piece
     kinds = report.of_samples(read.samples, 4096)["loss_tokens_by_kind"]
     tool_trace_masked = _masked(*_tokens(qwen3_model, TOOL_TRACE)[:3])
-    tool_block = len(tool_trace_masked) - 5  # the <tool_call> block: the masked tokens but w20 w21, w25, w26 w27
-    assert tool_trace_masked.count("<tool_call>") == 1 and tool_block > 2
+    tool_block = len(tool_trace_masked) - 5  # the call's tokens: the masked ones but w20 w21, w25, w26 w27
+    assert tool_block > 2
     assert kinds == {"reasoning": 2 + 3, "tool_calls": tool_block, "replies": 3 + 2, "given_as_token_ids": 3}
     assert read.notes["replies_rendered_without_their_reasoning"] == 1
     assert "loss tokens: 5 reasoning, " in report.text(report.of_samples(read.samples, 4096))
@@ -210,10 +270,25 @@ def test_loss_mask_is_an_option_of_extract_recorded_with_the_set():
      r"chat_template_kwargs cannot set tokenize"),
     ({"conversations": [{"role": "user", "content": "w1"}], "tools": {"name": "f"}},
      r"tools must be a list of tool objects"),
+    ({"conversations": [{"role": "user", "content": "w1"}], "tools": [{"name": "f"}]},
+     r"each of tools must be \{\"type\": \"function\""),
+    ({"conversations": [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]}]},
+     r"tool_calls\[0\] \(f\) has arguments that are not JSON"),
+    ({"conversations": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     r"text content \(a JSON string, null, or a list of"),
 ])
 def test_bad_reasoning_tool_calls_and_template_keywords_are_refused_naming_the_line(record, match):
     with pytest.raises(InvalidInput, match=match):
         inputs.chat_of(record, "d:1")
+
+
+def _as_the_server_gives(tools):
+    """The tools of a request as vLLM's chat server hands them to its renderer: its own request model, dumped."""
+    if tools is None:
+        return None
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    return [ChatCompletionToolsParam(**t).model_dump() for t in tools]
 
 
 @pytest.mark.engine
@@ -240,7 +315,7 @@ def test_token_ids_equal_vllms_own_chat_rendering(qwen3_model, calls_after_conte
             # `reasoning_content`; a line may spell it either way)
             raw = [{("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
                    for m in record["conversations"]]
-            out = llm.chat(raw, SamplingParams(max_tokens=1), tools=record.get("tools"),
+            out = llm.chat(raw, SamplingParams(max_tokens=1), tools=_as_the_server_gives(record.get("tools")),
                            chat_template_kwargs=record.get("chat_template_kwargs"), add_generation_prompt=False,
                            use_tqdm=False)[0]
             assert list(out.prompt_token_ids) == ids, tok.decode(ids)

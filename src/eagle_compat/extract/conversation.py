@@ -97,7 +97,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(arguments, str) and arguments.strip():
             try:
                 arguments = json.loads(arguments)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidInput(f"{where}: tool_calls[{k}] ({function['name']}) has arguments that are not JSON "
                                    f"({exc}): {shown(function['arguments'])}") from None
         elif arguments in (None, ""):
@@ -113,13 +113,11 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise InvalidInput(f"{where}: message {m!r} is not an object")
     role = role_of(one_spelling(m, "role", "from", where, "a message", meaning=role_of))
-    content = one_spelling(m, "content", "value", where, "a message")
+    content = _text_of(one_spelling(m, "content", "value", where, "a message"))
     calls = m.get("tool_calls") or None
-    if content is None and role == "assistant" and calls:
-        content = ""  # a reply that only calls tools (vLLM renders its missing content as "")
     if role is None or not isinstance(content, str):
-        raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and string content "
-                           f"(both JSON strings; an assistant's content may be null where it has tool_calls), got "
+        raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and text content (a JSON "
+                           "string, null, or a list of {\"type\": \"text\", \"text\": ...} parts), got "
                            f"{shown(m, 120)}")
     out: dict = {"role": role, "content": content}
     reasoning = one_spelling(m, "reasoning", "reasoning_content", where, "a message")
@@ -132,10 +130,39 @@ def _message(m: Any, where: str) -> dict:
         if role != "assistant":
             raise InvalidInput(f"{where}: tool_calls belong to an assistant message, not a {role} one")
         out["tool_calls"] = _tool_calls(calls, where)
-    for key in ("tool_call_id", "name"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):  # vLLM keeps it on tool messages only
+        out["tool_call_id"] = m["tool_call_id"]
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
     return out
+
+
+def _text_of(content: Any) -> Any:
+    """A message's content as vLLM's chat endpoint gives it to a template that takes strings: null as "", a list of
+    text parts joined by newlines; anything else as it is (refused by the caller unless a string)."""
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
+            p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
+def _tool(tool: Any, where: str) -> dict:
+    """A tool as vLLM's server hands it to the template (its request model dumped): {"type": "function", "function":
+    {"name", "description", "parameters"}} in that order, description and parameters null where not given, `strict`
+    and `defer_loading` only where given, other keys dropped. A template that renders `tool | tojson` then shows the
+    model the server's text."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function" or not isinstance(
+            function.get("name"), str):
+        raise InvalidInput(f"{where}: each of tools must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           f"\"parameters\": ...}}}} (OpenAI's form), got {shown(tool, 80)}")
+    out = {"name": function["name"], "description": function.get("description"),
+           "parameters": function.get("parameters")}
+    out.update({k: function[k] for k in ("strict", "defer_loading") if function.get(k) is not None})
+    return {"type": "function", "function": out,
+            **({"defer_loading": tool["defer_loading"]} if tool.get("defer_loading") is not None else {})}
 
 
 def chat_of(record: dict, where: str, unused_keys: Any = None) -> Chat | None:
@@ -154,8 +181,10 @@ def chat_of(record: dict, where: str, unused_keys: Any = None) -> Chat | None:
         if record.get("system"):
             unused_keys.update(["top-level system"])
     tools = record.get("tools") or None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise InvalidInput(f"{where}: tools must be a list of tool objects (OpenAI's form), got {shown(tools)}")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidInput(f"{where}: tools must be a list of tool objects (OpenAI's form), got {shown(tools)}")
+        tools = [_tool(t, where) for t in tools]
     kwargs = record.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise InvalidInput(f"{where}: chat_template_kwargs must be an object, got {shown(kwargs)}")
@@ -185,7 +214,7 @@ def _fits(value: str) -> list[str]:
     return list(dict.fromkeys((value, value.strip("\n"), value.lstrip("\n"), value.rstrip("\n"), value.strip())))
 
 
-def _with_pieces(chat: Chat, pieces: dict[tuple[int, str], int], without_calls: int | None = None) -> list[dict]:
+def _with_pieces(chat: Chat, pieces: dict[tuple[int, str], int], other_calls: int | None = None) -> list[dict]:
     out = []
     for i, m in enumerate(chat.messages):
         m = {**m}
@@ -194,9 +223,22 @@ def _with_pieces(chat: Chat, pieces: dict[tuple[int, str], int], without_calls: 
                 m[name] = _placeholder(pieces[(i, name)])
                 if name == "reasoning":
                     m["reasoning_content"] = m[name]
-        if i == without_calls:
-            del m["tool_calls"]
+        if i == other_calls:
+            m["tool_calls"] = _other_calls(m["tool_calls"])
         out.append(m)
+    return out
+
+
+def _other_calls(calls: list[dict]) -> list[dict]:
+    """The same calls, each with another name (differing at its first character) and other arguments: the template
+    takes the same path (as many calls, each a call, the ids kept), and only the calls' own text differs."""
+    out = []
+    for call in calls:
+        function = call["function"]
+        name = function["name"]
+        other = ("Q" if not name.startswith("Q") else "Z") * max(1, len(name))
+        out.append({**call, "function": {**function, "name": other,
+                                         "arguments": {} if function["arguments"] else {"q": 0}}})
     return out
 
 
@@ -214,8 +256,10 @@ def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] |
     not. None where the template renders the rest around them differently."""
     if replies is None:
         replies = [i for i, m in enumerate(chat.messages) if m["role"] == "assistant"]
+    # an empty piece gets no placeholder (it may change the template's path), nor one of whitespace alone (a
+    # template that trims it renders nothing of it)
     values = {(i, name): chat.messages[i].get(name) for i in replies for name in PIECE_FIELDS
-              if chat.messages[i].get(name)}  # an empty piece gets no placeholder: it may change the template's path
+              if (chat.messages[i].get(name) or "").strip()}
     pieces = {piece: k for k, piece in enumerate(values)}
     placed = render(tokenizer, chat, _with_pieces(chat, pieces), False)
     by_number = {str(k): piece for piece, k in pieces.items()}
@@ -253,20 +297,24 @@ def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] |
 
 def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, anchors: list[tuple[int, int]],
                     i: int) -> tuple[int, int] | None:
-    """Reply i's tool calls in the text: what the placeholder rendering loses when that reply's calls are left out
-    (their blocks, without the whitespace the template puts around them), mapped into the text. None where that
-    part holds a placeholder."""
-    without = render(tokenizer, chat, _with_pieces(chat, pieces, without_calls=i), False)
+    """Reply i's tool calls in the text: from where the placeholder rendering first differs when that reply's calls
+    have other names and arguments to where it last does (the calls' names and arguments and what the template puts
+    between them; the markup around the calls, such as <tool_call>, stays out like any template markup), mapped into
+    the text. None where that part holds a placeholder, or the template refuses the other calls. Leaving the calls out
+    instead changed what the template renders for the next message (DeepSeek-R1's tool-output header) and failed
+    templates that check the turns' structure (Mistral's, gpt-oss's)."""
+    try:
+        other = render(tokenizer, chat, _with_pieces(chat, pieces, other_calls=i), False)
+    except Exception:  # noqa: BLE001 - a template that checks calls' names: their place cannot be told
+        return None
     head = 0
-    limit = min(len(placed), len(without))
-    while head < limit and placed[head] == without[head]:
+    limit = min(len(placed), len(other))
+    while head < limit and placed[head] == other[head]:
         head += 1
     tail = 0
-    while tail < limit - head and placed[-1 - tail] == without[-1 - tail]:
+    while tail < limit - head and placed[-1 - tail] == other[-1 - tail]:
         tail += 1
     begin, end = head, len(placed) - tail
-    while begin > 0 and begin < end and placed[begin - 1] == placed[end - 1]:  # the same insertion, shifted left:
-        begin, end = begin - 1, end - 1  # "<tool_call>...</tool_call>" before "<|im_end|>", not "tool_call>...<"
     while begin < end and placed[begin].isspace():
         begin += 1
     while end > begin and placed[end - 1].isspace():
@@ -330,7 +378,7 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
         pieces = [("reasoning", chat.reasoning(i)), ("content", content)] if m["role"] == "assistant" else [
             ("content", content)]
         for name, value in pieces:
-            if not value:
+            if not value.strip():
                 continue
             pos, fit = -1, value
             for candidate in _fits(value):  # templates often trim message content
@@ -373,8 +421,8 @@ def _generated(chat: Chat, located: _Located, without_reasoning: set | None) -> 
     """The located pieces of the replies the template renders as generated, in text order."""
     dropped = located.without_reasoning
     if dropped:
-        last = max(i for i, m in enumerate(chat.messages) if m["role"] == "assistant")
-        if last in dropped:  # not even the last reply's: this template has no place for reasoning
+        last = len(chat.messages) - 1
+        if last in dropped:  # not even a reply that ends the conversation: this template has no place for reasoning
             raise UncoveredConversation(
                 f"assistant message {reply_number(chat, last)} has reasoning ({preview(chat.reasoning(last))}), "
                 "which this model's chat template does not render: the server never shows this model reasoning "
