@@ -113,7 +113,8 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise InvalidInput(f"{where}: message {m!r} is not an object")
     role = role_of(one_spelling(m, "role", "from", where, "a message", meaning=role_of))
-    content = _text_of(one_spelling(m, "content", "value", where, "a message"))
+    given = "content" in m or "value" in m  # a message without content at all is a broken line, not an empty one
+    content = _text_of(one_spelling(m, "content", "value", where, "a message")) if given else None
     calls = m.get("tool_calls") or None
     if role is None or not isinstance(content, str):
         raise InvalidInput(f"{where}: message needs a role in {sorted(set(ROLE_ALIASES))} and text content (a JSON "
