@@ -52,7 +52,7 @@ VARIANTS: dict[str, dict] = {
 }
 LENGTHS = (32, 96, 150, 230, 320, 410, 500, 587)
 ENGINES = ("plain", "generator", "shim")
-SETTINGS = ("", "kv2g", "util", "triton")
+SETTINGS = ("", "kv2g", "util", "triton", "big")
 KV_2G = 2 << 30
 UTIL = 0.2  # three engines side by side on one GPU
 
@@ -175,7 +175,7 @@ def run_generator(path: str, seqs: list[list[int]], n: int, setting: str) -> dic
         use_triton_attention()
     kv = {"kv_cache_memory_bytes": KV_2G} if setting == "kv2g" else {}
     with VllmHiddenStatesGenerator(path, layer_ids=list(range(n)), max_model_len=1024,
-                                   gpu_memory_utilization=UTIL, **kv) as gen:
+                                   gpu_memory_utilization=0.85 if setting == "big" else UTIL, **kv) as gen:
         results = gen.generate(seqs)
         groups = groups_of(gen.scheduler.kv_cache_config)
         sizes = kv_sizes(gen.scheduler.kv_cache_config)
