@@ -300,23 +300,24 @@ def test_token_ids_equal_vllms_own_chat_rendering(qwen3_model, calls_after_conte
     from transformers import AutoTokenizer
 
     kwargs_trace = {**THINKING_TRACE, "chat_template_kwargs": {"enable_thinking": False}}
-    cases = [(qwen3_model, THINKING_TRACE), (qwen3_model, TOOL_TRACE), (qwen3_model, kwargs_trace)]
-    for model, records in ((qwen3_model, cases), (calls_after_content_model, [(calls_after_content_model, {
-            "conversations": [{"role": "user", "content": "w3"},
-                              {"role": "assistant", "content": "w4", "tool_calls": [
-                                  {"type": "function", "function": {"name": "w6", "arguments": "{\"w7\": 1}"}}]},
-                              {"role": "tool", "content": "w8"}, {"role": "assistant", "content": "w9"}]})])):
-        llm = LLM(model, max_model_len=512, enforce_eager=True, dtype="float32", seed=0)
+    calls_after = {"conversations": [{"role": "user", "content": "w3"},
+                                     {"role": "assistant", "content": "w4", "tool_calls": [
+                                         {"type": "function", "function": {"name": "w6", "arguments": "{\"w7\": 1}"}}]},
+                                     {"role": "tool", "content": "w8"}, {"role": "assistant", "content": "w9"}]}
+    # one engine (both folders hold the same vocabulary and markup tokens): the second template given per request
+    llm = LLM(qwen3_model, max_model_len=512, enforce_eager=True, dtype="float32", seed=0)
+    cases = [(qwen3_model, THINKING_TRACE), (qwen3_model, TOOL_TRACE), (qwen3_model, kwargs_trace),
+             (calls_after_content_model, calls_after)]
+    for model, record in cases:
         tok = AutoTokenizer.from_pretrained(model)
-        for _, record in records:
-            chat = inputs.chat_of(record, "line 1")
-            ids, _ = inputs.tokenize_conversation(tok, chat, 4096)
-            # the request as a client sends it to vLLM 0.32: `reasoning` (its endpoint no longer reads a request's
-            # `reasoning_content`; a line may spell it either way)
-            raw = [{("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
-                   for m in record["conversations"]]
-            out = llm.chat(raw, SamplingParams(max_tokens=1), tools=_as_the_server_gives(record.get("tools")),
-                           chat_template_kwargs=record.get("chat_template_kwargs"), add_generation_prompt=False,
-                           use_tqdm=False)[0]
-            assert list(out.prompt_token_ids) == ids, tok.decode(ids)
-        del llm
+        chat = inputs.chat_of(record, "line 1")
+        ids, _ = inputs.tokenize_conversation(tok, chat, 4096)
+        # the request as a client sends it to vLLM 0.32: `reasoning` (its endpoint no longer reads a request's
+        # `reasoning_content`; a line may spell it either way)
+        raw = [{("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
+               for m in record["conversations"]]
+        out = llm.chat(raw, SamplingParams(max_tokens=1), tools=_as_the_server_gives(record.get("tools")),
+                       chat_template=None if model == qwen3_model else tok.chat_template,
+                       chat_template_kwargs=record.get("chat_template_kwargs"), add_generation_prompt=False,
+                       use_tqdm=False)[0]
+        assert list(out.prompt_token_ids) == ids, tok.decode(ids)
