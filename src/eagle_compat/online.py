@@ -135,9 +135,7 @@ class HiddenStates(_Base):
                                                      and os.path.isdir(data) else "no such file"))
         self.data = os.fspath(data)
         self.model = local_model_path(os.fspath(model), option="model")
-        if not isinstance(load_format, str) or not load_format:
-            raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or "
-                               "'dummy' (random weights: for measuring speed only)")
+        options.check_load_format(load_format)
         options.check_engine_options(tensor_parallel_size=tensor_parallel_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype)

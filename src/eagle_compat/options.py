@@ -98,6 +98,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
 
 
+def check_load_format(load_format: Any) -> None:
+    if not isinstance(load_format, str) or not load_format:
+        raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or 'dummy'")
+
+
 def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, load_format: Any,
                             shm_limit_bytes: Any, max_model_len: int) -> None:
     """The stable generator's own keywords, before anything is loaded (a typo used to surface in the worker, on
@@ -110,8 +115,7 @@ def check_generator_options(*, max_num_seqs: Any, max_num_batched_tokens: Any, l
         # chunked prefill is always off here, so one step must hold a whole max_model_len prompt
         raise InvalidInput(f"max_num_batched_tokens={max_num_batched_tokens!r}; must be None (the default) or an "
                            f"int >= max_model_len ({max_model_len})")
-    if not isinstance(load_format, str) or not load_format:
-        raise InvalidInput(f"load_format={load_format!r}; must be one of vLLM's load formats, e.g. 'auto' or 'dummy'")
+    check_load_format(load_format)
     if shm_limit_bytes is not None and (not is_int(shm_limit_bytes) or shm_limit_bytes < 0):
         raise InvalidInput(f"shm_limit_bytes={shm_limit_bytes!r}; must be None (free space in /dev/shm) or an int "
                            ">= 0 (bytes; 0: every batch through the RPC queue)")

@@ -198,10 +198,6 @@ def chat_of(record: dict, where: str, unused_keys: Any = None) -> Chat | None:
 
 # ---- where the template put what the assistant generated ------------------------------------------------------
 
-def render(tokenizer: Any, chat: Chat, messages: list[dict], generation_prompt: bool) -> str:
-    return chat.render(tokenizer, messages, generation_prompt)
-
-
 def _placeholder(k: int) -> str:
     return f"EagleCompatReply{k}Placeholder7f3a"
 
@@ -252,9 +248,9 @@ class _Located:
 def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] | None = None) -> _Located | None:
     """Where the template put the replies' pieces (the messages `replies`, else every assistant message): their
     reasoning and content, from one more rendering with a placeholder in each one's place (`text` must be that
-    rendering with each placeholder replaced by its piece, as it is or trimmed), and their tool calls, from a
-    rendering without each reply's calls. A reply's reasoning may be missing (the template drops it); its content may
-    not. None where the template renders the rest around them differently."""
+    rendering with each placeholder replaced by its piece, as it is or trimmed), and their tool calls (_calls_in_place).
+    A reply's reasoning may be missing (the template drops it); its content may not. None where the template renders
+    the rest around them differently."""
     if replies is None:
         replies = [i for i, m in enumerate(chat.messages) if m["role"] == "assistant"]
     # an empty piece gets no placeholder (it may change the template's path), nor one of whitespace alone (a
@@ -262,22 +258,21 @@ def _pieces_in_place(tokenizer: Any, chat: Chat, text: str, replies: list[int] |
     values = {(i, name): chat.messages[i].get(name) for i in replies for name in PIECE_FIELDS
               if (chat.messages[i].get(name) or "").strip()}
     pieces = {piece: k for k, piece in enumerate(values)}
-    placed = render(tokenizer, chat, _with_pieces(chat, pieces), False)
+    placed = chat.render(tokenizer, _with_pieces(chat, pieces))
     by_number = {str(k): piece for piece, k in pieces.items()}
     found = [(by_number[m.group(1)], m.start(), m.end()) for m in PLACEHOLDER.finditer(placed)
              if m.group(1) in by_number]
-    seen = [piece for piece, _, _ in found]
-    if len(set(seen)) != len(seen) or any(name == "content" and piece not in seen
-                                          for piece in values for name in [piece[1]]):
+    seen = {piece for piece, _, _ in found}
+    if len(seen) != len(found) or any(name == "content" and (i, name) not in seen for i, name in values):
         return None
     # each placeholder's place in `placed` and its piece's in `text`: text = placed with each replaced by a fit
     spans, anchors, at, last = {}, [], 0, 0  # anchors: (end in placed, end in text)
-    for piece, begin, end in found:
+    for j, (piece, begin, end) in enumerate(found):
         between = placed[last:begin]
         if not text.startswith(between, at):
             return None
         at += len(between)
-        following = placed[end:found[seen.index(piece) + 1][1]] if seen.index(piece) + 1 < len(found) else placed[end:]
+        following = placed[end:found[j + 1][1]] if j + 1 < len(found) else placed[end:]
         fits = [c for c in _fits(values[piece]) if text.startswith(c, at) and text.startswith(following, at + len(c))]
         if not fits:
             return None
@@ -305,7 +300,7 @@ def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, ancho
     instead changed what the template renders for the next message (DeepSeek-R1's tool-output header) and failed
     templates that check the turns' structure (Mistral's, gpt-oss's)."""
     try:
-        other = render(tokenizer, chat, _with_pieces(chat, pieces, other_calls=i), False)
+        other = chat.render(tokenizer, _with_pieces(chat, pieces, other_calls=i))
     except Exception:  # noqa: BLE001 - a template that checks calls' names: their place cannot be told
         return None
     head = 0
@@ -373,7 +368,7 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
                 raise UncoveredConversation(f"assistant message {reply_number(chat, i)} has tool calls, and the "
                                             "template renders its conversation so that they cannot be located")
             if i:
-                before = render(tokenizer, chat, chat.messages[:i], True)
+                before = chat.render(tokenizer, chat.messages[:i], True)
                 if text.startswith(before):
                     start = max(cursor, len(before))
         pieces = [("reasoning", chat.reasoning(i)), ("content", content)] if m["role"] == "assistant" else [
@@ -390,7 +385,7 @@ def assistant_pieces(tokenizer: Any, messages: "Chat | list[dict]", text: str, r
             if pos < 0:
                 if m["role"] == "assistant" and name == "reasoning":
                     dropped.add(i)
-                elif m["role"] == "assistant" and value.strip():
+                elif m["role"] == "assistant":
                     raise UncoveredConversation(
                         f"assistant message {reply_number(chat, i)} ({preview(value)}) is not in the chat-templated "
                         "text: the template renders it differently (rewrites it, or drops part of it from earlier "

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from ..errors import InvalidInput
 from .conversation import (Chat, UncoveredConversation, as_chat, assistant_pieces, assistant_spans,  # noqa: F401
-                           chat_of, preview, render, replies_only, reply_number)
+                           chat_of, preview, replies_only, reply_number)
 from .conversation import shown as _shown
 
 LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, ...]} (or \"messages\"), or "
@@ -78,7 +78,7 @@ def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len
     away.
     """
     chat = as_chat(messages)
-    text = render(tokenizer, chat, chat.messages, False)
+    text = chat.render(tokenizer)
     try:  # the whole text (what --max-len takes away is reported), then cut: what truncation=True would keep
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
     except NotImplementedError:

@@ -42,7 +42,7 @@ class Tally:
         self.losses.append(loss)
         self._add_cut(s.cut, s.line)
         if s.cut.replies:  # a conversation: its loss tokens by what the assistant generated
-            reasoning, calls = getattr(s.cut, "reasoning_tokens", 0), getattr(s.cut, "tool_call_tokens", 0)
+            reasoning, calls = s.cut.reasoning_tokens, s.cut.tool_call_tokens
             self.kinds["reasoning"] += reasoning
             self.kinds["tool_calls"] += calls
             self.kinds["replies"] += loss - reasoning - calls
