@@ -200,6 +200,20 @@ def test_tools_are_given_to_the_template_as_vllms_server_gives_them():
         [{"type": "function", "function": {"name": "f", "description": None, "parameters": {}}}])
 
 
+def test_a_template_that_refuses_other_call_names_says_so_with_its_own_error(tmp_path_factory):
+    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{% for c in m['tool_calls'] or [] %}"
+                "{% if c['function']['name'] not in ['w3'] %}{{ raise_exception('unknown tool ' + "
+                "c['function']['name']) }}{% endif %} <tool_call> {{ c['function']['name'] }} </tool_call>{% endfor %}"
+                " </s> {% endfor %}")
+    model = _model_with(tmp_path_factory, "checks-names", template)
+    record = {"conversations": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2",
+                                                                   "tool_calls": [{"type": "function", "function": {
+                                                                       "name": "w3", "arguments": {}}}]}]}
+    with pytest.raises(inputs.UncoveredConversation, match=r"assistant message 1: its tool calls cannot be located: "
+                                                           r"the chat template refused .*unknown tool QQ"):
+        _tokens(model, record)
+
+
 def test_reasoning_a_template_cannot_render_is_refused_as_uncovered(tmp_path):
     """The tiny model's template renders content only: reasoning would never be shown to such a model."""
     model = tiny_models.build_tiny_model("llama")

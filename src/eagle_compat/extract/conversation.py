@@ -296,13 +296,16 @@ def _calls_in_place(tokenizer: Any, chat: Chat, pieces: dict, placed: str, ancho
     """Reply i's tool calls in the text: from where the placeholder rendering first differs when that reply's calls
     have other names and arguments to where it last does (the calls' names and arguments and what the template puts
     between them; the markup around the calls, such as <tool_call>, stays out like any template markup), mapped into
-    the text. None where that part holds a placeholder, or the template refuses the other calls. Leaving the calls out
-    instead changed what the template renders for the next message (DeepSeek-R1's tool-output header) and failed
-    templates that check the turns' structure (Mistral's, gpt-oss's)."""
+    the text. None where that part holds a placeholder; UncoveredConversation, with the template's own error, where
+    it refuses the other calls (one that checks names against the tools, say). Leaving the calls out instead changed
+    what the template renders for the next message (DeepSeek-R1's tool-output header) and failed templates that check
+    the turns' structure (Mistral's, gpt-oss's)."""
     try:
         other = chat.render(tokenizer, _with_pieces(chat, pieces, other_calls=i))
-    except Exception:  # noqa: BLE001 - a template that checks calls' names: their place cannot be told
-        return None
+    except Exception as exc:  # noqa: BLE001 - the template's own error, said
+        raise UncoveredConversation(
+            f"assistant message {reply_number(chat, i)}: its tool calls cannot be located: the chat template refused "
+            f"the same calls with other names and arguments ({type(exc).__name__}: {exc})") from None
     head = 0
     limit = min(len(placed), len(other))
     while head < limit and placed[head] == other[head]:
