@@ -81,9 +81,10 @@ THINKING_TRACE = {"conversations": [
     {"role": "assistant", "reasoning_content": "w5 w6 w7", "content": "w8 w9"},
     {"role": "user", "content": "w10"},
     {"role": "assistant", "reasoning_content": "w11 w12", "content": "w13 w14 w15"}]}
-# the tool's keys out of the server's order, and one it drops: the rendering must still be the server's
+# the tool's keys out of the server's order, and one it drops: the rendering must still be the server's (the tiny
+# vocabulary reads JSON as <unk> words, so the dropped key's value is long enough to change their count)
 TOOL_TRACE = {"tools": [{"function": {"parameters": WEATHER_TOOL["function"]["parameters"], "name": "get_weather",
-                                      "x-owner": "w42"}, "type": "function"}], "conversations": [
+                                      "x-owner": "w42 w43 w44 w45 w46"}, "type": "function"}], "conversations": [
     {"role": "user", "content": "w3 w4"},
     {"role": "assistant", "reasoning": "w20 w21", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
