@@ -155,6 +155,7 @@ def _release_key(release: str) -> tuple:
 # what each GPU check is, for its table's heading (a check not named here is headed by its name alone)
 GPU_CHECKS = {"generator": "`eagle_compat.VllmHiddenStatesGenerator`",
               "shim": "unmodified speculators 0.3.0 under `eagle_compat.install()`",
+              "extract": "`eagle-compat extract`'s sample files (the command line, in its own process)",
               "batch_order": "each prompt's states equal alone and batched, pipelined and not, on vLLM's V2 model "
                              "runner"}
 

@@ -358,3 +358,19 @@ def test_a_pass_judged_by_an_older_rule_is_marked_where_the_current_one_could_di
     assert text("fp32", max_abs=5e-7).startswith("pass (abs 5e-07)")
     assert text("bf16").startswith("pass* (rel")
     assert text("bf16", median=0.01).startswith("pass (rel")
+
+
+@pytest.mark.engine
+def test_the_extract_check_judges_the_files_the_command_line_writes():
+    """`check="extract"` (the GPU matrix's extract cells): `eagle-compat extract` in its own process, its files judged
+    against HF. The same files with two layers swapped fail: the check reads what was written, in the layers' order."""
+    from eagle_compat import check, tiny_models
+    model, reference, n = tiny_models.build_family("llama")
+    batch, layer_ids = check.default_prompts(), list(range(n))
+    samples, engine_dtype, _ = check._run_extract(model, layer_ids, batch, "float32", 512, 0.3, False)
+    assert engine_dtype == "torch.float32" and len(samples) == len(batch)
+    assert all(layer.ok for layer in check.judge(samples, reference, batch, layer_ids, "fp32"))
+    for s in samples:
+        s["hidden_states"][1], s["hidden_states"][2] = s["hidden_states"][2], s["hidden_states"][1]
+    verdict = {layer.layer_id: layer.ok for layer in check.judge(samples, reference, batch, layer_ids, "fp32")}
+    assert not verdict[1] and not verdict[2] and verdict[0]

@@ -2,7 +2,9 @@
 plugin (`eagle_compat.pytest_plugin`) and the compatibility matrix's cells (`compat_matrix/cell.py`).
 
 `check="shim"` runs unmodified speculators 0.3.0 under `install()` (it passes dtype auto: bf16 on CPU for float32
-checkpoints); `check="generator"` runs `eagle_compat.VllmHiddenStatesGenerator` (dtype as given). The reference is
+checkpoints); `check="generator"` runs `eagle_compat.VllmHiddenStatesGenerator` (dtype as given); `check="extract"`
+runs `eagle-compat extract` as a user does (its own process, token-id lines in, sample files out: the files are
+what is judged; dtype as given). The reference is
 HF `output_hidden_states` in float32 on the same weights (the final norm's input for the last layer).
 
 The criterion (`judge`, the one implementation behind the check, the matrix, the demo and the tests):
@@ -33,7 +35,7 @@ FP32_ABS_TOL = 1e-4
 FP32_OWN_FACTOR = 4.0  # fp32 engines: a token over FP32_ABS_TOL passes within this x HF's own fp32 error (vs float64)
 FACTOR, FLOOR, PERCENTILE = 2.0, 2e-3, 95  # low-precision engines: within FACTOR x HF's own error at that dtype + FLOOR
 BF16_REL_TOL = 5e-2  # only for engine-vs-engine comparisons in one dtype (batch shapes, native files): no reference
-CHECKS = ("shim", "generator")
+CHECKS = ("shim", "generator", "extract")
 
 
 REAL_CONVERSATIONS = [
@@ -264,6 +266,11 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
     if check == "shim":
         results, engine_dtype, contract = _run_shim(model, layer_ids, batch, prepare, max_model_len,
                                                     gpu_memory_utilization)
+    elif check == "extract":
+        if prepare is not None:
+            raise InvalidInput("check 'extract' runs the command line in its own process: prepare cannot reach it")
+        results, engine_dtype, contract = _run_extract(model, layer_ids, batch, dtype, max_model_len,
+                                                       gpu_memory_utilization, trust_remote_code)
     else:
         from .generator import VllmHiddenStatesGenerator
         with VllmHiddenStatesGenerator(model, layer_ids=layer_ids, max_model_len=max_model_len, dtype=dtype,
@@ -300,3 +307,26 @@ def _run_shim(model, layer_ids, batch, prepare, max_model_len, gpu_memory_utiliz
     finally:
         if installed_here:
             uninstall()
+
+
+def _run_extract(model, layer_ids, batch, dtype, max_model_len, gpu_memory_utilization, trust_remote_code):
+    """`eagle-compat extract` in its own process on token-id lines; the sample files it writes, in line order."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from .extract import writer
+
+    with tempfile.TemporaryDirectory(prefix="eagle-compat-check-") as work:
+        data, out = f"{work}/data.jsonl", f"{work}/out"
+        with open(data, "w") as f:
+            f.writelines(json.dumps({"input_ids": ids}) + "\n" for ids in batch)
+        cmd = [sys.executable, "-m", "eagle_compat.cli", "extract", "--model", model, "--data", data, "--out", out,
+               "--layers", ",".join(map(str, layer_ids)), "--dtype", dtype, "--max-len", str(max_model_len),
+               "--gpu-memory-utilization", str(gpu_memory_utilization), "--no-progress"]
+        proc = subprocess.run(cmd + ["--trust-remote-code"] * trust_remote_code, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"eagle-compat extract exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
+        samples = [writer.load_sample(writer.sample_path(out, i, "pt")) for i in range(len(batch))]
+    return samples, str(samples[0]["hidden_states"][0].dtype), {}

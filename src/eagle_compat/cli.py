@@ -587,7 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_extract)
     p = sub.add_parser("check", help="extraction on this vLLM vs HF transformers (tiny models or --model); for CI")
     p.add_argument("--family", action="append", help="tiny model family (repeatable; default llama, deepseek_v3)")
-    p.add_argument("--checks", default="shim,generator", help="shim (speculators under install()), generator")
+    p.add_argument("--checks", default="shim,generator",
+                   help="shim (speculators under install()), generator, extract (the command line's files)")
     p.add_argument("--model", help="a local checkpoint instead of tiny models")
     p.add_argument("--dtype", default="float32", help="the generator's engine dtype (the shim always runs auto)")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
