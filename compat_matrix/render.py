@@ -258,12 +258,17 @@ def _family_order(families) -> list[str]:
     """The GPU tables' rows: each family in the matrix's order (`matrix.CHECKS`), its variants (quantized checkpoints,
     other head dims: `llama_fp8`, `deepseek_v3_v128`) right under it."""
     from matrix import CHECKS
-    known: list[str] = []
+
+    from eagle_compat.capture.families import TINY
+    from eagle_compat.quantized_models import QUANTIZED
+    known: list[str] = [name for name in TINY if name in {f for _, f in CHECKS}]  # the family table's order
     for _, family in CHECKS:
         if family not in known:
             known.append(family)
 
-    def base(family: str) -> str:  # the longest other family this one's name extends
+    def base(family: str) -> str:  # a tiny model is its own row; a variant goes under the longest model it extends
+        if family in known and family not in QUANTIZED:
+            return family
         bases = [f for f in set(known) | set(families) if family.startswith(f + "_")]
         return max(bases, key=len) if bases else family
 

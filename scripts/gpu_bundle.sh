@@ -106,7 +106,9 @@ case "$release" in
   # and 0.33.0's own (flashinfer 0.7.2.post1, humming 0.1.19, xgrammar 0.2.8; its protobuf==7.36.1 is for s390x
   # only, so the image's protobuf stays). torch 2.14 asks cuBLAS 13.1.1.3 (cuda-toolkit 13.0.3): the image's 13.1.0.3
   # defines every cublas* symbol libtorch_cuda.so (71) and libtorch_cuda_linalg.so (135) take (nm -D of both), so
-  # it stays the image's. Built (35 parts, 2,073 MB: bundle-builds.md), not yet run.
+  # it stays the image's. Built (35 parts, 2,073 MB: bundle-builds.md); every family of the matrix ran on it. Gemma 4
+  # and Qwen3.5 did not: their attention imports vLLM's CuTe DSL interface, which needs nvidia-cutlass-dsl, not carried
+  # here (results/gpu/attempts/h100-vllm-0.33.0-no-cutlass-dsl.*); 0.34.0's pins below carry it.
   0.33.0)
     overrides="torch==2.14.0 torchvision==0.29.0 triton==3.8.0 nvidia_cudnn_cu13==9.24.0.43 nvidia_nccl_cu13==2.30.7 \
                nvidia_cusparselt_cu13==0.8.1 apache_tvm_ffi==0.1.11 cuda_tile nvidia_cudnn_frontend pyelftools \

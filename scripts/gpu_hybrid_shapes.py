@@ -16,6 +16,7 @@ groups each engine planned.
 
   python scripts/gpu_hybrid_shapes.py all [--variants base,alt,...] [--engines plain,generator,shim] --out DIR
   python scripts/gpu_hybrid_shapes.py one VARIANT ENGINE --out DIR     (one engine, in its own process)
+  python scripts/gpu_hybrid_shapes.py table RESULTS.jsonl ...           (the results' markdown table, on any machine)
 Results: DIR/hybrid_shapes.jsonl, one line per (variant, engine).
 """
 from __future__ import annotations
@@ -243,19 +244,45 @@ def prepare(root: str, variants: list[str], device: str) -> None:
         torch.save({"fp32": fp32, "bf16": bf16, "lp_fp32": lp32, "lp_bf16": lp16}, os.path.join(path, "reference.pt"))
 
 
+def table(paths: list[str]) -> list[str]:
+    """One row per (variant, engine) of each results file, the release from its name (h100-vllm-0.34.0.jsonl)."""
+    rows = ["| release | variant | engine | status | worst median / HF bf16 | max rel. | prompt logprobs vs HF fp32 "
+            "(HF bf16's) | KV groups | KV GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        release = os.path.basename(path).rsplit("-", 1)[-1].removesuffix(".jsonl")
+        for line in filter(str.strip, open(path)):
+            r = json.loads(line)
+            layers = list(r.get("layers", {}).values())
+            worst = max((L["median"] / L["hf_bf16_median"] for L in layers), default=None)
+            rel = max((L["max_rel_to_layer_max"] for L in layers), default=None)
+            lp = r.get("prompt_logprobs")
+            logprobs = f"{lp['max_abs_vs_hf_fp32']:.3f} ({lp['hf_bf16_max_abs']:.3f})" if lp else "-"
+            groups = len(r["groups"]) if isinstance(r.get("groups"), list) else "-"
+            gib = sum(t["bytes"] for t in r.get("kv", {}).get("tensors", [])) / (1 << 30)
+            rows.append(f"| {release} | {r['variant']} | {r['engine']} | {r['status']} | "
+                        f"{'-' if worst is None else f'{worst:.2f}'} | {'-' if rel is None else f'{rel:.3f}'} | "
+                        f"{logprobs} | {groups} | {gib:.1f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("all", "one"))
+    ap.add_argument("what", choices=("all", "one", "table"))
     ap.add_argument("args", nargs="*")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--jobs", default=None, help="VARIANT/ENGINE,... in this order (instead of the two lists)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--root", default="/tmp/hybrid-shapes")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--parallel", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=300)
     a = ap.parse_args()
+    if a.what == "table":
+        print("\n".join(table(a.args)))
+        return
+    if not a.out:
+        ap.error("--out DIR is needed to run engines")
     if a.what == "one":
         variant, engine = a.args
         print("HYBRID_SHAPES " + json.dumps(one(variant, engine, a.root, a.device), default=str), flush=True)

@@ -53,6 +53,14 @@ gpu_setup() {
   pth_paths=$(python3 -c "import site, sys; before = set(sys.path); site.addsitedir('$site')
 print(':'.join(p for p in sys.path if p not in before and p != '$site'))" 2>/dev/null)
   export PYTHONPATH=$site${pth_paths:+:$pth_paths}:$PWD/src
+  # and linked into the site itself: vLLM 0.34's workers did not see those paths (its kernel warm-up failed at
+  # `import cutlass` in every engine where the driver imported it: results/gpu/attempts/h100-vllm-0.34.0-cutlass-path.*)
+  local p entry
+  for p in ${pth_paths//:/ }; do
+    for entry in "$p"/*; do
+      [ -e "$site/$(basename "$entry")" ] || ln -s "$entry" "$site/$(basename "$entry")"
+    done
+  done
 }
 
 # Kills what still holds the GPU before the next engine starts: a step cut off by `timeout` kills its python, but
