@@ -104,3 +104,23 @@ def test_a_corrected_line_of_a_sample_left_out_for_non_finite_states_is_redone(t
     assert [e["index"] for e in record["left_out_non_finite"]] == [9] and record["num_samples"] == 11
     assert record["input_corrections"][0]["non_finite_redone"] == 1
     assert "1 sample left out for non-finite states is redone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_require_finite_finds_any_nan_or_inf_and_passes_huge_finite_values(dtype):
+    """The check reads a float32 sum first (one pass): each kind of non-finite value must still be found, wherever
+    it is, and finite values whose sum overflows float32 must still pass (the element-wise check decides)."""
+    import torch
+
+    from eagle_compat.extract import writer
+    dt = getattr(torch, dtype)
+    base = torch.randn(64, 32).to(dt)
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        h = base.clone()
+        for k, value in enumerate(bad):
+            h[40 + k, 7] = value
+        with pytest.raises(writer.NonFiniteStates, match=r"sample 3: layer id 9 has .* at tokens \[40"):
+            writer.require_finite(3, [base, h], [2, 9])
+    huge = torch.full((64, 32), torch.finfo(dt).max, dtype=dt)  # its float32 sum is inf for every dtype here
+    writer.require_finite(3, [huge, -huge], [2, 9])
+    writer.require_finite(3, torch.stack([base, base], dim=1), [2, 9])  # one [T, L, H] tensor too
