@@ -305,7 +305,7 @@ def _read_input(data: str, model: str, max_len: int, vocab_size: int, *, skip_un
     try:
         made.start(inputs.read_dataset, data, tokenizer, max_len, vocab_size=vocab_size,
                    skip_uncovered=skip_uncovered, check_decoded=validate, min_loss_tokens=min_loss_tokens,
-                   loss_mask=loss_mask,
+                   loss_mask=loss_mask, chat_format=inputs.chat_format_of(model),
                    tokenizer_error=tokenizer_error)
         read = made.join()
         read.samples = made.done({"online": True}, read)

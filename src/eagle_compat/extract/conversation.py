@@ -42,6 +42,8 @@ class Chat:
     messages: list[dict]
     tools: list[dict] | None = None
     template_kwargs: dict = field(default_factory=dict)
+    # each tool call's arguments as the line wrote them, by (message, call): harmony takes the text as it is
+    call_arguments: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def render(self, tokenizer: Any, messages: list[dict] | None = None, generation_prompt: bool = False) -> str:
         """The template's text of `messages` (default: this chat's), with this chat's tools and keywords."""
@@ -193,7 +195,14 @@ def chat_of(record: dict, where: str, unused_keys: Any = None) -> Chat | None:
     if reserved:
         raise InvalidInput(f"{where}: chat_template_kwargs cannot set {', '.join(reserved)} (the chat template's "
                            "own parameters); the line's messages and tools are given as they are")
-    return Chat(messages, tools, dict(kwargs))
+    arguments = {(i, k): _arguments_text(call) for i, m in enumerate(conv) if messages[i].get("tool_calls")
+                 for k, call in enumerate(m["tool_calls"])}
+    return Chat(messages, tools, dict(kwargs), arguments)
+
+
+def _arguments_text(call: dict) -> str:
+    arguments = call["function"].get("arguments")
+    return arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {})
 
 
 # ---- where the template put what the assistant generated ------------------------------------------------------

@@ -7,11 +7,13 @@ import bisect
 import collections
 import hashlib
 import json
+import os
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import InvalidInput
+from . import harmony
 from .conversation import (Chat, UncoveredConversation, as_chat, assistant_pieces, assistant_spans,  # noqa: F401
                            chat_of, preview, replies_only, reply_number)
 from .conversation import shown as _shown
@@ -214,9 +216,22 @@ def _record_of(raw: bytes, where: str) -> dict | None:
 
 def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, max_len: int, cut: Cut,
                          check_decoded: bool, template_tokens: frozenset[int] | None, tokenizer_error: str,
-                         without_reasoning: set, loss_mask: str) -> tuple[list[int], list[int], frozenset[int] | None]:
+                         without_reasoning: set, loss_mask: str,
+                         chat_format: str = "template") -> tuple[list[int], list[int], frozenset[int] | None]:
     """A conversation line's ids and loss mask, and --validate's special tokens (read at the first conversation,
     given back for the next); UncoveredConversation as raised: the caller may skip the line."""
+    if chat_format == "harmony":  # gpt-oss: the server renders harmony, not the template
+        try:
+            context: set = set()
+            ids, mask = harmony.tokenize_conversation(chat, max_len, cut=cut, without_reasoning=context,
+                                                      loss_mask=loss_mask)
+        except UncoveredConversation:
+            raise
+        except InvalidInput as exc:
+            raise InvalidInput(f"{where}: {exc}") from None
+        without_reasoning.update((where, i) for i in context)
+        _same_as_given(record, where, ids, mask, max_len)
+        return ids, mask, template_tokens
     if tokenizer is None:  # the model folder's problem, not the line's
         raise InvalidInput(f"{where} is a conversation, which needs the model's tokenizer: "
                            + (tokenizer_error or "it did not load"))
@@ -240,6 +255,11 @@ def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, m
     except Exception as exc:  # noqa: BLE001 - the template's own error (e.g. roles must alternate)
         raise InvalidInput(f"{where}: the chat template failed on this conversation: "
                            f"{type(exc).__name__}: {exc}") from None
+    _same_as_given(record, where, ids, mask, max_len)
+    return ids, mask, template_tokens
+
+
+def _same_as_given(record: dict, where: str, ids: list[int], mask: list[int], max_len: int) -> None:
     if "input_ids" in record:  # both forms: used only where they agree, never one chosen silently
         given, given_mask = _token_record(record, where)
         given, given_mask = given[:max_len], given_mask[:max_len]
@@ -248,7 +268,17 @@ def _conversation_tokens(tokenizer: Any, chat: Chat, record: dict, where: str, m
                 f"{where}: holds both a conversation and 'input_ids'/'loss_mask', which differ (the conversation "
                 f"gives {len(ids)} tokens {ids[:6]}... with {sum(mask)} loss tokens, the line {len(given)} "
                 f"{given[:6]}... with {sum(given_mask)}); keep one form in each line: {LINE_FORMS}")
-    return ids, mask, template_tokens
+
+
+def chat_format_of(model: str) -> str:
+    """How vLLM's chat endpoint renders this model's conversations: "harmony" for gpt-oss (its `use_harmony`, by the
+    config's model type), else "template" (the tokenizer's chat template)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "template"  # no readable config here: the engine's own loading says what is wrong
+    return "harmony" if harmony.uses_harmony(model_type) else "template"
 
 
 def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> str:
@@ -261,7 +291,8 @@ def _few_loss_tokens_reason(mask: list[int], cut: Cut, min_loss_tokens: int) -> 
 
 def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0, skip_uncovered: bool = False,
                  check_decoded: bool = False, min_loss_tokens: int = 0, tokenizer_error: str = "",
-                 on_line: Any = None, into: Any = None, loss_mask: str = "generated") -> Dataset:
+                 on_line: Any = None, into: Any = None, loss_mask: str = "generated",
+                 chat_format: str = "template") -> Dataset:
     """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
     start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
@@ -290,7 +321,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                 try:
                     ids, mask, template_tokens = _conversation_tokens(
                         tokenizer, chat, record, where, max_len, cut, check_decoded, template_tokens,
-                        tokenizer_error, without_reasoning, loss_mask)
+                        tokenizer_error, without_reasoning, loss_mask, chat_format)
                 except UncoveredConversation as exc:
                     if not skip_uncovered:
                         raise UncoveredConversation(

@@ -490,10 +490,11 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
         tokenizer = AutoTokenizer.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
         tokenizer, tokenizer_error = None, tokenizer_problem(opts.model, exc)
+    chat_format = inputs.chat_format_of(opts.model)
     spool_key = spool.key(settings["data_sha256"], opts.model, tokenizer, {
         "max_len": max_len, "vocab_size": vocab_size, "skip_uncovered": opts.skip_uncovered,
         "validate": opts.validate, "min_loss_tokens": opts.min_loss_tokens, "loss_mask": opts.loss_mask,
-        "trust_remote_code": opts.trust_remote_code})
+        "trust_remote_code": opts.trust_remote_code, **spool.chat_format_key(chat_format)})
     data = spool.load(opts.out, spool_key) if os.path.isdir(opts.out) else None
     if data is not None:
         spool.check_bytes_read(opts.data, settings["data_sha256"], data)  # (its key holds the bytes it was read from)
@@ -510,6 +511,7 @@ def _read_input(opts: ExtractOptions, max_len: int, vocab_size: int, settings: d
             made.start(inputs.read_dataset, opts.data, tokenizer, max_len, vocab_size=vocab_size,
                        skip_uncovered=opts.skip_uncovered, check_decoded=opts.validate,
                        min_loss_tokens=opts.min_loss_tokens, loss_mask=opts.loss_mask, tokenizer_error=tokenizer_error,
+                       chat_format=chat_format,
                        on_line=lines_read.add,
                        watched=(opts.data, input_identity, settings["data_sha256"]))
             ended = made.wait_lines(READ_AHEAD_LINES + 1 if streamable else None)

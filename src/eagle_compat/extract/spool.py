@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import InvalidInput
-from . import conversation, inputs, report, writer
+from . import conversation, harmony, inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
 MAGIC = b"EGCSPL04"
@@ -66,7 +66,7 @@ def reading_code_sha256() -> str:
     the header) and lays the spool out (this file): a fix to any,
     in any release or checkout, is another key (eagle_compat's version number alone would not say so)."""
     h = hashlib.sha256()
-    for module in (inputs, conversation, report, sys.modules[__name__]):
+    for module in (inputs, conversation, harmony, report, sys.modules[__name__]):
         with open(module.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -87,6 +87,12 @@ def key(data_sha256: str, model: str, tokenizer: Any, reading: dict[str, Any]) -
             "chat_template_sha256": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
             "jinja2": jinja2.__version__, "reading_code_sha256": reading_code_sha256(), "reading": reading}
+
+
+def chat_format_key(chat_format: str) -> dict[str, Any]:
+    """What else a harmony (gpt-oss) rendering depends on: vLLM's and openai-harmony's releases and the pinned date
+    (harmony.versions); nothing for a chat template, whose key is as it was."""
+    return {"chat_format": chat_format, "harmony": harmony.versions()} if chat_format == "harmony" else {}
 
 
 def _as(typecode: str, values: Any) -> array:
