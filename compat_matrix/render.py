@@ -413,6 +413,7 @@ def summary(releases: list[str] | None = None, directory: str = os.path.join(HER
 
 README = os.path.join(os.path.dirname(HERE), "README.md")
 RANGE_MARKS = ("<!-- release-range: compat_matrix/render.py -->", "<!-- /release-range -->")
+FAMILY_MARKS = ("<!-- families: compat_matrix/render.py -->", "<!-- /families -->")
 
 
 def release_range(cpu: list[dict] | None = None, gpu: dict | None = None) -> str:
@@ -429,8 +430,28 @@ def release_range(cpu: list[dict] | None = None, gpu: dict | None = None) -> str
     return " and ".join(p for p in parts if p)
 
 
-def readme_with_range(text: str, line: str) -> str:
-    begin, end = RANGE_MARKS
+def family_lists(cpu: list[dict] | None = None, gpu: dict | None = None) -> str:
+    """The model families with a passing cell (CPU or GPU), in the family table's order, and those refused as
+    unverified: the README's family line."""
+    from eagle_compat.capture.families import FAMILIES, REAL_MODELS, TINY
+    from eagle_compat.quantized_models import QUANTIZED
+    cpu = load() if cpu is None else cpu
+    gpu = load_gpu_cells() if gpu is None else gpu
+
+    def family_of(model: str) -> str | None:
+        name = QUANTIZED[model].base if model in QUANTIZED else REAL_MODELS[model][3] if model in REAL_MODELS else model
+        return TINY[name][0].name if name in TINY else None
+    passing = {family_of(key.split("/", 1)[1]) for r in cpu for key, c in r["cells"].items()
+               if c.get("status") == "pass"}
+    passing |= {family_of(model) for families in gpu.values() for model, releases in families.items()
+                if any(c.get("status") == "pass" for runs in releases.values() for c in runs)}
+    refused = [f.name for f in FAMILIES if f.unverified]
+    return (", ".join(f.name for f in FAMILIES if f.name in passing)
+            + (f"; refused before the weights load, each naming its cause: {', '.join(refused)}" if refused else ""))
+
+
+def readme_with_range(text: str, line: str, marks: tuple[str, str] = RANGE_MARKS) -> str:
+    begin, end = marks
     head, found, rest = text.partition(begin)
     if not found or end not in rest:
         raise ValueError(f"README.md lacks the marks {begin} ... {end}")
@@ -445,7 +466,7 @@ def main() -> None:
     with open(README) as f:
         text = f.read()
     with open(README, "w") as f:
-        f.write(readme_with_range(text, release_range()))
+        f.write(readme_with_range(readme_with_range(text, release_range()), family_lists(), FAMILY_MARKS))
 
 
 if __name__ == "__main__":

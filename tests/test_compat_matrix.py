@@ -30,6 +30,18 @@ def test_the_readme_s_release_range_is_generated_from_results(matrix_code):
                                                              "0.35.0": [{"status": "fail"}]}}}) == "CUDA 0.34.0 to 0.34.0"
 
 
+def test_the_readme_s_family_list_is_generated_from_results(matrix_code):
+    import render
+    readme = (ROOT / "README.md").read_text()
+    assert readme == render.readme_with_range(readme, render.family_lists(), render.FAMILY_MARKS), \
+        "run python compat_matrix/render.py"
+    # a family with a passing cell under any of its models (a quantized checkpoint, a GPU variant) is listed once
+    line = render.family_lists([{"cells": {"generator/qwen3_5_moe": {"status": "pass"},
+                                           "shim/gemma4": {"status": "fail"}}}],
+                               {"shim": {"kimi_k25_v128": {"0.34.0": [{"status": "pass"}]}}})
+    assert line.startswith("qwen3_next, deepseek_v2; refused before the weights load") and "gemma4" not in line
+
+
 def test_gpu_parity_page_is_generated_from_results(matrix_code):
     import render_gpu
     results = render_gpu.load()
