@@ -40,11 +40,11 @@ def write_token_lines(path: str, n: int, rng: random.Random) -> None:
 
 
 def measure(kind: str, path: str, tokenizer, model: str, out_dir: str) -> dict:
-    from eagle_compat.extract import inputs, spool, writer
+    from eagle_compat.extract import file_hashes, inputs, spool
     started = time.monotonic()
     data = inputs.read_dataset(path, tokenizer, 4096, vocab_size=512)
     tokenized_s = time.monotonic() - started
-    key = spool.key(writer.file_sha256(path), model, tokenizer, {"max_len": 4096})
+    key = spool.key(file_hashes.file_sha256(path), model, tokenizer, {"max_len": 4096})
     started = time.monotonic()
     spool.save(out_dir, key, data)
     save_s = time.monotonic() - started

@@ -90,7 +90,7 @@ def child(model: str, data: str, out: str, phase: str, batches: int = 1) -> dict
 def ninety_percent_done(out: str) -> int:
     """Files and index lines for the samples of the batches up to 90% of the set (beyond the first run's own)."""
     sys.path.insert(0, SRC)
-    from eagle_compat.extract import spool, writer
+    from eagle_compat.extract import spool, writer, written_index
     with open(os.path.join(out, spool.SPOOL_FILE), "rb") as f:
         key = spool.header_of(f)[0]["key"]
     data = spool.load(out, key)
@@ -105,9 +105,9 @@ def ninety_percent_done(out: str) -> int:
         st = os.stat(path)
         lines.append(json.dumps({"i": s.index, "f": os.path.relpath(path, out), "n": st.st_size, "m": st.st_mtime_ns,
                                  "ino": st.st_ino, "c": st.st_ctime_ns,
-                                 "d": writer.tokens_digest(s.input_ids, s.loss_mask), "s": stamp},
+                                 "d": written_index.tokens_digest(s.input_ids, s.loss_mask), "s": stamp},
                                 separators=(",", ":")))
-    with open(os.path.join(out, writer.INDEX_FILE), "a") as f:
+    with open(os.path.join(out, written_index.INDEX_FILE), "a") as f:
         f.write("\n".join(lines) + "\n")
     return done
 

@@ -1,6 +1,6 @@
 """What checking the model's weight files costs at each run's start (extract hashes them before the engine starts).
 
-Weight files over 1 GiB are hashed by their header and each tensor's first and last 4 KiB (`writer.HASHED_TENSORS`;
+Weight files over 1 GiB are hashed by their header and each tensor's first and last 4 KiB (`file_hashes.HASHED_TENSORS`;
 benchmarks/results/cpu-model-checksum-cost.json); earlier releases hashed their size and first and last MiB
 (`HASHED_ENDS`), which took a fine-tune of a middle layer for its base. This writes two synthetic safetensors files
 with real checkpoints' tensor layouts and times both methods (median of --repeats) and a full hash (once), cold (the
@@ -26,7 +26,7 @@ import struct
 import tempfile
 import time
 
-from eagle_compat.extract import writer
+from eagle_compat.extract import file_hashes
 
 
 def _write_safetensors(path: str, tensors: list[tuple[str, str, list[int], int]]) -> int:
@@ -132,18 +132,18 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     os.makedirs(args.dir, exist_ok=True)
     layouts = {"llama8b": llama8b(args.llama_layers, args.llama_shrink), "kimi_int4": kimi_int4(args.kimi_shrink)}
-    methods = {"ends (earlier releases)": writer.HASHED_ENDS, "tensor ends (now)": writer.HASHED_TENSORS}
+    methods = {"ends (earlier releases)": file_hashes.HASHED_ENDS, "tensor ends (now)": file_hashes.HASHED_TENSORS}
     results = {}
     for layout, tensors in layouts.items():
         path = os.path.join(args.dir, f"{layout}.safetensors")
         count = _write_safetensors(path, tensors)
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            reads = writer._tensor_end_reads(writer._safetensors_layout(f, path, size)[2])
+            reads = file_hashes._tensor_end_reads(file_hashes._safetensors_layout(f, path, size)[2])
         row = {"bytes": size, "tensors": count, "reads_tensor_ends": len(reads),
                "bytes_read_tensor_ends": sum(end - begin for begin, end, _ in reads)}
-        calls = {label: (lambda m=m: writer._large_file_sha256(path, m)) for label, m in methods.items()}
-        calls["full"] = lambda: writer.file_sha256(path)
+        calls = {label: (lambda m=m: file_hashes._large_file_sha256(path, m)) for label, m in methods.items()}
+        calls["full"] = lambda: file_hashes.file_sha256(path)
         for label, fn in calls.items():
             for state in ("cold", "warm"):
                 times = [_time(fn, path, state == "cold") for _ in range(args.repeats if label != "full" else 1)]

@@ -41,7 +41,7 @@ class FirstBatchTimed(StandInEngine):
 def child(model: str, data: str, out: str, mode: str) -> None:
     """One run in this process: prints its timings and peak RSS as JSON."""
     import eagle_compat.generator
-    from eagle_compat.extract import job, writer
+    from eagle_compat.extract import job, writer, written_index
     eagle_compat.generator.VllmHiddenStatesGenerator = FirstBatchTimed
     # the kept-file check on its own, the index's vouching included (the rest of the start is the same in every mode:
     # imports, tokenizer, model hashes)
@@ -58,7 +58,7 @@ def child(model: str, data: str, out: str, mode: str) -> None:
     def counted_read_facts(path):
         check["files_opened"] += 1
         return read_facts(path)
-    trusted_by_index = writer.trusted_by_index
+    trusted_by_index = written_index.trusted_by_index
 
     def timed_trusted_by_index(*args, **kwargs):  # the index's own cost: a stat and a digest per kept file
         t0 = time.monotonic()
@@ -75,9 +75,9 @@ def child(model: str, data: str, out: str, mode: str) -> None:
         finally:
             check["seconds"] += time.monotonic() - t0
     writer.first_mismatch, writer.read_facts = timed_first_mismatch, counted_read_facts
-    writer.trusted_by_index, job._read_index = timed_trusted_by_index, timed_read_index
+    written_index.trusted_by_index, job._read_index = timed_trusted_by_index, timed_read_index
     if mode == "without index":
-        os.unlink(os.path.join(out, writer.INDEX_FILE))
+        os.unlink(os.path.join(out, written_index.INDEX_FILE))
     started = time.monotonic()
     summary = job.run(job.ExtractOptions(model=model, data=data, out=out, layers=LAYERS, batch_size=16,
                                          dtype="bfloat16", progress=False, quiet=True, resume=mode != "first run",

@@ -13,15 +13,15 @@ from eagle_compat import tiny_models  # noqa: E402
 def every_record_written_is_declared(monkeypatch):
     """Each manifest.json a test's run writes holds only keys extract/record.py declares, of their declared types
     (the record's schema, checked wherever the suite writes one: local and Ray runs, shards, resumes, conversions)."""
-    from eagle_compat.extract import record, writer
-    real = writer.atomic_write_json
+    from eagle_compat.extract import atomic_io, record, writer
+    real = atomic_io.atomic_write_json
 
     def checked(path, obj):
         if os.path.basename(path) == writer.MANIFEST and isinstance(obj, dict):
             wrong = record.problems(obj)
             assert not wrong, "\n".join(wrong)
         return real(path, obj)
-    monkeypatch.setattr(writer, "atomic_write_json", checked)
+    monkeypatch.setattr(atomic_io, "atomic_write_json", checked)
 
 
 @pytest.fixture(scope="session")

@@ -115,15 +115,15 @@ def rewritten_after_its_digest(monkeypatch, dataset) -> None:
     """`dataset` is rewritten in place (rewrite_in_place) right after the run takes its digest (settings_of)."""
     import os
 
-    from eagle_compat.extract import writer
-    real_sha256 = writer.file_sha256
+    from eagle_compat.extract import file_hashes
+    real_sha256 = file_hashes.file_sha256
 
     def digest_then_rewrite(path, *args, **kwargs):
         digest = real_sha256(path, *args, **kwargs)
         if os.path.abspath(path) == os.path.abspath(dataset):
             rewrite_in_place(dataset)
         return digest
-    monkeypatch.setattr(writer, "file_sha256", digest_then_rewrite)
+    monkeypatch.setattr(file_hashes, "file_sha256", digest_then_rewrite)
 
 
 def extract_options(model: str, data: str, out, **kw):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle_compat import InvalidInput, tiny_models
-from eagle_compat.extract import arrow, convert, job, writer
+from eagle_compat.extract import arrow, atomic_io, convert, directory_lock, job, writer
 from eagle_compat import options as options_mod
 from eagle_compat.extract import layers as layers_mod
 
@@ -263,7 +263,7 @@ def test_the_manifest_says_complete_only_after_the_arrow_dataset_is_written(mode
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(arrow, "write_dataset", full_disk)
-    with pytest.raises(writer.OutputWriteError, match="could not write the Arrow dataset"):
+    with pytest.raises(atomic_io.OutputWriteError, match="could not write the Arrow dataset"):
         job.run(_opts(model, dataset, out, layers=LAYERS, format="arrow", skip_uncovered=True))
     m = json.load(open(out / "manifest.json"))
     assert m["status"] == "incomplete" and "Arrow dataset" in m["runs"][-1]["status"], m["status"]
@@ -363,7 +363,7 @@ def test_convert_refuses_a_destination_another_run_wrote_while_it_started(model,
     lock, and what it wrote is left as it was."""
     job.run(_opts(model, dataset, tmp_path / "pt", layers=LAYERS, skip_uncovered=True))
     dst = tmp_path / "dst"
-    real_enter, raced = writer.DirectoryLock.__enter__, []
+    real_enter, raced = directory_lock.DirectoryLock.__enter__, []
 
     def another_run_first(lock):
         if not raced:
@@ -372,7 +372,7 @@ def test_convert_refuses_a_destination_another_run_wrote_while_it_started(model,
             raced.append(_tree(dst))
         return real_enter(lock)
 
-    monkeypatch.setattr(writer.DirectoryLock, "__enter__", another_run_first)
+    monkeypatch.setattr(directory_lock.DirectoryLock, "__enter__", another_run_first)
     with pytest.raises(InvalidInput, match="already holds another extraction or conversion"):
         convert.convert(str(tmp_path / "pt"), str(dst))
     assert _tree(dst) == raced[1]
@@ -384,7 +384,7 @@ def test_convert_resume_refuses_a_destination_another_resume_changed_while_it_st
     dst = tmp_path / "dst"
     convert.convert(str(tmp_path / "pt"), str(dst))
     os.unlink(arrow.hs_path(str(dst), 2))  # a conversion to resume
-    real_enter, raced = writer.DirectoryLock.__enter__, []
+    real_enter, raced = directory_lock.DirectoryLock.__enter__, []
 
     def another_resume_first(lock):
         if not raced:
@@ -393,7 +393,7 @@ def test_convert_resume_refuses_a_destination_another_resume_changed_while_it_st
             raced.append(_tree(dst))
         return real_enter(lock)
 
-    monkeypatch.setattr(writer.DirectoryLock, "__enter__", another_resume_first)
+    monkeypatch.setattr(directory_lock.DirectoryLock, "__enter__", another_resume_first)
     with pytest.raises(InvalidInput, match=r"was written by another run while this convert started \(nothing was "
                                            r"written by this one\): run the same command again, with --resume"):
         convert.convert(str(tmp_path / "pt"), str(dst), resume=True)

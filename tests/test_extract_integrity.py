@@ -21,8 +21,8 @@ import torch
 
 import eagle_compat.generator
 from eagle_compat import InvalidInput, tiny_models
-from eagle_compat.errors import EagleCompatError
-from eagle_compat.extract import inputs, job, writer
+from eagle_compat.errors import EagleCompatError, OutputDirectoryBusy
+from eagle_compat.extract import atomic_io, directory_lock, file_hashes, inputs, job, writer
 
 from helpers import HIDDEN, FakeEngine, prompts  # noqa: F401 - FakeEngine: the stand-in engine, also for other suites
 N = 12  # samples in the dataset; batch size 4: three batches
@@ -177,12 +177,12 @@ def test_a_lock_file_removed_while_a_run_holds_out_lets_no_second_run_in(model, 
     the holder stops before writing its next batch (its lock file no longer guards it)."""
     out = tmp_path / "out"
     with _first_run_held(model, dataset, out, fake_engine) as first_error:
-        (out / writer.LOCK_FILE).unlink()
-        with pytest.raises(writer.OutputDirectoryBusy, match=r"being written by another run \(holder unknown: its "
-                                                             r"\.eagle-compat\.lock was removed"):
+        (out / directory_lock.LOCK_FILE).unlink()
+        with pytest.raises(OutputDirectoryBusy, match=r"being written by another run \(holder unknown: its "
+                                                      r"\.eagle-compat\.lock was removed"):
             job.run(_opts(model, dataset, out, shard=(1, 2)))
-        assert not (out / writer.LOCK_FILE).exists()  # refused before it made a lock file of its own
-    assert len(first_error) == 1 and isinstance(first_error[0], writer.LockFileRemoved), first_error
+        assert not (out / directory_lock.LOCK_FILE).exists()  # refused before it made a lock file of its own
+    assert len(first_error) == 1 and isinstance(first_error[0], directory_lock.LockFileRemoved), first_error
     assert "was removed or replaced while this run held it" in str(first_error[0])
     assert not _samples(out) and fake_engine.started == 1
     assert job.run(_opts(model, dataset, out, resume=True))["complete"]
@@ -586,8 +586,8 @@ def _writer_of(out):
     """Another process holding the directory's writers lock shared, as a `--ray` actor does for its life (an orphan
     of a killed driver here); it lets go when its stdin closes."""
     code = ("import sys\n"
-            "from eagle_compat.extract import writer\n"
-            f"fd = writer.hold_as_writer({str(out)!r})\n"
+            "from eagle_compat.extract import atomic_io, directory_lock, file_hashes, writer\n"
+            f"fd = directory_lock.hold_as_writer({str(out)!r})\n"
             "print('holding', flush=True)\n"
             "sys.stdin.read()\n")
     proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -621,11 +621,11 @@ def test_resume_waits_for_writers_of_an_earlier_run_before_touching_the_director
 
     still = _writer_of(out)
     try:
-        monkeypatch.setenv(writer.WRITERS_WAIT_ENV, "0")
+        monkeypatch.setenv(directory_lock.WRITERS_WAIT_ENV, "0")
         def data(snapshot):  # the directory lock's file names its holder: this run took it, then refused
             return {k: v for k, v in snapshot.items() if k != ".eagle-compat.lock"}
         before = data(_snapshot(out))
-        with pytest.raises(writer.OutputDirectoryBusy, match=r"still being written by processes of an earlier run"):
+        with pytest.raises(OutputDirectoryBusy, match=r"still being written by processes of an earlier run"):
             job.run(_opts(model, dataset, out, resume=True))
         assert data(_snapshot(out)) == before
     finally:
@@ -639,7 +639,7 @@ def test_temporary_names_are_unique_across_hosts_and_swept(tmp_path, monkeypatch
     names = []
     monkeypatch.setattr(os, "replace", lambda src, dst: names.append(os.path.basename(src)))
     for _ in range(2):
-        writer.atomic_write_bytes(str(tmp_path / "data_0.pt"), b"x")
+        atomic_io.atomic_write_bytes(str(tmp_path / "data_0.pt"), b"x")
     assert names[0] != names[1] and all(re.fullmatch(
         rf"data_0\.pt\.tmp-{re.escape(__import__('socket').gethostname())}-{os.getpid()}-[0-9a-f]{{8}}", n) for n in names)
     monkeypatch.undo()
@@ -859,7 +859,7 @@ def test_an_earlier_records_set_takes_its_precision_from_its_files_before_the_en
 def _tree(out):
     """Every file under --out (sub-folders included) with its content hash, but the lock."""
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != writer.LOCK_FILE}
+            if p.is_file() and p.name != directory_lock.LOCK_FILE}
 
 
 def _merge(src, dst):
@@ -1199,7 +1199,7 @@ def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, data
     Arrow dataset and status "complete"."""
     out = tmp_path / "out"
     seen = []
-    real = writer.fsync_renames
+    real = atomic_io.fsync_renames
 
     def record(folder):
         present = len([f for f in writer.sample_files(folder) if f != "state.json"])  # the samples' own files
@@ -1207,7 +1207,7 @@ def test_the_renames_are_synced_before_the_set_is_described_as_whole(model, data
         seen.append((present, described, json.load(open(os.path.join(folder, "manifest.json")))["status"]))
         real(folder)
 
-    monkeypatch.setattr(writer, "fsync_renames", record)
+    monkeypatch.setattr(atomic_io, "fsync_renames", record)
     summary = job.run(_opts(model, dataset, out, layers=[0, 5], format=fmt))
     described = ["data_config.json"] if fmt == "pt" else ["state.json"]
     assert seen == [(summary["samples"], [], "running"), (summary["samples"], described, "running")]
@@ -1273,8 +1273,8 @@ def test_an_unsharded_run_whose_files_are_not_all_there_fails(model, dataset, tm
     per-node folder at the same path): exit 0 with "shard 0/1 done ... run the other shards" before."""
     from eagle_compat.extract import local_runner
     monkeypatch.setattr(local_runner.formats, "write_sample", lambda fmt, out, s, *a, **k: fmt.path(out, s.index, s.row))
-    with pytest.raises(writer.OutputWriteError, match=r"0 of 12 samples have their file in .* after a run that wrote "
-                                                      r"every batch"):
+    with pytest.raises(atomic_io.OutputWriteError,
+                       match=r"0 of 12 samples have their file in .* after a run that wrote every batch"):
         job.run(_opts(model, dataset, tmp_path / "out"))
     assert json.load(open(tmp_path / "out" / "manifest.json"))["status"] == "incomplete"
 
@@ -1333,8 +1333,8 @@ def _train_one_middle_tensor(model_dir) -> str:
 def _as_earlier_releases(current):
     """model_checksums as earlier releases made them: large files by size and first and last MiB."""
     def hashed(model_path, recorded=None):
-        return {name: {**entry, "sha256": writer.file_sha256(os.path.join(model_path, name), 1 << 20),
-                       "hashed": writer.HASHED_ENDS} if entry["hashed"] == writer.HASHED_TENSORS else entry
+        return {name: {**entry, "sha256": file_hashes.file_sha256(os.path.join(model_path, name), 1 << 20),
+                       "hashed": file_hashes.HASHED_ENDS} if entry["hashed"] == file_hashes.HASHED_TENSORS else entry
                 for name, entry in current(model_path).items()}
     return hashed
 
@@ -1344,16 +1344,16 @@ def test_a_fine_tune_of_a_large_weight_file_is_not_taken_for_its_base(model, dat
     """Weights over the full-hash limit (1 GiB; 1 KiB here) are hashed by their header and each tensor's ends. The
     hash of earlier releases (size, first and last MiB) took a fine-tune of one middle layer for its base, and
     `--resume` would have added its states to the base's."""
-    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(file_hashes, "FULL_HASH_LIMIT", 1024)
     weights = str(tmp_path / "model")
     shutil.copytree(model, weights)
     out = tmp_path / "out"
     job.run(_opts(weights, dataset, out, shard=(0, 2)))
     recorded = json.load(open(out / "manifest.json"))["settings"]["model_checksums"]["model.safetensors"]
-    assert recorded["hashed"] == writer.HASHED_TENSORS
-    base_ends = writer.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20)
+    assert recorded["hashed"] == file_hashes.HASHED_TENSORS
+    base_ends = file_hashes.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20)
     _train_one_middle_tensor(weights)
-    assert writer.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20) == base_ends  # the old gap
+    assert file_hashes.file_sha256(os.path.join(weights, "model.safetensors"), 1 << 20) == base_ends  # the old gap
     before = _snapshot(out)
     with pytest.raises(InvalidInput, match=r"(?s)other settings.*model_checksums"):
         job.run(_opts(weights, dataset, out, shard=(1, 2)))
@@ -1364,10 +1364,10 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
                                                                   monkeypatch, capsys):
     """A directory whose record hashed the weights by size and first and last MiB (earlier releases) is continued:
     its files' stamps depend on those checksums, so the run hashes the files the way the record says."""
-    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(file_hashes, "FULL_HASH_LIMIT", 1024)
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(writer, "model_checksums", _as_earlier_releases(writer.model_checksums))
+        m.setattr(file_hashes, "model_checksums", _as_earlier_releases(file_hashes.model_checksums))
         job.run(_opts(model, dataset, out, shard=(0, 2)))
     capsys.readouterr()
     job.run(_opts(model, dataset, out, shard=(1, 2)))
@@ -1375,22 +1375,22 @@ def test_a_record_made_with_the_earlier_hash_is_continued_with_it(model, dataset
             "(model.safetensors); it is continued that way") in capsys.readouterr().err
     record = json.load(open(out / "manifest.json"))
     assert record["status"] == "complete"
-    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_ENDS
+    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == file_hashes.HASHED_ENDS
     clean = tmp_path / "clean"
     job.run(_opts(model, dataset, clean))
     _equal_dirs(out, clean)
 
 
 def test_a_large_weight_file_that_is_not_safetensors_is_hashed_across_its_length(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(file_hashes, "FULL_HASH_LIMIT", 1024)
     path = tmp_path / "pytorch_model.bin"
     content = bytearray(os.urandom(5 << 20))
     path.write_bytes(content)
-    first = writer.model_checksums(str(tmp_path))["pytorch_model.bin"]
+    first = file_hashes.model_checksums(str(tmp_path))["pytorch_model.bin"]
     content[(5 << 20) // 2] ^= 0xFF  # one byte in the middle: inside one of the 64 spread MiB
     path.write_bytes(content)
-    second = writer.model_checksums(str(tmp_path))["pytorch_model.bin"]
-    assert first["hashed"] == writer.HASHED_SPREAD and first["sha256"] != second["sha256"]
+    second = file_hashes.model_checksums(str(tmp_path))["pytorch_model.bin"]
+    assert first["hashed"] == file_hashes.HASHED_SPREAD and first["sha256"] != second["sha256"]
 
 
 @pytest.mark.parametrize("header, why", [
@@ -1402,34 +1402,34 @@ def test_a_large_weight_file_that_is_not_safetensors_is_hashed_across_its_length
     (None, "its header length 18446744073709551615 exceeds the file or 100 MB"),
 ])
 def test_a_large_weight_file_whose_header_does_not_describe_it_is_named(tmp_path, monkeypatch, header, why):
-    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(file_hashes, "FULL_HASH_LIMIT", 1024)
     path = tmp_path / "model.safetensors"
     length = (1 << 64) - 1 if header is None else len(header)
     path.write_bytes(length.to_bytes(8, "little") + (header or b"") + bytes(4096))
     with pytest.raises(InvalidInput, match=re.escape(f"--model file {path}: not a readable safetensors file (") + ".*"
                        + re.escape(why)):
-        writer.model_checksums(str(tmp_path))
+        file_hashes.model_checksums(str(tmp_path))
 
 
 def test_only_a_directory_holding_files_of_the_earlier_hash_keeps_it(model, dataset, tmp_path, fake_engine,
                                                                      monkeypatch):
     """A record naming the earlier hash counts only for a large file of the recorded size, and only while the
     directory holds files stamped with it: a record without files gives way, and the new run hashes each tensor."""
-    monkeypatch.setattr(writer, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(file_hashes, "FULL_HASH_LIMIT", 1024)
     small = {"config.json": {"size": os.path.getsize(os.path.join(model, "config.json")), "sha256": "x",
-                             "hashed": writer.HASHED_ENDS}}
-    assert writer.model_checksums(model, small)["config.json"]["hashed"] == writer.HASHED_FULL
+                             "hashed": file_hashes.HASHED_ENDS}}
+    assert file_hashes.model_checksums(model, small)["config.json"]["hashed"] == file_hashes.HASHED_FULL
 
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(writer, "model_checksums", _as_earlier_releases(writer.model_checksums))
+        m.setattr(file_hashes, "model_checksums", _as_earlier_releases(file_hashes.model_checksums))
         job.run(_opts(model, dataset, out, shard=(0, 2)))
     for name in writer.sample_files(str(out)):
         os.unlink(out / name)
     job.run(_opts(model, dataset, out))
     record = json.load(open(out / "manifest.json"))
     assert record["status"] == "complete"
-    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == writer.HASHED_TENSORS
+    assert record["settings"]["model_checksums"]["model.safetensors"]["hashed"] == file_hashes.HASHED_TENSORS
 
 
 def test_what_the_input_gives_but_the_samples_do_not_use_is_said(model, tmp_path, fake_engine, capsys):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eagle_compat.errors import InvalidInput
-from eagle_compat.extract import job, writer
+from eagle_compat.extract import directory_lock, file_hashes, job, writer
 
 from helpers import extract_options, token_lines
 
@@ -32,7 +32,7 @@ def test_a_plan_writes_nothing_and_holds_what_the_run_will_do(tiny_llama, datase
     assert [s.index for s in plan.placed] == list(range(N)) and [s.row for s in plan.placed] == list(range(N))
     # shard 1 of 2: the odd batches, fixed by position
     assert [[s.index for s in b] for b in plan.mine] == [list(range(4 * k, 4 * k + 4)) for k in (1, 3, 5)]
-    assert plan.settings["data_sha256"] == writer.file_sha256(dataset)
+    assert plan.settings["data_sha256"] == file_hashes.file_sha256(dataset)
     assert plan.opts.gpu_memory_utilization is not None  # the device's default, resolved by the plan
     assert plan.path_of(plan.placed[3]).endswith("data_3.pt")
 
@@ -60,7 +60,7 @@ def test_a_claim_takes_the_batches_without_files_and_records_this_run(tiny_llama
     out = tmp_path / "out"
     job.run(_opts(tiny_llama, dataset, out, shard=(0, 2)))  # the even batches: a set half done
     plan = job.plan(_opts(tiny_llama, dataset, out, resume=True))
-    with writer.DirectoryLock(plan.out):
+    with directory_lock.DirectoryLock(plan.out):
         claim = job.claim(plan)
     assert isinstance(claim, job.Claim)
     assert [[s.index for s in b] for b in claim.todo] == [list(range(4 * k, 4 * k + 4)) for k in (1, 3, 5)]

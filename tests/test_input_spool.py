@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from eagle_compat.errors import InvalidInput
-from eagle_compat.extract import inputs, job, spool, writer
+from eagle_compat.extract import atomic_io, file_hashes, inputs, job, spool, writer
 
 from helpers import extract_options, rewrite_in_place, rewritten_after_its_digest, write_dataset
 
@@ -57,7 +57,7 @@ def test_the_spool_holds_exactly_what_the_read_returned(tiny_llama, dataset, tmp
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     data = inputs.read_dataset(dataset, tokenizer, 32, min_loss_tokens=8)
     assert data.few_loss_tokens and any(s.cut.tokens for s in data.samples)  # the case is there to be kept
-    key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
+    key = spool.key(file_hashes.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     spool.save(str(tmp_path), key, data)
     back = spool.load(str(tmp_path), key)
     assert _held(back) == data  # samples (index, ids, mask, line, cut), left-out lines with their cuts, notes
@@ -70,7 +70,7 @@ def test_a_spool_made_otherwise_cut_short_or_damaged_is_no_spool(tiny_llama, dat
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     data = inputs.read_dataset(dataset, tokenizer, 32)
-    key = spool.key(writer.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
+    key = spool.key(file_hashes.file_sha256(dataset), tiny_llama, tokenizer, {"max_len": 32})
     path = spool.save(str(tmp_path), key, data)
     assert _held(spool.load(str(tmp_path), key)) == data
     for other in ({"reading": {"max_len": 33}}, {"data_sha256": "0" * 64}, {"tokenizer_files_sha256": ""},
@@ -167,7 +167,7 @@ def test_an_input_the_disk_cannot_hold_is_refused_before_out_is_made(tiny_llama,
             raise OSError(28, "No space left on device")
         return real_write(self, data)
     monkeypatch.setattr(spool.io, "BufferedWriter", type("Full", (spool.io.BufferedWriter,), {"write": full_disk}))
-    with pytest.raises(writer.OutputWriteError, match=r"tokenized input cannot be written in .*No space left"):
+    with pytest.raises(atomic_io.OutputWriteError, match=r"tokenized input cannot be written in .*No space left"):
         job.run(_opts(tiny_llama, dataset, tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -195,7 +195,7 @@ def test_an_input_changed_between_its_digest_and_its_reading_is_refused_before_o
                                                                                            monkeypatch):
     """The key's digest must be of the bytes the spool's samples come from: the input's identity is taken before
     its digest, and judged again when its last byte has been read."""
-    real_sha256 = writer.file_sha256
+    real_sha256 = file_hashes.file_sha256
 
     def digest_then_append(path):  # a line added between the digest and the reading
         digest = real_sha256(path)
@@ -203,7 +203,7 @@ def test_an_input_changed_between_its_digest_and_its_reading_is_refused_before_o
             with open(dataset, "a") as f:
                 f.write(json.dumps({"input_ids": [5, 6, 7, 8, 9, 10, 11, 12]}) + "\n")
         return digest
-    monkeypatch.setattr(writer, "file_sha256", digest_then_append)
+    monkeypatch.setattr(file_hashes, "file_sha256", digest_then_append)
     out = tmp_path / "out"
     with pytest.raises(InvalidInput, match="changed while it was read") as caught:
         job.run(_opts(tiny_llama, dataset, out))
@@ -229,10 +229,10 @@ def test_a_spool_is_keyed_by_the_bytes_its_samples_were_read_from(tiny_llama, da
     resume with the input the digest is of reads the input again."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    planned = writer.file_sha256(dataset)
+    planned = file_hashes.file_sha256(dataset)
     rewrite_in_place(dataset)
     data = inputs.read_dataset(dataset, tokenizer, 32)
-    assert data.data_sha256 == writer.file_sha256(dataset) != planned  # the bytes consumed, not those planned
+    assert data.data_sha256 == file_hashes.file_sha256(dataset) != planned  # the bytes consumed, not those planned
     key = spool.key(planned, tiny_llama, tokenizer, {"max_len": 32})
     spool.save(str(tmp_path), key, data)
     assert spool.load(str(tmp_path), key) is None

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from eagle_compat import tiny_models
-from eagle_compat.extract import writer
+from eagle_compat.extract import directory_lock, writer, written_index
 from eagle_compat.testing import StandInEngine
 
 from helpers import in_newest_pass_only, write_dataset
@@ -267,8 +267,8 @@ def test_a_failing_batch_is_redone_and_one_that_keeps_failing_stops_the_run(clus
 
 def _files(d):
     """Sample files and the Arrow data, not the records (their times and paths differ from run to run)."""
-    skip = {"manifest.json", "data_config.json", "state.json", "dataset_info.json", writer.LOCK_FILE,
-            writer.WRITERS_LOCK, writer.INDEX_FILE, writer.SPOOL_FILE}
+    skip = {"manifest.json", "data_config.json", "state.json", "dataset_info.json", directory_lock.LOCK_FILE,
+            directory_lock.WRITERS_LOCK, written_index.INDEX_FILE, writer.SPOOL_FILE}
     return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name not in skip
                   and not p.name.endswith(".arrow"))
 

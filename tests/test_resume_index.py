@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from eagle_compat.errors import EagleCompatError
-from eagle_compat.extract import job, writer
+from eagle_compat.extract import atomic_io, job, writer, written_index
 
 from helpers import extract_options, token_lines
 
@@ -47,7 +47,7 @@ def _half_done(tiny_llama, dataset, out):
 def test_each_file_written_has_its_line(tiny_llama, dataset, tmp_path, fake_engine):
     out = tmp_path / "out"
     job.run(_opts(tiny_llama, dataset, out))
-    entries = writer.read_index(str(out))
+    entries = written_index.read_index(str(out))
     assert sorted(entries) == list(range(N))
     for index, entry in entries.items():
         st = os.stat(out / entry["f"])
@@ -86,9 +86,9 @@ def test_a_file_the_index_does_not_vouch_for_is_opened_and_judged(tiny_llama, da
         job.run(_opts(tiny_llama, dataset, other, shard=(0, 2), layers=[1, 5]))
         shutil.copy(other / "data_1.pt", victim)
     else:  # the last write of the index cut short: that file is read, and is fine
-        text = (out / writer.INDEX_FILE).read_text().splitlines(keepends=True)
+        text = (out / written_index.INDEX_FILE).read_text().splitlines(keepends=True)
         line = next(ln for ln in text if json.loads(ln)["i"] == 1)
-        (out / writer.INDEX_FILE).write_text("".join(ln for ln in text if ln is not line) + line[:20])
+        (out / written_index.INDEX_FILE).write_text("".join(ln for ln in text if ln is not line) + line[:20])
     reads.clear()
     if change == "index line torn":
         assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
@@ -105,19 +105,19 @@ def test_an_index_of_another_user_vouches_for_nothing(tiny_llama, dataset, tmp_p
     files of theirs: its lines are not read, every kept file is opened, and the run starts an index of its own."""
     out = tmp_path / "out"
     _half_done(tiny_llama, dataset, out)
-    os.chown(out / writer.INDEX_FILE, 4242, -1)
+    os.chown(out / written_index.INDEX_FILE, 4242, -1)
     reads.clear()
     assert job.run(_opts(tiny_llama, dataset, out, resume=True))["complete"]
     kept = {f"data_{i}.pt" for k in range(0, N // 4, 2) for i in range(4 * k, 4 * k + 4)}
     assert kept <= set(reads)
-    assert os.stat(out / writer.INDEX_FILE).st_uid == os.geteuid()
+    assert os.stat(out / written_index.INDEX_FILE).st_uid == os.geteuid()
 
 
 def test_the_index_is_not_a_stray_or_a_foreign_file(tiny_llama, dataset, tmp_path, fake_engine):
     """A directory holding only the index and a lock (the record removed) is still ours to start again."""
     out = tmp_path / "out"
     (out).mkdir()
-    (out / writer.INDEX_FILE).write_text("")
+    (out / written_index.INDEX_FILE).write_text("")
     assert job.run(_opts(tiny_llama, dataset, out))["complete"]
 
 
@@ -149,8 +149,8 @@ def test_the_token_digest_is_the_same_for_every_way_the_tokens_come():
              (array("i", [5, 150_000, 0, 7]), array("b", [0, 1, 1, 0])),  # extract's samples
              (array("q", [5, 2**40]), array("i", [1, 0])), (array("i", [1, 2]), array("b", [2, 1]))]
     for case_ids, case_mask in cases:
-        assert writer.tokens_digest(case_ids, case_mask) == per_token(case_ids, case_mask), (case_ids, case_mask)
-    assert writer.tokens_digest(ids, mask) != writer.tokens_digest(ids, [1, 1, 1, 0, 1])
+        assert written_index.tokens_digest(case_ids, case_mask) == per_token(case_ids, case_mask), (case_ids, case_mask)
+    assert written_index.tokens_digest(ids, mask) != written_index.tokens_digest(ids, [1, 1, 1, 0, 1])
 
 
 def test_the_completion_of_a_set_counts_every_file_it_checks(tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
@@ -246,17 +246,17 @@ def test_each_line_records_what_utime_cannot_put_back_and_the_digest_of_the_byte
                                                                                           tmp_path, fake_engine):
     out = tmp_path / "out"
     job.run(_opts(tiny_llama, dataset, out, format="safetensors"))
-    for entry in writer.read_index(str(out)).values():
+    for entry in written_index.read_index(str(out)).values():
         path = out / entry["f"]
         st = os.stat(path)
         assert (entry["ino"], entry["c"]) == (st.st_ino, st.st_ctime_ns)
-        assert entry["h"] == writer.file_content_digest(str(path)) == writer.content_digest(path.read_bytes())
+        assert entry["h"] == atomic_io.file_content_digest(str(path)) == atomic_io.content_digest(path.read_bytes())
 
 
 def _strip_index(out, *keys):
     """The index as an earlier release wrote it: its lines without `keys`."""
-    lines = [json.loads(line) for line in (out / writer.INDEX_FILE).read_text().splitlines()]
-    (out / writer.INDEX_FILE).write_text("".join(json.dumps({k: v for k, v in e.items() if k not in keys}) + "\n"
+    lines = [json.loads(line) for line in (out / written_index.INDEX_FILE).read_text().splitlines()]
+    (out / written_index.INDEX_FILE).write_text("".join(json.dumps({k: v for k, v in e.items() if k not in keys}) + "\n"
                                                  for e in lines))
 
 

@@ -12,7 +12,8 @@ import stat
 
 import pytest
 
-from eagle_compat.extract import writer
+from eagle_compat.errors import OutputDirectoryBusy
+from eagle_compat.extract import atomic_io, directory_lock, writer
 
 OTHER_UID = 4242  # a user id that is not the test's (the tests run as any user; chown needs root)
 
@@ -24,18 +25,18 @@ def victims_file(tmp_path):
     return victim
 
 
-@pytest.mark.parametrize("lock", [writer.LOCK_FILE, writer.WRITERS_LOCK])
+@pytest.mark.parametrize("lock", [directory_lock.LOCK_FILE, directory_lock.WRITERS_LOCK])
 def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, lock):
     victim = victims_file(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / lock).symlink_to(victim)
-    with pytest.raises(writer.SymlinkRefused, match=r"is a symbolic link .*refusing to follow it"):
-        if lock == writer.LOCK_FILE:
-            with writer.DirectoryLock(str(out)):
+    with pytest.raises(atomic_io.SymlinkRefused, match=r"is a symbolic link .*refusing to follow it"):
+        if lock == directory_lock.LOCK_FILE:
+            with directory_lock.DirectoryLock(str(out)):
                 pass
         else:
-            writer.hold_as_writer(str(out))
+            directory_lock.hold_as_writer(str(out))
     assert victim.read_text() == "the victim's own file\n"
 
 
@@ -44,7 +45,7 @@ def test_the_lock_held_is_the_lock_file_at_its_path(tmp_path, monkeypatch):
     removed or replaced while held is named by the holder's check, and the folder's own lock refuses a second run."""
     out = tmp_path / "out"
     out.mkdir()
-    real_try_flock, removed = writer.try_flock, []
+    real_try_flock, removed = directory_lock.try_flock, []
 
     def removed_after_open(path, *args, **kwargs):
         fd = real_try_flock(path, *args, **kwargs)
@@ -52,20 +53,20 @@ def test_the_lock_held_is_the_lock_file_at_its_path(tmp_path, monkeypatch):
             removed.append(os.fstat(fd).st_ino)
             os.unlink(path)
         return fd
-    monkeypatch.setattr(writer, "try_flock", removed_after_open)
-    with writer.DirectoryLock(str(out)) as lock:
-        held, at_path = os.fstat(lock.fd), os.stat(out / writer.LOCK_FILE)
+    monkeypatch.setattr(directory_lock, "try_flock", removed_after_open)
+    with directory_lock.DirectoryLock(str(out)) as lock:
+        held, at_path = os.fstat(lock.fd), os.stat(out / directory_lock.LOCK_FILE)
         assert (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino) and removed
-        writer.check_lock_held(str(out))
-        (out / writer.LOCK_FILE).unlink()
-        (out / writer.LOCK_FILE).write_text("{}")  # a new file of another run under the name
-        with pytest.raises(writer.OutputDirectoryBusy, match="holder unknown"):
-            with writer.DirectoryLock(str(out)):
+        directory_lock.check_lock_held(str(out))
+        (out / directory_lock.LOCK_FILE).unlink()
+        (out / directory_lock.LOCK_FILE).write_text("{}")  # a new file of another run under the name
+        with pytest.raises(OutputDirectoryBusy, match="holder unknown"):
+            with directory_lock.DirectoryLock(str(out)):
                 pass
-        with pytest.raises(writer.LockFileRemoved, match=r"was removed or replaced while this run held it"):
-            writer.check_lock_held(str(out))
-    writer.check_lock_held(str(out))  # released: nothing to check
-    with writer.DirectoryLock(str(out)):
+        with pytest.raises(directory_lock.LockFileRemoved, match=r"was removed or replaced while this run held it"):
+            directory_lock.check_lock_held(str(out))
+    directory_lock.check_lock_held(str(out))  # released: nothing to check
+    with directory_lock.DirectoryLock(str(out)):
         pass
 
 
@@ -75,12 +76,12 @@ def test_a_temporary_file_is_never_opened_through_a_link(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setattr(writer.os, "urandom", lambda n: b"\0" * n)
-    monkeypatch.setattr(writer.socket, "gethostname", lambda: "host")
+    monkeypatch.setattr(directory_lock.socket, "gethostname", lambda: "host")
     target = out / "data_0.pt"
     planted = out / f"data_0.pt.tmp-host-{os.getpid()}-00000000"
     planted.symlink_to(victim)
-    with pytest.raises(writer.SymlinkRefused):
-        writer.atomic_write_file(str(target), lambda tmp: open(tmp, "w").write("states"))
+    with pytest.raises(atomic_io.SymlinkRefused):
+        atomic_io.atomic_write_file(str(target), lambda tmp: open(tmp, "w").write("states"))
     assert victim.read_text() == "the victim's own file\n" and not target.exists()
 
 
@@ -90,7 +91,7 @@ def test_an_out_folder_of_another_user_is_refused(tmp_path):
     out.mkdir()
     os.chown(out, OTHER_UID, -1)
     with pytest.raises(writer.OutputDirectoryConflict, match=rf"belongs to another user .*uid {OTHER_UID}"):
-        writer.refuse_others_folder(str(out))
+        directory_lock.refuse_others_folder(str(out))
 
 
 def test_an_out_folder_everyone_may_write_is_refused_unless_sticky(tmp_path):
@@ -98,11 +99,11 @@ def test_an_out_folder_everyone_may_write_is_refused_unless_sticky(tmp_path):
     out.mkdir()
     out.chmod(0o777)
     with pytest.raises(writer.OutputDirectoryConflict, match=r"writable by every user \(mode 777\)"):
-        writer.refuse_others_folder(str(out))
+        directory_lock.refuse_others_folder(str(out))
     out.chmod(0o777 | stat.S_ISVTX)  # /tmp's mode: others cannot replace the files this run makes
-    writer.refuse_others_folder(str(out))
+    directory_lock.refuse_others_folder(str(out))
     out.chmod(0o755)
-    writer.refuse_others_folder(str(out))
+    directory_lock.refuse_others_folder(str(out))
 
 
 def test_extract_refuses_a_planted_out_folder_before_anything_is_written(tmp_path, no_engine):
@@ -158,17 +159,18 @@ def test_in_a_group_writable_out_only_this_users_files_are_trusted(tmp_path, tin
 def test_a_filesystem_without_flock_is_named_with_the_way_out(tmp_path, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
-    monkeypatch.setattr(writer.fcntl, "flock", no_flock)
-    with pytest.raises(writer.OutputWriteError, match=r"the filesystem has no flock \(\w+ mounted at /.*Lustre: -o flock"):
-        with writer.DirectoryLock(str(tmp_path)):
+    monkeypatch.setattr(directory_lock.fcntl, "flock", no_flock)
+    with pytest.raises(atomic_io.OutputWriteError,
+                       match=r"the filesystem has no flock \(\w+ mounted at /.*Lustre: -o flock"):
+        with directory_lock.DirectoryLock(str(tmp_path)):
             pass
 
 
 def test_locks_that_hold_per_machine_only_are_said_for_shards(monkeypatch):
-    monkeypatch.setattr(writer, "mount_of", lambda path: ("/scratch", "lustre", "rw,localflock"))
-    assert "does not hold across machines" in writer.lock_scope_note("/scratch/out")
-    monkeypatch.setattr(writer, "mount_of", lambda path: ("/scratch", "lustre", "rw,flock"))
-    assert writer.lock_scope_note("/scratch/out") is None
+    monkeypatch.setattr(directory_lock, "mount_of", lambda path: ("/scratch", "lustre", "rw,localflock"))
+    assert "does not hold across machines" in directory_lock.lock_scope_note("/scratch/out")
+    monkeypatch.setattr(directory_lock, "mount_of", lambda path: ("/scratch", "lustre", "rw,flock"))
+    assert directory_lock.lock_scope_note("/scratch/out") is None
 
 
 def test_core_locks_are_per_user_and_a_planted_folder_is_refused(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from eagle_compat.errors import InvalidInput
-from eagle_compat.extract import inputs, job, spool, writer
+from eagle_compat.extract import atomic_io, file_hashes, inputs, job, spool, writer
 from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
 from helpers import extract_options, rewritten_after_its_digest, write_dataset
@@ -166,11 +166,11 @@ def test_a_reading_that_fails_otherwise_is_not_called_a_bad_line(tiny_llama, dat
 
     def full_after_24(self, s):
         if len(self) == 24:
-            raise writer.OutputWriteError("the tokenized input cannot be written in X (No space left on device)")
+            raise atomic_io.OutputWriteError("the tokenized input cannot be written in X (No space left on device)")
         return real_append(self, s)
     monkeypatch.setattr(spool.Builder, "append", full_after_24)
     out = tmp_path / "out"
-    with pytest.raises(writer.OutputWriteError, match="No space left") as caught:
+    with pytest.raises(atomic_io.OutputWriteError, match="No space left") as caught:
         job.run(extract_options(tiny_llama, dataset, out, max_len=32))
     assert "read while the batches ran" not in str(caught.value)
     assert _record(out)["status"] == "incomplete"
@@ -512,7 +512,7 @@ def test_a_corrected_line_lets_resume_finish_the_set_keeping_the_files_written(t
     kept = [name for name, inode in written.items() if os.stat(out / name).st_ino == inode]
     assert kept and summary["written_this_run"] == N - len(kept)
     record = _record(out)
-    assert record["status"] == "complete" and record["settings"]["data_sha256"] == writer.file_sha256(data)
+    assert record["status"] == "complete" and record["settings"]["data_sha256"] == file_hashes.file_sha256(data)
     assert [c["data_sha256_was"] for c in record["input_corrections"]] == [recorded]
     assert "the set goes on with it as a corrected input" in capsys.readouterr().err
 

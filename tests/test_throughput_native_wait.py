@@ -88,13 +88,13 @@ def test_the_disk_phase_writes_what_written_writes_without_an_engine(tmp_path, m
 
     import torch
 
-    from eagle_compat.extract import writer
+    from eagle_compat.extract import atomic_io, writer
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 32, "torch_dtype": "bfloat16"}))
     synced = []
-    real_fsync, real_save = writer.fsync_file, writer.save_sample
-    monkeypatch.setattr(writer, "fsync_file", lambda path: (synced.append(path), real_fsync(path)))
+    real_fsync, real_save = atomic_io.fsync_file, writer.save_sample
+    monkeypatch.setattr(atomic_io, "fsync_file", lambda path: (synced.append(path), real_fsync(path)))
     monkeypatch.setattr(writer, "save_sample", lambda *a: (time.sleep(0.1), real_save(*a))[1])  # a slow disk
     args = argparse.Namespace(phase="disk", model_path=str(model), dummy=False, prompts=6, tokens=10, layers="1,3",
                               writer_threads=2, write_dir=str(tmp_path), keep_files=False)

@@ -646,7 +646,7 @@ def _main(argv: list[str]) -> int:
         return launcher.main(argv[1:])
     args = build_parser().parse_args(argv)
     from .errors import EagleCompatError, InvalidInput, WorkerError
-    from .extract.writer import OutputWriteError
+    from .extract.atomic_io import OutputWriteError
     try:
         return int(args.func(args) or 0)
     except InvalidInput as exc:

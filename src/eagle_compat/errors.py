@@ -33,6 +33,14 @@ class InvalidInput(EagleCompatError, ValueError):
     """Bad input to generate()/extract, rejected before anything reaches the engine."""
 
 
+class OutputDirectoryConflict(InvalidInput):
+    """--out holds files that this run's settings did not make (or that no settings record describes)."""
+
+
+class OutputDirectoryBusy(InvalidInput):
+    """Another run holds --out's lock."""
+
+
 class WorkerError(EagleCompatError, RuntimeError):
     """An exception raised inside a vLLM worker process, with its type, message and the worker's traceback."""
 

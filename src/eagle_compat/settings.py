@@ -39,6 +39,12 @@ def _bytes(raw: str) -> int:
     return int(raw)
 
 
+def _date(raw: str) -> str:
+    import datetime
+    datetime.date.fromisoformat(raw.strip())
+    return raw.strip()
+
+
 def _flag(raw: str) -> bool:
     return raw.strip().lower() in ("1", "true")
 
@@ -67,7 +73,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`doctor` lists it, or its base name for every side, e.g. `worker_error_messages`); an unknown name is "
             "refused naming the units there are"),
     Setting("EAGLE_COMPAT_ALLOW_UNVERIFIED", _names, (), "none",
-            "comma-separated families the resolver accepts without a parity run (MiniMax-M2, Qwen3-Next, OLMo-2)"),
+            "comma-separated families the resolver accepts without a parity run (those `doctor` lists as unverified: "
+            "MiniMax-M2, OLMo-2, Mistral Large 3, ...)"),
     Setting("EAGLE_COMPAT_SHM_LIMIT_BYTES", _bytes, None, "a quarter of /dev/shm",
             "the most /dev/shm the hand-over ring uses; a batch past it goes through vLLM's RPC queue",
             "a whole number of bytes (e.g. 1073741824), or unset"),
@@ -91,6 +98,9 @@ SETTINGS: tuple[Setting, ...] = (
             "yours always wins over the binding eagle_compat computes for CPU tensor parallel"),
     Setting("VLLM_ALLOW_LONG_MAX_MODEL_LEN", _flag, False, "—",
             "`extract` does not enforce the model's position limit on `--max-len`"),
+    Setting("VLLM_SYSTEM_START_DATE", _date, None, "—",
+            "the date in gpt-oss's harmony system message (vLLM's server reads it too); conversations for gpt-oss are "
+            "refused until it is set", "a date YYYY-MM-DD"),
     Setting("RAY_ADDRESS", _text, None, "—", "`extract --ray` without an address connects there"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -27,7 +27,7 @@ import shutil
 from collections.abc import Iterable
 from typing import Any
 
-from . import writer
+from . import atomic_io, writer
 
 HS_DIR = "hidden_states"
 HS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
@@ -76,8 +76,8 @@ def save_hs(out_dir: str, row: int, input_ids: Any, hidden_states: list | Any, f
     path = hs_path(out_dir, row)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     data = hs_bytes(input_ids, hidden_states, fmt, stamp)
-    writer.atomic_write_bytes(path, data)
-    return writer.WrittenFile.at(path, writer.content_digest(data))
+    atomic_io.atomic_write_bytes(path, data)
+    return atomic_io.WrittenFile.at(path, atomic_io.content_digest(data))
 
 
 def load_hs(path: str, dtype: Any = None) -> dict:
@@ -142,8 +142,8 @@ def write_dataset(out_dir: str, rows: Iterable[tuple[list[int], list[int]]]) -> 
             if bars:
                 ds_logging.enable_progress_bar()
         new = os.listdir(final)
-        for name in new:  # on disk before they are moved in (writer.fsync_renames then syncs the moves)
-            writer.fsync_file(os.path.join(final, name))
+        for name in new:  # on disk before they are moved in (atomic_io.fsync_renames then syncs the moves)
+            atomic_io.fsync_file(os.path.join(final, name))
         order = sorted(new, key=lambda n: (n == "state.json", n == "dataset_info.json", n))
         for name in order:
             os.replace(os.path.join(final, name), os.path.join(out_dir, name))

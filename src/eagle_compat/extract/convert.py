@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import InvalidInput
-from . import arrow, formats, layers, writer
+from . import arrow, atomic_io, directory_lock, formats, layers, writer
 
 TARGETS = tuple(formats.FORMATS)
 
@@ -216,14 +216,14 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise InvalidInput(f"DST {dst!r} is a file")
     if os.path.isdir(dst):
-        writer.refuse_others_folder(dst, "DST")
+        directory_lock.refuse_others_folder(dst, "DST")
     fresh = _dst_record(src, p)
     existing = _check_destination(dst, p, resume)
     os.makedirs(dst, exist_ok=True)
     source, destination = formats.get(p["from"]), formats.get(p["to"])
     order, indices = p["order"], p["indices"]
     written = 0
-    with writer.DirectoryLock(dst):
+    with directory_lock.DirectoryLock(dst):
         # again under the lock: another run may have written DST since it was read above
         if _check_destination(dst, p, resume) != existing:
             raise writer.OutputDirectoryConflict(f"DST {dst} was written by another run while this convert started "
@@ -232,7 +232,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
         swept = writer.sweep_temp_files(dst)
         rec = existing or fresh
         rec["status"] = "converting"
-        writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
+        atomic_io.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
         reader = formats.SetReader(source, src)
         stamp = writer.states_stamp(rec["settings"])  # the destination's layer order
         made = _source_states(p)
@@ -249,7 +249,7 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
             ids, mask, states = reader.sample(i, r)
             destination.save(dst, i, r, ids, mask, states[:, order], stamp=stamp)
             written += 1
-        writer.fsync_renames(dst)
+        atomic_io.fsync_renames(dst)
         st = rec["settings"]
         destination.finish(dst, (reader.ids_and_mask(i, r) for r, i in enumerate(indices)),  # streamed
                            formats.DataDescription(
@@ -259,11 +259,11 @@ def convert(src: str, dst: str, to: str | None = None, resume: bool = False, num
                                versions=rec.get("versions", {}),
                                tensor_parallel_size=st.get("tensor_parallel_size", 1),
                                command=f"eagle-compat convert {src} {dst}"))
-        writer.fsync_renames(dst)
+        atomic_io.fsync_renames(dst)
         rec.update(status="complete", samples_present=len(indices))
         rec.setdefault("runs", []).append({"convert": True, "at": datetime.now(timezone.utc).isoformat(),
                                            "written": written, "temp_files_swept": len(swept)})
-        writer.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
+        atomic_io.atomic_write_json(os.path.join(dst, writer.MANIFEST), rec)
     return {"from": p["from"], "to": p["to"], "samples": len(indices), "written": written, "dst": dst,
             "layer_ids": p["layer_ids"], "eagle_aux_hidden_state_layer_ids":
                 rec["layers"]["eagle_aux_hidden_state_layer_ids"]}

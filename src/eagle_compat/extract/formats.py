@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from .. import detect
 from ..errors import InvalidInput
-from . import arrow, writer
+from . import arrow, atomic_io, writer, written_index
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class SampleFiles(_Layout):
 
     def finish(self, out: str, rows: Iterable[tuple[list[int], list[int]]], description: DataDescription) -> None:
         """The set is whole: describe it for speculators' trainer (whichever run finished it)."""
-        writer.atomic_write_json(os.path.join(out, "data_config.json"), speculators_data_config(self.name,
+        atomic_io.atomic_write_json(os.path.join(out, "data_config.json"), speculators_data_config(self.name,
                                                                                                description))
 
 
@@ -256,9 +256,9 @@ def write_sample(fmt: SampleFiles | ArrowLayout, out: str, s: Placed, result: di
             writer.validate_sample(sample, vocab_size, len(layer_ids), hidden_size)
         path = fmt.save(out, s.index, s.row, sample["input_ids"], sample["loss_mask"], sample["hidden_states"],
                         layer_ids, stamp)
-        if stamp is not None:  # what a --resume trusts without opening the file (writer.INDEX_FILE)
+        if stamp is not None:  # what a --resume trusts without opening the file (written_index.INDEX_FILE)
             _, ids, mask, _ = fmt.expected(out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            writer.index_written(out, s.index, path, ids, mask, stamp, getattr(path, "content", None))
+            written_index.index_written(out, s.index, path, ids, mask, stamp, getattr(path, "content", None))
         return path
     except (writer.NonFiniteStates, writer.DegenerateStates, writer.InvalidSample) as exc:
         raise type(exc)(f"{data}:{s.line}: {exc}") from None
@@ -268,7 +268,7 @@ def left_out_entry(s: Placed, exc: BaseException) -> dict:
     """The record of a sample --skip-non-finite left out: its index and input line, what was found, and the digest
     of its tokens ("d": a --resume with a corrected input keeps it out only where its tokens are unchanged)."""
     return {"index": s.index, "line": s.line, "why": str(exc).split("; nothing of this sample")[0][:300],
-            "d": writer.tokens_digest(s.input_ids, s.loss_mask)}
+            "d": written_index.tokens_digest(s.input_ids, s.loss_mask)}
 
 
 FORMATS: dict[str, SampleFiles | ArrowLayout] = {

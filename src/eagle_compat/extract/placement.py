@@ -46,7 +46,7 @@ class PlacedSamples(Sequence):
 
     def files_at(self, fmt: Any, out: str, rows: Iterable[int], index: Any) -> Iterator[tuple]:
         """(path, token ids, loss mask, what names it, the digest of the bytes written there or None) of the samples
-        at `rows`, as writer.first_mismatch reads them; `index`: the directory's index (writer.IndexVerdicts)."""
+        at `rows`, as writer.first_mismatch reads them; `index`: the directory's index (written_index.IndexVerdicts)."""
         for row in rows:
             s = self[row]
             yield fmt.path(out, s.index, s.row), s.input_ids, s.loss_mask, f"input line {s.line}", index.content_of(row)
@@ -54,7 +54,7 @@ class PlacedSamples(Sequence):
     def to_check(self, leaving_out: Container[int], known: Batches, index: Any, on_known: Any) -> Iterator[tuple]:
         """(index, row, ids, mask, what names it, the digest of the bytes written there or None) of each sample but
         those left out, whose file is not known good: written or checked by this run (`known`'s rows) or vouched for
-        by the directory's index (writer.IndexVerdicts; `on_known()` for each of those)."""
+        by the directory's index (written_index.IndexVerdicts; `on_known()` for each of those)."""
         for row, sample_index in enumerate(self.indices):
             if sample_index in leaving_out:
                 continue

@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import detect, engine, settings
 from ..errors import EagleCompatError, InvalidInput
-from . import formats, pipeline, placement, stages, writer
+from . import atomic_io, directory_lock, formats, pipeline, placement, stages, writer
 from .batch_job import EngineArgs, SampleWriting
 
 MAX_TRIES = 3  # a batch that fails this many times stops the run
@@ -154,7 +154,7 @@ def claim_cores(count: int, tp: int) -> tuple[str | None, list[int], list[int]]:
     for core in sorted(os.sched_getaffinity(0)):
         if len(got) == count:
             break
-        fd = writer.try_flock(os.path.join(locks, f"core-{core}.lock"), 0o600)
+        fd = directory_lock.try_flock(os.path.join(locks, f"core-{core}.lock"), 0o600)
         if fd is None:  # another actor's engine runs there
             continue
         got.append(core)
@@ -190,11 +190,12 @@ class ExtractActor:
         driver_uid = os.stat(os.path.join(out, writer.MANIFEST)).st_uid
         if driver_uid != os.geteuid():  # its files would be another user's: no run of the driver's user trusts them
             raise InvalidInput(f"actor {rank} on {socket.gethostname()} runs as uid {os.geteuid()}, and the driver "
-                               f"that wrote {out}/{writer.MANIFEST} as {writer.user_named(driver_uid)}: a run trusts "
-                               "only its own user's files, so this actor's would be refused. Start the Ray cluster "
-                               "as the user who runs the driver")
-        # held for the actor's life: a later driver of this directory waits for it (writer.wait_for_other_writers)
-        self.writers_fd = writer.hold_as_writer(out)
+                               f"that wrote {out}/{writer.MANIFEST} as {directory_lock.user_named(driver_uid)}: a "
+                               "run trusts only its own user's files, so this actor's would be refused. Start the Ray "
+                               "cluster as the user who runs the driver")
+        # held for the actor's life: a later driver of this directory waits for it
+        # (directory_lock.wait_for_other_writers)
+        self.writers_fd = directory_lock.hold_as_writer(out)
         self.gen = None
         self.core_fds: list[int] = []
         self.binding: str | None = None
@@ -271,7 +272,7 @@ class ExtractActor:
             try:  # temp file + rename, as a local run writes it
                 entry = writing.write(s, r)
             except OSError as exc:
-                raise writer.OutputWriteError(f"could not write {writing.path(s)} on "
+                raise atomic_io.OutputWriteError(f"could not write {writing.path(s)} on "
                                               f"{socket.gethostname()}: {exc.strerror or exc}") from exc
             if entry is not None:
                 left_out.append(entry)
@@ -392,7 +393,7 @@ class _Pool:
         self.expected_dtype = manifest.get("engine_dtype") if writer.any_sample_file(self.writing.out) else None
 
     def send(self, rank: int, item: _Item) -> None:
-        writer.check_lock_held(self.writing.out)  # its lock file removed: another run may write here now
+        directory_lock.check_lock_held(self.writing.out)  # its lock file removed: another run may write here now
         self.in_flight[self.actors[rank].run_batch.remote(item.batch, self.expected_dtype)] = (rank, item)
         item.sent_at, item.ended = time.time(), False
 

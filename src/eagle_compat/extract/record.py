@@ -15,7 +15,7 @@ class Settings(TypedDict, total=False):
     """What every run adding files to a directory must share (extract/job.py: settings_of): `Manifest.settings`.
     Batches are fixed by position, so the shard layout is not one of them."""
     model: str  # the absolute path
-    model_checksums: dict  # file name -> its digest (writer.model_checksums)
+    model_checksums: dict  # file name -> its digest (file_hashes.model_checksums)
     data: str | None  # the absolute path (None: speculators 0.3.0's own output whose data_config.json names none)
     data_sha256: str
     layer_ids: list  # speculators 0.3.0's convention

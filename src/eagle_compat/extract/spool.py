@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import InvalidInput
-from . import conversation, harmony, inputs, report, writer
+from . import atomic_io, conversation, file_hashes, harmony, inputs, report, writer
 
 SPOOL_FILE = writer.SPOOL_FILE
 MAGIC = b"EGCSPL04"
@@ -57,7 +57,7 @@ def tokenizer_files_sha256(model: str) -> str:
         for name in sorted(files):
             if not name.endswith(_WEIGHTS):
                 path = os.path.join(root, name)
-                h.update(os.path.relpath(path, model).encode() + b"\0" + writer.file_sha256(path).encode() + b"\0")
+                h.update(os.path.relpath(path, model).encode() + b"\0" + file_hashes.file_sha256(path).encode() + b"\0")
     return h.hexdigest()
 
 
@@ -208,7 +208,7 @@ class Builder:
             elif flush:
                 self._out.flush()
         except OSError as exc:
-            raise writer.OutputWriteError(
+            raise atomic_io.OutputWriteError(
                 f"the tokenized input cannot be written in {self.folder} ({exc.strerror or exc}): a run keeps it on "
                 f"--out's file system (5 bytes a token) instead of in memory; free space there") from None
         if self._pos and self._digest is not None:  # the payload: after the first MAGIC, before the header
@@ -397,7 +397,7 @@ class Builder:
                 with open(target, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
                     src.seek(0)
                     shutil.copyfileobj(src, dst, _READ_CHUNK)
-            writer.atomic_write_file(path, copy)
+            atomic_io.atomic_write_file(path, copy)
             return path
         try:
             os.replace(tmp, SPOOL_FILE, src_dir_fd=folder, dst_dir_fd=folder)
@@ -460,7 +460,7 @@ def load(out_dir: str, spool_key: dict) -> inputs.Dataset | None:
     is checked here, in one pass that holds no sample."""
     path = os.path.join(out_dir, SPOOL_FILE)
     try:
-        f = os.fdopen(writer.open_no_follow(path, os.O_RDONLY), "rb")
+        f = os.fdopen(atomic_io.open_no_follow(path, os.O_RDONLY), "rb")
     except OSError:
         return None
     if os.fstat(f.fileno()).st_uid != os.geteuid():  # another user's: the input is read again, not taken from it
