@@ -41,7 +41,7 @@ class FirstBatchTimed(StandInEngine):
 def child(model: str, data: str, out: str, mode: str) -> None:
     """One run in this process: prints its timings and peak RSS as JSON."""
     import eagle_compat.generator
-    from eagle_compat.extract import job, writer, written_index
+    from eagle_compat.extract import job, kept_files, writer, written_index
     eagle_compat.generator.VllmHiddenStatesGenerator = FirstBatchTimed
     # the kept-file check on its own, the index's vouching included (the rest of the start is the same in every mode:
     # imports, tokenizer, model hashes)
@@ -66,7 +66,7 @@ def child(model: str, data: str, out: str, mode: str) -> None:
             return trusted_by_index(*args, **kwargs)
         finally:
             check["seconds"] += time.monotonic() - t0
-    read_index = job._read_index
+    read_index = kept_files.read_index
 
     def timed_read_index(*args, **kwargs):  # the index read whole, each kept file's line checked (a stat, a digest)
         t0 = time.monotonic()
@@ -75,7 +75,7 @@ def child(model: str, data: str, out: str, mode: str) -> None:
         finally:
             check["seconds"] += time.monotonic() - t0
     writer.first_mismatch, writer.read_facts = timed_first_mismatch, counted_read_facts
-    written_index.trusted_by_index, job._read_index = timed_trusted_by_index, timed_read_index
+    written_index.trusted_by_index, kept_files.read_index = timed_trusted_by_index, timed_read_index
     if mode == "without index":
         os.unlink(os.path.join(out, written_index.INDEX_FILE))
     started = time.monotonic()

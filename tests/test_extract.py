@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle_compat import InvalidInput, tiny_models
-from eagle_compat.extract import job, writer
+from eagle_compat.extract import job, job_options, writer
 
 from helpers import assert_matches_hf, in_newest_pass_only, write_dataset
 
@@ -249,8 +249,8 @@ def test_bad_options_are_refused_before_the_engine(model, dataset, tmp_path, arg
 
 def test_bad_shard_and_layers_text():
     with pytest.raises(InvalidInput, match="need 0 <= I < N"):
-        job.parse_shard("2/2")
+        job_options.parse_shard("2/2")
     with pytest.raises(InvalidInput, match="expected I/N"):
-        job.parse_shard("half")
+        job_options.parse_shard("half")
     with pytest.raises(InvalidInput, match="comma-separated ints"):
-        job.parse_layers("2,x")
+        job_options.parse_layers("2,x")

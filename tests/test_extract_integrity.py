@@ -22,7 +22,7 @@ import torch
 import eagle_compat.generator
 from eagle_compat import InvalidInput, tiny_models
 from eagle_compat.errors import EagleCompatError, OutputDirectoryBusy
-from eagle_compat.extract import atomic_io, directory_lock, file_hashes, inputs, job, writer
+from eagle_compat.extract import atomic_io, directory_lock, file_hashes, inputs, job, job_options, writer
 
 from helpers import HIDDEN, FakeEngine, prompts  # noqa: F401 - FakeEngine: the stand-in engine, also for other suites
 N = 12  # samples in the dataset; batch size 4: three batches
@@ -1153,7 +1153,7 @@ def test_bad_model_and_out_paths_are_clear_errors_before_the_data_is_read(model,
     with pytest.raises(InvalidInput, match=r"--data .*: a directory; give the JSONL file"):
         job.run(_opts(model, str(tmp_path), tmp_path / "out"))
     with pytest.raises(InvalidInput, match=r"--layers ',': no layer id"):
-        job.parse_layers(",")
+        job_options.parse_layers(",")
     assert not (tmp_path / "out").exists()
     own = shutil.copytree(model, tmp_path / "model")  # (a copy: a regression must not write into the shared one)
     before = sorted(os.listdir(own))  # --out the model's own folder: its records would change its checksums

@@ -1,4 +1,4 @@
-"""A new set whose input has more than READ_AHEAD_LINES lines is read while its batches run (job._read_input,
+"""A new set whose input has more than READ_AHEAD_LINES lines is read while its batches run (input_reading.read_input,
 spool.Builder.start, placement.StreamedBatches): the first batch waits for its own samples, not for the whole input,
 and the set's files, record and kept spool are those of a run that read the input first. A line the reading cannot
 take stops the run there, naming it; what was written stays whole."""
@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from eagle_compat.errors import InvalidInput
-from eagle_compat.extract import atomic_io, file_hashes, inputs, job, spool, writer
+from eagle_compat.extract import atomic_io, file_hashes, input_reading, inputs, job, spool, writer
 from eagle_compat.generator import VllmHiddenStatesGenerator  # the real one (tests put a stand-in in its place)
 
 from helpers import extract_options, rewritten_after_its_digest, write_dataset
@@ -73,7 +73,7 @@ def test_a_large_new_set_runs_its_first_batch_before_its_input_is_read(tiny_llam
                                                                        monkeypatch):
     first = tmp_path / "read_first"
     job.run(extract_options(tiny_llama, dataset, first, max_len=32, min_loss_tokens=4))
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     out = tmp_path / "streamed"
@@ -119,7 +119,7 @@ def test_a_bad_line_deep_in_a_streamed_input_is_refused_before_the_engine_starts
     lines[34] = bad + b"\n"  # line 35 of 40: the streamed reading meets it long after the first batch
     with open(dataset, "wb") as f:
         f.write(b"".join(lines))
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     seen = _reading_held(monkeypatch, hold_after=20)  # the reading reaches line 35 only once an engine starts
 
     class NoEngine:
@@ -140,7 +140,7 @@ def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_ll
     lines = data.read_text().splitlines(keepends=True)
     lines[29] = json.dumps(_DIFFERING_FORMS) + "\n"  # line 30: only its tokenization tells it is wrong
     data.write_text("".join(lines))
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     out = tmp_path / "out"
@@ -159,7 +159,7 @@ def test_a_line_the_streamed_reading_cannot_take_stops_the_run_naming_it(tiny_ll
 
 def test_a_reading_that_fails_otherwise_is_not_called_a_bad_line(tiny_llama, dataset, tmp_path, fake_engine,
                                                                  monkeypatch):
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     real_append = spool.Builder.append
@@ -178,7 +178,7 @@ def test_a_reading_that_fails_otherwise_is_not_called_a_bad_line(tiny_llama, dat
 
 def test_an_input_changed_while_it_is_read_is_refused_before_the_set_completes(tiny_llama, dataset, tmp_path,
                                                                                 fake_engine, monkeypatch):
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     real_generate = fake_engine.generate
@@ -205,9 +205,9 @@ def test_a_shard_whose_directory_got_files_while_it_read_goes_on_as_a_run_that_r
     out = tmp_path / "out"
     job.run(extract_options(tiny_llama, dataset, out, max_len=32, shard=(0, 2)))
     os.unlink(out / writer.SPOOL_FILE)  # (else shard 1 reads the input back instead of reading it)
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     seen = _reading_held(monkeypatch, hold_after=20)  # until the claim finds shard 0's files and waits for the rest
-    real_read_input, real_read_whole = job._read_input, job._read_whole
+    real_read_input, real_read_whole = input_reading.read_input, job._read_whole
 
     def read_whole(p):
         seen["batch_ran"].set()
@@ -220,7 +220,7 @@ def test_a_shard_whose_directory_got_files_while_it_read_goes_on_as_a_run_that_r
             data, key, made, streaming = real_read_input(*args, **kwargs)
         assert streaming
         return data, key, made, streaming
-    monkeypatch.setattr(job, "_read_input", planned_before_shard_0_wrote)
+    monkeypatch.setattr(input_reading, "read_input", planned_before_shard_0_wrote)
     summary = job.run(extract_options(tiny_llama, dataset, out, max_len=32, shard=(1, 2), resume=True))
     assert seen["held"] and summary["complete"] and _files(out) == _files(whole)
     assert _record(out)["num_samples"] == _record(whole)["num_samples"]
@@ -230,7 +230,7 @@ def test_a_streamed_run_stopped_after_its_reading_ended_leaves_the_tokenized_inp
         tiny_llama, dataset, tmp_path, fake_engine, monkeypatch):
     first = tmp_path / "read_first"
     job.run(extract_options(tiny_llama, dataset, first, max_len=32))
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     out = tmp_path / "out"
     real_generate, batches = fake_engine.generate, []
@@ -276,7 +276,7 @@ def _run_bounded(opts) -> dict:
 @pytest.mark.parametrize("how", ["removed", "renamed"])
 def test_an_input_removed_or_renamed_while_it_is_read_stops_the_run_naming_it(tiny_llama, dataset, tmp_path,
                                                                               fake_engine, monkeypatch, how):
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held(monkeypatch, hold_after=20)
     real_generate = fake_engine.generate
@@ -359,7 +359,7 @@ def test_the_first_ctrl_c_while_the_engine_waits_for_the_input_stops_the_run_at_
     import queue
 
     from eagle_compat import generator
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     hold_after, stopped, queues = 20, threading.Event(), []
     seen = {"held_to_its_bound": False}
@@ -418,7 +418,7 @@ def test_an_input_changed_after_it_was_read_whole_leaves_the_finished_set_comple
     first = tmp_path / "read_first"
     job.run(extract_options(tiny_llama, dataset, first, max_len=32))
     as_read = open(dataset, "rb").read()
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     real_end_reading = job.end_reading
 
@@ -452,7 +452,7 @@ def test_a_streamed_input_rewritten_in_place_after_its_digest_stops_the_run_and_
     back): the SHA-256 of the bytes the reading consumed is judged when its last byte is read. Before, the set
     completed from the rewritten bytes, and its spool, keyed by the first digest, let a --resume with the input as
     it was complete the set from them."""
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     rewritten_after_its_digest(monkeypatch, dataset)
     # batches run before the last byte is read, so the stop finds a record to mark (a hook: without it a fast reading
@@ -476,7 +476,7 @@ def _stopped_by_line_30(tiny_llama, tmp_path, fake_engine, monkeypatch) -> tuple
     lines = data.read_text().splitlines(keepends=True)
     good, lines[29] = lines[29], json.dumps(_DIFFERING_FORMS) + "\n"
     data.write_text("".join(lines))
-    monkeypatch.setattr(job, "READ_AHEAD_LINES", 6)
+    monkeypatch.setattr(input_reading, "READ_AHEAD_LINES", 6)
     monkeypatch.setattr(spool, "PUBLISH_EVERY", 4)
     seen = _reading_held_until_a_batch_ran(monkeypatch, fake_engine, hold_after=20)
     out = tmp_path / "out"

@@ -384,7 +384,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         return run_preflight(args.model, args.trust_remote_code, dtype=args.dtype,
                              tensor_parallel_size=args.tensor_parallel_size)
     from .errors import InvalidInput
-    from .extract import job
+    from .extract import job, job_options
     from .extract import report as data_report
 
     missing = [flag for flag, value in (("--data", args.data), ("--out", args.out)) if not value]
@@ -392,8 +392,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         raise InvalidInput(f"the following arguments are required: {', '.join(missing)} (only --preflight runs "
                            "without them)")
     opts = job.ExtractOptions(
-        model=args.model, data=args.data, out=args.out, layers=job.parse_layers(args.layers),
-        batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job.parse_shard(args.shard),
+        model=args.model, data=args.data, out=args.out, layers=job_options.parse_layers(args.layers),
+        batch_size=args.batch_size, max_len=args.max_len, resume=args.resume, shard=job_options.parse_shard(args.shard),
         validate=args.validate, format=args.format, tensor_parallel_size=args.tensor_parallel_size,
         # None: the device's default, found after the cheap checks (it asks torch); an explicit 0 meets the refusal
         gpu_memory_utilization=args.gpu_memory_utilization,

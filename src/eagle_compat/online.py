@@ -146,8 +146,8 @@ class HiddenStates(_Base):
         self.layer_ids = (options.default_layer_ids(num_layers) if layers is None
                           else options.validate_layer_ids(layers, num_layers))
         options.check_training_layers(self.layer_ids, num_layers, "layers")
-        from .extract import job
-        self.max_len, _ = job.resolve_max_len(self.model, text_config, max_len)
+        from .extract import job_options
+        self.max_len, _ = job_options.resolve_max_len(self.model, text_config, max_len)
         self._engine_keywords = dict(
             model_path=self.model, layer_ids=self.layer_ids, max_model_len=self.max_len + 1,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
@@ -294,13 +294,13 @@ def _read_input(data: str, model: str, max_len: int, vocab_size: int, *, skip_un
     (an unnamed temporary file: the driver holds 16 bytes a sample, not its tokens)."""
     from transformers import AutoTokenizer
 
-    from .extract import inputs, job, spool
+    from .extract import input_reading, inputs, spool
     inputs.check_lines(data, max_len, vocab_size)
     tokenizer_error = ""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - pre-tokenized input does not need one; conversations say why
-        tokenizer, tokenizer_error = None, job.tokenizer_problem(model, exc)
+        tokenizer, tokenizer_error = None, input_reading.tokenizer_problem(model, exc)
     made = spool.Builder(tempfile.gettempdir())
     try:
         made.start(inputs.read_dataset, data, tokenizer, max_len, vocab_size=vocab_size,

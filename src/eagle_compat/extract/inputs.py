@@ -294,7 +294,7 @@ def read_dataset(path: str, tokenizer: Any, max_len: int, *, vocab_size: int = 0
                  on_line: Any = None, into: Any = None, loss_mask: str = "generated",
                  chat_format: str = "template") -> Dataset:
     """Every line parsed and tokenized, in order (extract runs this on a thread of its own: a large new set's batches
-    start before it ends, job.READ_AHEAD_LINES). Samples with fewer than
+    start before it ends, input_reading.READ_AHEAD_LINES). Samples with fewer than
     `min_loss_tokens` tokens in their loss mask (after --max-len) are left out and listed. `on_line()` after each
     line (the run's progress); `into`: where the samples go (anything with append and len; a list by default).
     `data_sha256` of the result: the SHA-256 of the bytes this reading consumed, taken as they were read (a file
