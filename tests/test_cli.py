@@ -49,8 +49,8 @@ def test_doctor_reports_versions_features_and_patches():
 def test_engine_bytecode_says_so_on_a_containers_settings(tmp_path):
     """No bytecode written (PYTHONDONTWRITEBYTECODE=1), none cached where this Python looks (an empty prefix): the
     installed vLLM's engine modules would be compiled at every engine start; said, with the fix (in a child that
-    imports eagle_compat.detect only: doctor would compile vLLM and torch from source here)."""
-    code = "import json; from eagle_compat import detect; print(json.dumps(detect.engine_bytecode()))"
+    imports eagle_compat.host_checks only: doctor would compile vLLM and torch from source here)."""
+    code = "import json; from eagle_compat import host_checks; print(json.dumps(host_checks.engine_bytecode()))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
                                "PYTHONPYCACHEPREFIX": str(tmp_path / "empty")})
@@ -63,35 +63,35 @@ def test_engine_bytecode_says_so_on_a_containers_settings(tmp_path):
 def test_engine_bytecode_says_when_each_engine_start_compiles_vllm_again(tmp_path, monkeypatch):
     import compileall
 
-    from eagle_compat import detect
+    from eagle_compat import host_checks
     monkeypatch.setattr(sys, "pycache_prefix", None)
     # a layout this check does not know: said, not guessed
-    assert detect.engine_bytecode(str(tmp_path))["why"] == "no v1/engine or v1/worker sources found"
+    assert host_checks.engine_bytecode(str(tmp_path))["why"] == "no v1/engine or v1/worker sources found"
     package = tmp_path / "site" / "vllm"
     for folder in ("engine", "worker"):
         (package / "v1" / folder).mkdir(parents=True)
         for name in ("a", "b"):
             (package / "v1" / folder / f"{name}.py").write_text(f"X = {name!r}\n")
-    uncached = detect.engine_bytecode(str(package), dont_write=True)
+    uncached = host_checks.engine_bytecode(str(package), dont_write=True)
     assert (uncached["cached"], uncached["modules_sampled"]) == (0, 4)
     assert "PYTHONDONTWRITEBYTECODE is set" in uncached["note"]
     assert f"-m compileall -q {tmp_path / 'site'}`" in uncached["note"]
     # a Python that writes bytecode caches it at the first start: nothing to say
-    assert detect.engine_bytecode(str(package), dont_write=False)["note"] is None
+    assert host_checks.engine_bytecode(str(package), dont_write=False)["note"] is None
     # compiled once, as the note says: nothing to say either
     assert compileall.compile_dir(str(tmp_path / "site"), quiet=1)
-    compiled = detect.engine_bytecode(str(package), dont_write=True)
+    compiled = host_checks.engine_bytecode(str(package), dont_write=True)
     assert compiled["cached"] == 4 and compiled["note"] is None
     # with a prefix Python looks there only: the __pycache__ folders no longer count
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "prefix"))
-    assert detect.engine_bytecode(str(package), dont_write=True)["cached"] == 0
+    assert host_checks.engine_bytecode(str(package), dont_write=True)["cached"] == 0
     # a relative prefix not made yet: Python makes it, from the working folder
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "pycache_prefix", "relative-prefix")
-    assert detect.engine_bytecode(str(package), dont_write=False)["writes_bytecode"]
+    assert host_checks.engine_bytecode(str(package), dont_write=False)["writes_bytecode"]
     # a folder this user cannot write (root can write anything: the check itself stands in)
-    monkeypatch.setattr(detect, "_writable", lambda path: False)
-    unwritable = detect.engine_bytecode(str(package), dont_write=False)
+    monkeypatch.setattr(host_checks, "_writable", lambda path: False)
+    unwritable = host_checks.engine_bytecode(str(package), dont_write=False)
     assert "this user cannot write" in unwritable["note"] and "as the folder's owner" in unwritable["note"]
 
 

@@ -122,7 +122,7 @@ def test_token_ids_are_checked_against_a_vocabulary_the_config_may_leave_to_tran
     defaults) used to read as vocab_size 0, and the token-id check was off: ids past the embedding reached vLLM."""
     import json
 
-    from eagle_compat.generator import model_text_config
+    from eagle_compat.model_facts import model_text_config
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
         "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 64},

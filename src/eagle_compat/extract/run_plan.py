@@ -1,6 +1,7 @@
 """What a run of extract decided before touching --out (`RunPlan`: options, model facts, the input read, this shard's
 batches) and what its claim of the directory found (`Claim`)."""
 from __future__ import annotations
+
 import itertools
 import os
 from dataclasses import dataclass
