@@ -135,7 +135,7 @@ def native_file_written(path: str) -> bool:
 
 def fsync_all(paths: list[str]) -> float:
     """Seconds to fsync every file: vLLM's connector leaves its files in the page cache, ours fsyncs each one before
-    it counts (extract/writer.py), so `native` + this is native timed to the same durability as `written`."""
+    it counts (extract/atomic_io.py), so `native` + this is native timed to the same durability as `written`."""
     from eagle_compat.extract.atomic_io import fsync_file
 
     t0 = time.perf_counter()

@@ -176,7 +176,7 @@ CELL_ENV_FILE = "eagle-compat-cell-env.json"
 
 
 def worker_demands_preload(cpu_worker_source: str) -> bool:
-    # eagle_compat.detect.CPU_PRELOAD_CHECK's test; this script runs on the system Python, without the project
+    # eagle_compat.host_checks.CPU_PRELOAD_CHECK's test; this script runs on the system Python, without the project
     return re.search(r'raise RuntimeError\(\s*f"\{name\} is not found in LD_PRELOAD', cpu_worker_source) is not None
 
 

@@ -185,7 +185,7 @@ def test_a_tokenizer_without_a_chat_template_is_the_model_folders_problem(tmp_pa
 
 
 def test_the_tokenizer_problem_keeps_the_whole_error():
-    from eagle_compat.extract.job import tokenizer_problem
+    from eagle_compat.extract.input_reading import tokenizer_problem
     long = "x" * 500 + " the end"
     text = tokenizer_problem("/nowhere", ValueError(long + " You need to have sentencepiece or tiktoken installed"))
     assert long in text and text.endswith("copy them from the model's repository into it")

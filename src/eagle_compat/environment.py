@@ -1,5 +1,6 @@
-"""Environment checks that refuse, before any engine starts, what no patch can make work (a leaf: it imports only
-`detect` and `errors`, so the stable generator checks its environment without the patch registry)."""
+"""Environment checks that refuse, before any engine starts, what no patch can make work (low in the house: it
+imports `detect`, `host_checks`, `settings` and `errors`, so the stable generator checks its environment without the
+patch registry)."""
 from __future__ import annotations
 
 import os

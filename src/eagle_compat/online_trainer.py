@@ -178,7 +178,7 @@ def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
     """`run --online`'s options (extract's, of the same names and meanings) and the training command after them."""
     import argparse
 
-    from .extract.job import parse_layers
+    from .extract.job_options import parse_layers
 
     parser = argparse.ArgumentParser(prog="eagle-compat run --online", usage=ONLINE_USAGE, add_help=False)
     parser.add_argument("--model", required=True)

@@ -101,6 +101,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_SYSTEM_START_DATE", _date, None, "—",
             "the date in gpt-oss's harmony system message (vLLM's server reads it too); conversations for gpt-oss are "
             "refused until it is set", "a date YYYY-MM-DD"),
+    Setting("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", _text, None, "—",
+            "read for the tokenized input's key: vLLM's server puts a gpt-oss system message's text in harmony's "
+            "system message where set, else in a developer message"),
     Setting("RAY_ADDRESS", _text, None, "—", "`extract --ray` without an address connects there"),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

