@@ -144,3 +144,44 @@ def test_read_dataset_renders_gpt_oss_lines_by_harmony_and_notes_dropped_reasoni
     read = inputs.read_dataset(str(data), None, 4096, chat_format="harmony")
     assert [list(s.input_ids) for s in read.samples] == [_sample(THINKING)[0], _sample(TOOLS)[0]]
     assert read.notes["replies_rendered_without_their_reasoning"] == 1
+
+
+def test_a_conversation_ending_in_a_tool_call_trains_on_the_reasoning_then_the_call():
+    """gpt-oss thinks first: the trailing reply's analysis comes before its call (the server lists a calling
+    reply's content first when it renders history), and the sample ends at the call's `<|call|>`."""
+    from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
+    calling = {**TOOLS["messages"][1], "content": "Let me look it up."}  # a preamble to the user beside the call
+    record = {"tools": WEATHER, "messages": [TOOLS["messages"][0], calling]}
+    ids, mask, cut, _ = _sample(record)
+    assert _masked_pieces(ids, mask) == ["I should call the tool.", "Let me look it up.", "{\"city\":  \"Paris\"}"]
+    text = get_encoding().decode(ids)
+    assert text.endswith("<|call|>")
+    assert cut.tool_call_tokens > 0
+
+
+def test_a_system_message_after_the_first_is_taken_as_the_server_takes_it():
+    record = {"messages": [{"role": "user", "content": "Hi."}, {"role": "system", "content": "Be terse."},
+                           {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]}
+    ids, mask, _, _ = _sample(record)
+    assert _masked_pieces(ids, mask) == ["Red."]
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"messages": [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                   {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}]},
+     r"message 3 \(a tool result\) has no tool_call_id"),
+    ({"chat_template_kwargs": {"reasoning_effort": "extreme"}, "messages": PLAIN["messages"]},
+     r"vLLM's chat endpoint refuses this conversation: .*extreme"),
+])
+def test_what_the_server_would_refuse_is_refused_naming_it(record, match):
+    with pytest.raises(InvalidInput, match=match):
+        _sample(record)
+
+
+def test_a_vllm_that_renders_harmony_elsewhere_is_refused_with_the_way_out(monkeypatch):
+    monkeypatch.setattr(harmony, "SERVER", ("vllm.no_such_module", "OnlineRenderer"))
+    with pytest.raises(InvalidInput, match=r"as vLLM 0.32's chat endpoint renders them .* 'input_ids' with "
+                                           r"'loss_mask'"):
+        _sample(PLAIN)
