@@ -33,8 +33,8 @@ def test_the_readme_s_release_range_is_generated_from_results(matrix_code):
 def test_the_readme_s_family_list_is_generated_from_results(matrix_code):
     import render
     readme = (ROOT / "README.md").read_text()
-    assert readme == render.readme_with_range(readme, render.family_lists(), render.FAMILY_MARKS), \
-        "run python compat_matrix/render.py"
+    assert readme == render.readme_with_range(readme, render.family_lists(), render.FAMILY_MARKS), (
+        "run python compat_matrix/render.py")
     # a family with a passing cell under any of its models (a quantized checkpoint, a GPU variant) is listed once
     line = render.family_lists([{"cells": {"generator/qwen3_5_moe": {"status": "pass"},
                                            "shim/gemma4": {"status": "fail"}}}],

@@ -58,8 +58,8 @@ def _server_prompt(model: str, record: dict, upto: int) -> list[int]:
     config = EngineArgs(model=model, max_model_len=1024).create_engine_config()
     server = OnlineRenderer(config.model_config, renderer_from_config(config), request_logger=None,
                             chat_template=None, chat_template_content_format="auto")
-    extra = {"reasoning_effort": record["chat_template_kwargs"]["reasoning_effort"]} \
-        if "chat_template_kwargs" in record else {}
+    extra = ({"reasoning_effort": record["chat_template_kwargs"]["reasoning_effort"]}
+             if "chat_template_kwargs" in record else {})
     request = ChatCompletionRequest(model=model, messages=record["messages"][:upto], tools=record.get("tools"),
                                     **extra)
     _, engine_inputs = asyncio.run(server.render_chat(request))
