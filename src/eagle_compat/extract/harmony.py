@@ -3,11 +3,11 @@ template. vLLM's server chooses harmony by the model's type (`use_harmony = hf_c
 builds the prompt in its own `_make_request_with_harmony` (the system message with its date and reasoning effort, a
 developer message with the instructions and tools, each message parsed to harmony messages, earlier turns' analysis
 dropped, earlier tool calls' headers in the form gpt-oss was trained on). That very method builds each sample's
-prompt here, on the installed release, so the token ids are the server's whatever its release.
+prompt here, on the installed release, where it is laid out as vLLM 0.32 lays it out; other releases are refused.
 
 A sample is the prompt the server renders for the conversation's last turn (everything before its trailing assistant
-messages), then those messages as the model generates them: each message's tokens as harmony renders them, the
-prompt's `<|start|>assistant` not repeated, the last final answer ending with `<|return|>` (the server keeps `<|end|>`
+messages), then those messages as the model generates them: each message's tokens as harmony renders them (a reply's
+analysis first), the prompt's `<|start|>assistant` not repeated, the last final answer ending with `<|return|>` (the server keeps `<|end|>`
 for it in a later prompt). The loss mask (docs/adr/0052): the content of each assistant message, by channel: analysis
 is reasoning, a message to `functions.NAME` a tool call (its JSON arguments), the rest (final, commentary to the user)
 a reply. Headers (role, channel, recipient, content type) and end tokens stay out. An earlier reply whose analysis
