@@ -95,3 +95,24 @@ def test_a_run_stays_quiet_in_a_process_an_earlier_quiet_run_left_its_settings_i
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     monkeypatch.delenv(QUIET_MARK)
     assert cli.quiet_engine_output() is None  # the user's own level: vLLM's logs stay
+
+
+def test_extracts_command_line_takes_its_defaults_and_choices_from_the_options_record():
+    """One declaration: a default or a choice changed in ExtractOptions, formats or conversation reaches the command
+    line without a second edit."""
+    import dataclasses
+
+    from eagle_compat import cli
+    from eagle_compat.extract import conversation, formats
+    from eagle_compat.extract.job_options import ExtractOptions
+    args = cli.build_parser().parse_args(["extract", "--model", "m", "--data", "d", "--out", "o"])
+    default = {f.name: f.default for f in dataclasses.fields(ExtractOptions)}
+    for name in ("batch_size", "format", "tensor_parallel_size", "dtype", "min_loss_tokens", "loss_mask"):
+        assert getattr(args, name) == default[name], name
+    assert args.shard == "/".join(map(str, default["shard"]))
+    extract = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["extract"]._actions
+                   if a.dest == "format")
+    assert list(extract.choices) == list(formats.FORMATS)
+    loss_mask = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["extract"]._actions
+                     if a.dest == "loss_mask")
+    assert list(loss_mask.choices) == list(conversation.LOSS_MASKS)

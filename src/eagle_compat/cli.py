@@ -311,7 +311,11 @@ TRUST_REMOTE_CODE_HELP = ("run the Python code the model folder ships (its confi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .extract.conversation import LOSS_MASKS  # a leaf: the parser's choices from their owner
+    import dataclasses
+
+    from .extract.job_options import FORMATS, ExtractOptions  # the options' defaults and choices from their owner
+    from .extract.conversation import LOSS_MASKS
+    default = {f.name: f.default for f in dataclasses.fields(ExtractOptions)}
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -356,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="comma-separated layer ids, ascending, the last N-1 (the final pre-norm state "
                                     "speculators' trainers take as the target); default speculators' "
                                     "[2, N//2, N-3, N-1]")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per engine call (default 8)")
+    p.add_argument("--batch-size", type=int, default=default["batch_size"],
+                   help=f"prompts per engine call (default {default['batch_size']})")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sample (longer ones are truncated); default min(2048, what the model takes)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
@@ -364,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --resume: open every kept file to check it (on 8 threads where reads wait on storage) "
                         "instead of trusting the files the directory's index says its runs wrote, unchanged since "
                         "(the default: a restart in seconds)")
-    p.add_argument("--shard", default="0/1", metavar="I/N",
+    p.add_argument("--shard", default="/".join(map(str, default["shard"])), metavar="I/N",
                    help="this machine's share of the batches: every N-th batch, starting at batch I; I counts from 0 "
                         "(0 <= I < N); run each I into the same --out (default 0/1: all)")
     p.add_argument("--validate", action="store_true",
@@ -376,24 +381,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out (list in manifest.json and the summary) samples whose hidden states hold NaN or "
                         "Inf, instead of stopping; may be added on --resume to finish a set such a sample stopped "
                         "(pt and safetensors formats)")
-    p.add_argument("--format", default="pt", choices=["pt", "safetensors", "arrow", "arrow-fp8"],
+    p.add_argument("--format", default=default["format"], choices=FORMATS,
                    help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
                         "dataset + hidden_states/hs_{i}.safetensors; arrow-fp8: the same, states in hs-connectors' "
                         "FP8 format (docs/formats.md); default pt")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="default 1")
+    p.add_argument("--tensor-parallel-size", type=int, default=default["tensor_parallel_size"],
+                   help=f"default {default['tensor_parallel_size']}")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of device memory for the engine (default 0.8 on a GPU, 0.3 on CPU)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="the KV cache's size in bytes, instead of what --gpu-memory-utilization leaves")
-    p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto: bf16 for float32 checkpoints, "
-                                                   "as speculators runs it; float32 for exact parity)")
+    p.add_argument("--dtype", default=default["dtype"],
+                   help=f"the engine's dtype (default {default['dtype']}: bf16 for float32 checkpoints, as speculators "
+                        "runs it; float32 for exact parity)")
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (samples, samples/s, tokens/s); default: shown")
-    p.add_argument("--min-loss-tokens", type=int, default=1, metavar="N",
+    p.add_argument("--min-loss-tokens", type=int, default=default["min_loss_tokens"], metavar="N",
                    help="leave out samples with fewer than N tokens in their loss mask after --max-len (default 1: "
                         "a sample with nothing to train on; 0 keeps everything); counted and listed in the report")
-    p.add_argument("--loss-mask", choices=LOSS_MASKS, default="generated",
+    p.add_argument("--loss-mask", choices=LOSS_MASKS, default=default["loss_mask"],
                    help="what of each assistant reply is trained on: generated (default: its reasoning where the "
                         "template renders it, its content, its tool calls) or replies (its content only)")
     p.add_argument("--report-plot", metavar="PNG", help="also draw the length histogram (needs matplotlib)")
