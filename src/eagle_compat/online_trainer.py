@@ -177,21 +177,24 @@ ONLINE_USAGE = ("usage: eagle-compat run --online --model MODEL --data DATA.json
 def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
     """`run --online`'s options (extract's, of the same names and meanings) and the training command after them."""
     import argparse
+    import dataclasses
 
-    from .extract.job_options import parse_layers
+    from .extract.conversation import LOSS_MASKS
+    from .extract.job_options import ExtractOptions, parse_layers
 
+    default = {f.name: f.default for f in dataclasses.fields(ExtractOptions)}  # extract's, declared there once
     parser = argparse.ArgumentParser(prog="eagle-compat run --online", usage=ONLINE_USAGE, add_help=False)
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--layers", type=parse_layers)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=default["batch_size"])
     parser.add_argument("--max-len", type=int)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default=default["dtype"])
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--read-ahead", type=int, default=2)
-    parser.add_argument("--min-loss-tokens", type=int, default=1)
-    parser.add_argument("--loss-mask", default="generated")
+    parser.add_argument("--min-loss-tokens", type=int, default=default["min_loss_tokens"])
+    parser.add_argument("--loss-mask", default=default["loss_mask"], choices=LOSS_MASKS)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     try:
