@@ -311,11 +311,9 @@ TRUST_REMOTE_CODE_HELP = ("run the Python code the model folder ships (its confi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import dataclasses
-
-    from .extract.job_options import FORMATS, ExtractOptions  # the options' defaults and choices from their owner
+    from .extract import job_options  # the options' defaults and choices from their owners
     from .extract.conversation import LOSS_MASKS
-    default = {f.name: f.default for f in dataclasses.fields(ExtractOptions)}
+    default = job_options.defaults()
     parser = argparse.ArgumentParser(prog="eagle-compat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -381,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out (list in manifest.json and the summary) samples whose hidden states hold NaN or "
                         "Inf, instead of stopping; may be added on --resume to finish a set such a sample stopped "
                         "(pt and safetensors formats)")
-    p.add_argument("--format", default=default["format"], choices=FORMATS,
+    p.add_argument("--format", default=default["format"], choices=job_options.FORMATS,
                    help="pt/safetensors: speculators 0.3.0's data_{i} files; arrow: speculators 0.8-0.9's Arrow "
                         "dataset + hidden_states/hs_{i}.safetensors; arrow-fp8: the same, states in hs-connectors' "
                         "FP8 format (docs/formats.md); default pt")

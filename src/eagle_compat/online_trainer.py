@@ -177,12 +177,11 @@ ONLINE_USAGE = ("usage: eagle-compat run --online --model MODEL --data DATA.json
 def parse_online(argv: list[str]) -> tuple[dict, list[str]]:
     """`run --online`'s options (extract's, of the same names and meanings) and the training command after them."""
     import argparse
-    import dataclasses
 
+    from .extract import job_options
     from .extract.conversation import LOSS_MASKS
-    from .extract.job_options import ExtractOptions, parse_layers
 
-    default = {f.name: f.default for f in dataclasses.fields(ExtractOptions)}  # extract's, declared there once
+    default, parse_layers = job_options.defaults(), job_options.parse_layers  # extract's, declared there once
     parser = argparse.ArgumentParser(prog="eagle-compat run --online", usage=ONLINE_USAGE, add_help=False)
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)

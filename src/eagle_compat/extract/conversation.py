@@ -418,6 +418,24 @@ def replies_only(pieces: list[tuple[int, int, int, str]]) -> list[tuple[int, int
     return [p for p in pieces if p[3] == "content"]
 
 
+def count_cut(cut: Any, pieces: list[tuple[int, int, int, str]], covering: list[list[int]],
+              kept: list[list[int]], tokens_cut: int, loss_tokens_cut: int) -> None:
+    """Fill `cut` (inputs.Cut) for one sample: the kept loss tokens by kind, and the replies --max-len cut wholly or in
+    part. `covering`: each piece's token positions; `kept`: those --max-len keeps (the chat template's and harmony's
+    renderings alike)."""
+    whole: dict[int, list[int]] = {}
+    left: dict[int, list[int]] = {}
+    of_kind: dict[str, set[int]] = {"reasoning": set(), "tool_calls": set()}
+    for (_, _, i, kind), cover, still in zip(pieces, covering, kept):
+        whole.setdefault(i, []).extend(cover)
+        left.setdefault(i, []).extend(still)
+        of_kind.get(kind, set()).update(still)
+    cut.reasoning_tokens, cut.tool_call_tokens = len(of_kind["reasoning"]), len(of_kind["tool_calls"])
+    cut.tokens, cut.loss_tokens, cut.replies = tokens_cut, loss_tokens_cut, len(whole)
+    cut.replies_cut_wholly += sum(1 for i in whole if whole[i] and not left[i])
+    cut.replies_cut_partly += sum(1 for i in whole if 0 < len(left[i]) < len(whole[i]))
+
+
 def check_loss_mask(value: Any, option: str = "loss_mask") -> str:
     if value not in LOSS_MASKS:
         raise InvalidInput(f"{option} {value!r}; must be one of {', '.join(LOSS_MASKS)} (generated: each reply's "

@@ -244,15 +244,15 @@ def tokenize(chat: Chat) -> tuple[list[int], list[tuple[int, int, int, str]], se
         ids = legacy(ids)
     if ids[:len(prompt)] != prompt:
         raise UncoveredConversation("the reply's tokens changed the server's prompt when joined to it")
-    return ids, *_pieces(encoding, ids, harmony_prompt, generated, owners, chat, last)
+    prompt_owners = _prompt_owners(helpers, messages[:last], names, harmony_prompt)
+    return ids, *_pieces(encoding, ids, list(zip(harmony_prompt, prompt_owners)) + list(zip(generated, owners)),
+                         chat, last)
 
 
-def _pieces(encoding: Any, ids: list[int], harmony_prompt: list[Any], generated: list[Any], owners: list[int],
-            chat: Chat, last: int) -> tuple[list[tuple[int, int, int, str]], set[int]]:
+def _pieces(encoding: Any, ids: list[int], expected: list[tuple[Any, int | None]], chat: Chat,
+            last: int) -> tuple[list[tuple[int, int, int, str]], set[int]]:
     """Each assistant message's content tokens, matched to the message it renders: the prompt's messages in the
     server's order (an analysis the server dropped has no segment), then the generated ones."""
-    prompt_owners = _prompt_owners(chat, last, harmony_prompt)
-    expected = list(zip(harmony_prompt, prompt_owners)) + list(zip(generated, owners))
     segments = _segments(encoding, ids)
     pieces, dropped, s = [], set(), 0
     for message, owner in expected:
@@ -279,12 +279,10 @@ def _pieces(encoding: Any, ids: list[int], harmony_prompt: list[Any], generated:
     return [p for p in pieces if p[2] not in context], context
 
 
-def _prompt_owners(chat: Chat, last: int, harmony_prompt: list[Any]) -> list[int | None]:
-    """Which chat message each of the server's prompt messages came from (None: the system and developer messages it
-    adds): its own parse of each message, matched from the end."""
-    helpers = _helpers()
-    messages = _request_messages(chat)[:last]
-    names = {c.get("id"): c["function"]["name"] for m in messages for c in m.get("tool_calls", [])}
+def _prompt_owners(helpers: Any, messages: list[dict], names: dict[str, str],
+                   harmony_prompt: list[Any]) -> list[int | None]:
+    """Which of `messages` (the prompt's) each of the server's prompt messages came from (None: the system and
+    developer messages it adds): its own parse of each message, matched from the end."""
     owners: list[int | None] = []
     for i, m in enumerate(messages):
         if m["role"] in ("system", "developer") and i == 0:
@@ -300,7 +298,7 @@ def tokenize_conversation(chat: Chat, max_len: int, *, cut: Any = None, without_
                           loss_mask: str = "generated") -> tuple[list[int], list[int]]:
     """The sample's ids and loss mask (what inputs.tokenize_conversation gives for a chat template), cut to
     `max_len`; `cut` filled as that function fills it."""
-    from .conversation import replies_only
+    from .conversation import count_cut, replies_only
     ids, pieces, context = tokenize(chat)
     if without_reasoning is not None:
         without_reasoning.update(context)
@@ -311,18 +309,7 @@ def tokenize_conversation(chat: Chat, max_len: int, *, cut: Any = None, without_
         full_mask[start:end] = [1] * (end - start)
     mask = full_mask[:max_len]
     if cut is not None:
-        whole: dict[int, int] = {}
-        left: dict[int, int] = {}
-        for start, end, i, kind in pieces:
-            kept = max(0, min(end, max_len) - start)
-            whole[i] = whole.get(i, 0) + end - start
-            left[i] = left.get(i, 0) + kept
-            if kind == "reasoning":
-                cut.reasoning_tokens += kept
-            elif kind == "tool_calls":
-                cut.tool_call_tokens += kept
-        cut.tokens, cut.loss_tokens = max(0, len(ids) - max_len), sum(full_mask) - sum(mask)
-        cut.replies = len(whole)
-        cut.replies_cut_wholly += sum(1 for i in whole if whole[i] and not left[i])
-        cut.replies_cut_partly += sum(1 for i in whole if 0 < left[i] < whole[i])
+        covering = [list(range(start, end)) for start, end, _, _ in pieces]
+        count_cut(cut, pieces, covering, [[t for t in cover if t < max_len] for cover in covering],
+                  max(0, len(ids) - max_len), sum(full_mask) - sum(mask))
     return ids[:max_len], mask

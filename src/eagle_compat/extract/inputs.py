@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from ..errors import InvalidInput
 from . import harmony
 from .conversation import (Chat, UncoveredConversation, as_chat, assistant_pieces, assistant_spans,  # noqa: F401
-                           chat_of, preview, replies_only, reply_number)
+                           chat_of, count_cut, preview, replies_only, reply_number)
 from .conversation import shown as _shown
 
 LINE_FORMS = ("{\"conversations\": [{\"role\": \"user\", \"content\": \"...\"}, ...]} (or \"messages\"), or "
@@ -97,17 +97,7 @@ def tokenize_conversation(tokenizer: Any, messages: "Chat | list[dict]", max_len
     mask = full_mask[:max_len]
     kept = [cover[:bisect.bisect_left(cover, max_len)] for cover in covering]  # each piece's kept tokens
     if cut is not None:
-        whole: dict[int, list[int]] = {}
-        left: dict[int, list[int]] = {}
-        of_kind: dict[str, set[int]] = {"reasoning": set(), "tool_calls": set()}
-        for (_, _, i, kind), cover, still in zip(pieces, covering, kept):
-            whole.setdefault(i, []).extend(cover)
-            left.setdefault(i, []).extend(still)
-            of_kind.get(kind, set()).update(still)
-        cut.reasoning_tokens, cut.tool_call_tokens = len(of_kind["reasoning"]), len(of_kind["tool_calls"])
-        cut.tokens, cut.loss_tokens, cut.replies = len(full_offsets) - len(ids), sum(full_mask) - sum(mask), len(whole)
-        cut.replies_cut_wholly += sum(1 for i in whole if whole[i] and not left[i])
-        cut.replies_cut_partly += sum(1 for i in whole if 0 < len(left[i]) < len(whole[i]))
+        count_cut(cut, pieces, covering, kept, len(full_offsets) - len(ids), sum(full_mask) - sum(mask))
     kept_end = offsets[-1][1] if offsets else 0
     if check_decoded and template_tokens is None:  # given by read_dataset, once for the file
         template_tokens = special_ids(tokenizer)

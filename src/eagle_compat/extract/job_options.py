@@ -2,6 +2,7 @@
 (with --max-len resolved against what the model takes)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -56,6 +57,11 @@ class ExtractOptions:
     ray: str | None = None  # --ray [ADDRESS]: None runs here; "" is Ray's default (RAY_ADDRESS or a new local cluster)
     ray_actors: int | None = None  # None: as many as the cluster's resources fit
     ray_cpus_per_actor: int | None = None  # None: one per tensor-parallel rank on CPU, 1 on GPU
+
+
+def defaults() -> dict[str, Any]:
+    """Each option's default, declared once (above): the command lines (`extract`, `run --online`) take theirs here."""
+    return {f.name: f.default for f in dataclasses.fields(ExtractOptions)}
 
 
 def parse_shard(text: str) -> tuple[int, int]:
